@@ -1,0 +1,160 @@
+// The semantics of a scan, written once for every backend.
+//
+// A scan reduces a tensor to TensorStats: NaN count, Inf count, min and max over the finite elements,
+// and the sum of squares of the finite elements. Backends only choose the loop structure (SIMD lanes
+// on the CPU, threads and blocks on the GPU); every decision about a value is made by a function here.
+//
+// Two rules exist for accumulating elements, and a backend must use them as this file prescribes:
+//
+//  * accumulate_exact(): the definition. Branchy, fp64, correct for every input.
+//  * accumulate_fast():  for a run of elements processed in SIMD lanes / per thread. It does no
+//    classification per element: it tracks the largest magnitude bit pattern seen and accumulates
+//    squares in the format's Wide type (fp32 for all but fp64). When the run ends, run_is_exact()
+//    says whether the fast result equals what accumulate_exact() would have produced (no NaN/Inf was
+//    present and the fp32 sum of squares neither overflowed nor fell into the subnormal range). When it
+//    is not, the backend re-reads the run with accumulate_exact(). NaN/Inf are rare in practice, so the
+//    hot loop pays for neither classification nor fp64 arithmetic, and the result stays exact.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dtypes.h"
+
+namespace nanscan {
+
+struct TensorStats {
+  int64_t nan_count;
+  int64_t inf_count;
+  double min;    // over finite elements; +inf when there are none
+  double max;    // over finite elements; -inf when there are none
+  double sumsq;  // over finite elements
+};
+
+NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFINITY, 0.0}; }
+
+// Magnitudes at or above kFirstNonFinite are NaN or Inf; a bit test, so no compiler flag removes it.
+template <class Codec>
+NANSCAN_HD bool is_nonfinite_magnitude(typename Codec::Raw mag) {
+  return mag >= Codec::kFirstNonFinite;
+}
+
+template <class Codec>
+NANSCAN_HD bool is_nan_magnitude(typename Codec::Raw mag) {
+  return Codec::kHasInf ? mag > Codec::kFirstNonFinite : mag >= Codec::kFirstNonFinite;
+}
+
+// The definition of one element's contribution. Min/max use a strict comparison on finite values
+// only, so the result never depends on where a NaN sits (unlike fminf or vminps with a NaN operand).
+template <class Codec>
+NANSCAN_HD void accumulate_exact(TensorStats& s, typename Codec::Raw raw) {
+  const typename Codec::Raw mag = raw & Codec::kMagnitudeMask;
+  if (is_nonfinite_magnitude<Codec>(mag)) {
+    if (is_nan_magnitude<Codec>(mag)) {
+      ++s.nan_count;
+    } else {
+      ++s.inf_count;
+    }
+    return;
+  }
+  const double v = static_cast<double>(Codec::decode(raw));
+  s.min = v < s.min ? v : s.min;
+  s.max = v > s.max ? v : s.max;
+  s.sumsq += v * v;
+}
+
+// One lane's (or thread's) state over a run of elements; see the file comment.
+template <class Codec>
+struct FastRun {
+  using Wide = typename Codec::Wide;
+  using Raw = typename Codec::Raw;
+  Wide min;
+  Wide max;
+  Wide sumsq;
+  Raw max_magnitude;
+};
+
+template <class Codec>
+NANSCAN_HD FastRun<Codec> empty_run() {
+  using Wide = typename Codec::Wide;
+  return FastRun<Codec>{static_cast<Wide>(INFINITY), static_cast<Wide>(-INFINITY), Wide(0), 0};
+}
+
+// Branch-free (selects, not jumps) so that compilers vectorise it across lanes. With a NaN or Inf in
+// the run, min/max/sumsq here are garbage; run_is_exact() then rejects the run.
+template <class Codec>
+NANSCAN_HD void accumulate_fast(typename Codec::Wide& min, typename Codec::Wide& max, typename Codec::Wide& sumsq,
+                                typename Codec::Raw& max_magnitude, typename Codec::Raw raw) {
+  const typename Codec::Raw mag = raw & Codec::kMagnitudeMask;
+  const typename Codec::Wide v = Codec::decode(raw);
+  max_magnitude = mag > max_magnitude ? mag : max_magnitude;
+  min = v < min ? v : min;
+  max = v > max ? v : max;
+  sumsq += v * v;
+}
+
+// Below this, an fp32 sum of squares may hold squares that rounded in the subnormal range; above it,
+// their total absolute error (<= run length * 2^-149) is under 2^-37 of the sum.
+constexpr double kSmallestExactFloatSumsq = 7.888609052210118e-31;  // 2^-100
+
+// Whether a run merged from fast lanes equals the exact rule's result: no NaN/Inf (all magnitudes
+// below the first non-finite one), and a Wide sum of squares that neither overflowed to Inf nor is
+// small enough to have lost bits to subnormal rounding while some element was non-zero.
+template <class Codec>
+NANSCAN_HD bool run_is_exact(typename Codec::Raw max_magnitude, double sumsq) {
+  if (is_nonfinite_magnitude<Codec>(max_magnitude)) return false;
+  if (sizeof(typename Codec::Wide) == sizeof(double)) return true;  // fp64 squares, like torch
+  if (sumsq == INFINITY) return false;
+  return max_magnitude == 0 || sumsq >= kSmallestExactFloatSumsq;
+}
+
+// Fold an exact run (already merged across lanes) into tensor statistics.
+NANSCAN_HD void merge_run(TensorStats& s, double run_min, double run_max, double run_sumsq) {
+  s.min = run_min < s.min ? run_min : s.min;
+  s.max = run_max > s.max ? run_max : s.max;
+  s.sumsq += run_sumsq;
+}
+
+// Combine two partial results. Callers combine in a fixed order (chunk order within a tensor, tensor
+// order for totals), which is what makes results bit-identical across runs and thread counts.
+NANSCAN_HD TensorStats combine(const TensorStats& a, const TensorStats& b) {
+  return TensorStats{a.nan_count + b.nan_count, a.inf_count + b.inf_count, b.min < a.min ? b.min : a.min,
+                     b.max > a.max ? b.max : a.max, a.sumsq + b.sumsq};
+}
+
+// The L2 norm with torch semantics: NaN if any element is NaN, else Inf if any is Inf. Finite values
+// whose squares overflow fp64 give Inf exactly as torch's fp64 norm does.
+NANSCAN_HD double l2_norm(const TensorStats& s) {
+  if (s.nan_count > 0) return NAN;
+  if (s.inf_count > 0) return INFINITY;
+  return sqrt(s.sumsq);
+}
+
+NANSCAN_HD bool all_finite(const TensorStats& s) { return s.nan_count == 0 && s.inf_count == 0; }
+
+// Where a scan's results go; the op layer allocates these, every backend fills them the same way.
+// counts: int64 [2, N] (NaN counts, then Inf counts); stats: float64 [3, N] (min, max, norm).
+struct ResultPointers {
+  int64_t* counts;
+  double* stats;
+  double* total_norm;  // 0-dim
+  bool* finite;        // 0-dim
+  int64_t num_tensors;
+};
+
+NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const TensorStats& s) {
+  const int64_t n = out.num_tensors;
+  out.counts[i] = s.nan_count;
+  out.counts[n + i] = s.inf_count;
+  out.stats[i] = s.min;
+  out.stats[n + i] = s.max;
+  out.stats[2 * n + i] = l2_norm(s);
+}
+
+// The totals are the combine of every tensor's stats in tensor order.
+NANSCAN_HD void write_totals(const ResultPointers& out, const TensorStats& total) {
+  *out.total_norm = l2_norm(total);
+  *out.finite = all_finite(total);
+}
+
+}  // namespace nanscan

@@ -1,0 +1,21 @@
+// CPU backend of the scan: one call over a whole list of CPU tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "../common/scan_rules.h"
+
+namespace nanscan::cpu {
+
+// Tensors with more dimensions than this are rejected by the op layer (the strided reader keeps an
+// index per dimension on the stack).
+constexpr int64_t kMaxDims = 64;
+
+// Fills `out` for `tensors` (all on the CPU, dtypes[i] the tag of tensors[i]). Work is split into
+// byte-sized chunks fixed by the tensor sizes alone, scanned in parallel, and combined in chunk order,
+// so the result does not depend on the thread count. Non-contiguous tensors are read in place.
+void scan(const std::vector<at::Tensor>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out);
+
+}  // namespace nanscan::cpu

@@ -1,0 +1,96 @@
+// The one place nanscan's ops are declared, validated and given their CPU implementations.
+// CUDA implementations register for the same schemas in cuda_binding.cpp.
+#include <Python.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "common/scan_rules.h"
+#include "cpu/scan_cpu.h"
+#include "ops.h"
+
+// Importing nanscan._C loads this library, which runs the TORCH_LIBRARY registrations below.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+namespace nanscan {
+
+std::optional<DType> dtype_tag(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kFloat8_e4m3fn: return DType::Float8E4M3FN;
+    case at::kFloat8_e5m2: return DType::Float8E5M2;
+    default: return std::nullopt;
+  }
+}
+
+std::vector<DType> check_scan_inputs(const at::TensorList tensors, const char* op) {
+  std::vector<DType> tags;
+  tags.reserve(tensors.size());
+  TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor");
+  const at::Device device = tensors[0].device();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is undefined (None)");
+    TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+                "; only dense (strided) tensors can be scanned");
+    TORCH_CHECK(t.device() == device, op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ", device,
+                "; call once per device (nanscan.scan groups by device for you)");
+    TORCH_CHECK(t.dim() <= cpu::kMaxDims, op, ": tensors[", i, "] has ", t.dim(), " dimensions; at most ",
+                cpu::kMaxDims, " are supported");
+    const auto tag = dtype_tag(t.scalar_type());
+    TORCH_CHECK(tag.has_value(), op, ": tensors[", i, "] has dtype ", t.scalar_type(),
+                "; supported: float32, float64, float16, bfloat16, float8_e4m3fn, float8_e5m2");
+    tags.push_back(*tag);
+  }
+  return tags;
+}
+
+ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device) {
+  return ScanOutputs{at::empty({2, num_tensors}, device.dtype(at::kLong)),
+                     at::empty({3, num_tensors}, device.dtype(at::kDouble)), at::empty({}, device.dtype(at::kDouble)),
+                     at::empty({}, device.dtype(at::kBool))};
+}
+
+ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors) {
+  return ResultPointers{o.counts.data_ptr<int64_t>(), o.stats.data_ptr<double>(), o.total_norm.data_ptr<double>(),
+                        o.finite.data_ptr<bool>(), num_tensors};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorList tensors) {
+  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU));
+  cpu::scan(tensors.vec(), tags, result_pointers(out, n));
+  return {out.counts, out.stats, out.total_norm, out.finite};
+}
+
+// Multiplies every tensor by coef in place, unless coef is exactly 1: a step that needs no clipping
+// then costs no write pass. The multiply itself is ATen's, so the values equal torch's clipping.
+void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
+  TORCH_CHECK(coef.numel() == 1, "nanscan.scale_: coef must have one element, got shape ", coef.sizes());
+  if (coef.item<double>() == 1.0) return;
+  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).mul_(coef);
+}
+
+}  // namespace
+}  // namespace nanscan
+
+TORCH_LIBRARY(nanscan, m) {
+  m.def("scan(Tensor[] tensors) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
+  m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
+  m.impl("scan", &nanscan::scan_cpu);
+  m.impl("scale_", &nanscan::scale_cpu);
+}

@@ -1,0 +1,13 @@
+"""nanscan: the numeric health of every gradient in one fused pass.
+
+    report = nanscan.check(model, max_norm=1.0)   # scan + clip, no host sync
+    if not report.finite:
+        print(report.nonfinite)                    # names of the parameters that went bad
+"""
+
+from .clip import clip_grad_norm_, get_total_norm
+from .report import Report, check
+from .scan import SUPPORTED_DTYPES, ScanResult, scan
+
+__all__ = ["Report", "SUPPORTED_DTYPES", "ScanResult", "check", "clip_grad_norm_", "get_total_norm", "scan"]
+__version__ = "0.1.0"

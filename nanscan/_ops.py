@@ -1,0 +1,36 @@
+"""Loads the compiled ops and gives each its fake (shape-only) implementation for torch.compile.
+
+The ops themselves are declared once, in csrc/ops.cpp:
+
+* ``nanscan::scan(Tensor[] tensors) -> (counts, stats, total_norm, finite)``
+  counts int64 [2, N] (NaN, Inf), stats float64 [3, N] (min, max, L2 norm), total_norm float64 [],
+  finite bool []. All outputs live on the tensors' device.
+* ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loading the library registers the ops)
+
+scan_op = torch.ops.nanscan.scan.default
+scale_op = torch.ops.nanscan.scale_.default
+
+
+@torch.library.register_fake("nanscan::scan")
+def _scan_fake(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(len(tensors) > 0, lambda: "nanscan.scan: expected at least one tensor")
+    n = len(tensors)
+    device = tensors[0].device
+    return (
+        torch.empty((2, n), dtype=torch.int64, device=device),
+        torch.empty((3, n), dtype=torch.float64, device=device),
+        torch.empty((), dtype=torch.float64, device=device),
+        torch.empty((), dtype=torch.bool, device=device),
+    )
+
+
+@torch.library.register_fake("nanscan::scale_")
+def _scale_fake(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+    return None

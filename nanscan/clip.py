@@ -1,0 +1,158 @@
+"""Drop-in ``clip_grad_norm_`` and ``get_total_norm`` on top of the fused scan.
+
+Same signatures, results and errors as ``torch.nn.utils``. For the L2 and infinity norms the norm
+comes from one fused read of the gradients, and when no clipping is needed the gradients are not
+written at all (the scale op skips a coefficient of exactly 1 without a host sync on GPUs). Other
+norm types are delegated to torch, so they match it exactly.
+
+Deliberate differences, both towards the fp64 reference: squares are accumulated in fp32 or wider,
+so a bf16 total norm is the correctly rounded bf16 of the true norm (torch rounds each per-tensor
+norm to bf16 first), and finite fp32 gradients whose squares overflow fp32 (|g| > 1.8e19) get their
+finite norm where torch returns inf.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Iterable
+from functools import reduce
+
+import torch
+from torch.utils._foreach_utils import _device_has_foreach_support
+
+from ._ops import scale_op
+from .scan import ScanResult, describe, group_by_device, scan, validate
+
+TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
+
+_NONFINITE_MESSAGE = (
+    "The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+    "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+    "`error_if_nonfinite=False`"
+)
+
+
+def as_norm_type(norm_type: object) -> float:
+    """``float(norm_type)`` with an error that says what was wrong (a ValueError, like torch's)."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float, str, torch.Tensor)):
+        raise ValueError(f"nanscan: norm_type must be a number (or 'inf'), got {type(norm_type).__name__} {norm_type!r}")
+    try:
+        return float(norm_type)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"nanscan: norm_type must be a number (or 'inf'), got {norm_type!r}") from e
+
+
+def as_max_norm(max_norm: object) -> float:
+    """``float(max_norm)``, refusing values that would flip or poison every gradient."""
+    value = float(max_norm)  # type: ignore[arg-type]
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"nanscan: max_norm must be a non-negative number, got {max_norm!r}")
+    return value
+
+
+def result_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """The dtype torch's total norm has: its per-tensor norms keep each dtype and are then stacked."""
+    return reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
+def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
+    """The total norm (float64, on the scanned device) for the norm types the scan answers: 2 and inf."""
+    if norm_type == 2.0:
+        return stats.total_norm
+    absmax = torch.maximum(stats.min.abs(), stats.max.abs())
+    per_tensor = torch.where(
+        stats.nan_count > 0,
+        torch.full_like(absmax, math.nan),
+        torch.where(stats.inf_count > 0, torch.full_like(absmax, math.inf), absmax),
+    )
+    return per_tensor.max()  # max propagates NaN, as vector_norm(stack(norms), inf) does
+
+
+def scan_answers(tensors: list[torch.Tensor], norm_type: float) -> bool:
+    """Whether the fused scan computes this norm; torch's inf norm of an empty tensor is an error we keep."""
+    return norm_type == 2.0 or (norm_type == math.inf and all(t.numel() > 0 for t in tensors))
+
+
+def check_foreach(tensors: list[torch.Tensor], foreach: bool | None) -> None:
+    if foreach:
+        for device in group_by_device(tensors):
+            if not _device_has_foreach_support(device):
+                raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+
+
+def raise_if_nonfinite(total_norm: torch.Tensor, norm_type: float) -> None:
+    if torch.logical_or(total_norm.isnan(), total_norm.isinf()):  # a host sync, as in torch
+        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type=norm_type))
+
+
+def get_total_norm(
+    tensors: TensorOrTensors,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.utils.get_total_norm``: the norm of all tensors viewed as one vector."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = as_norm_type(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    validate(tensors)
+    check_foreach(tensors, foreach)
+    if not scan_answers(tensors, norm_type):
+        return torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    with torch.no_grad():
+        total = total_norm_from_scan(scan(tensors), norm_type).to(result_dtype(tensors))
+    if error_if_nonfinite:
+        raise_if_nonfinite(total, norm_type)
+    return total
+
+
+def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Scales ``grads`` in place by ``min(max_norm / (total_norm + 1e-6), 1)``; returns the coefficient.
+
+    The coefficient is computed with torch's expression in ``total_norm``'s dtype, so clipped values
+    equal torch's; a coefficient of exactly 1 leaves the gradients unwritten.
+    """
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for device, indices in group_by_device(grads).items():
+        scale_op([grads[i] for i in indices], clip_coef.to(device))
+    return clip_coef
+
+
+def gradients(parameters: TensorOrTensors) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters as a list, their non-None gradients), with torch's warning for an empty generator."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if is_generator and not parameters:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    for i, p in enumerate(parameters):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"nanscan: {describe(None, i)} of parameters is a {type(p).__name__}, not a torch.Tensor")
+    return parameters, [p.grad for p in parameters if p.grad is not None]
+
+
+def clip_grad_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_``; returns the total norm of the gradients.
+
+    The gradients are read once (for L2 and inf norms) and written only when clipping is needed.
+    Raises ValueError for a negative or NaN ``max_norm`` before any gradient is touched.
+    """
+    max_norm = as_max_norm(max_norm)
+    norm_type = as_norm_type(norm_type)
+    _, grads = gradients(parameters)
+    total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    if grads:
+        with torch.no_grad():
+            clip_grads_with_norm_(grads, max_norm, total_norm)
+    return total_norm

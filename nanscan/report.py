@@ -1,0 +1,205 @@
+"""``check(model)``: scan every gradient of a model, optionally clip, and report by parameter name."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .clip import as_max_norm, as_norm_type, clip_grads_with_norm_, result_dtype, scan_answers, total_norm_from_scan
+from .scan import ScanResult, scan
+
+
+class Report:
+    """The health of one step's gradients. Holds device tensors; the first Python value read syncs once.
+
+    Attributes:
+        names: parameter names, one per scanned gradient (parameters without a gradient are skipped).
+        stats: the ScanResult, per tensor in ``names`` order.
+        norm_type: the norm type of ``total_norm`` (and of the clipping, when ``max_norm`` was given).
+        max_norm: the clipping threshold, or None when ``check`` did not clip.
+        clip_coef_tensor: the device tensor the gradients were multiplied by (1 means untouched), or None.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        stats: ScanResult,
+        total_norm: torch.Tensor,
+        norm_type: float,
+        max_norm: float | None = None,
+        clip_coef: torch.Tensor | None = None,
+    ) -> None:
+        self.names = names
+        self.stats = stats
+        self.total_norm_tensor = total_norm
+        self.norm_type = norm_type
+        self.max_norm = max_norm
+        self.clip_coef_tensor = clip_coef
+        self._host: dict[str, Any] | None = None
+
+    def _values(self) -> dict[str, Any]:
+        """Copies every statistic to the host in one transfer (one sync), once."""
+        if self._host is None:
+            s = self.stats
+            scalars = [self.total_norm_tensor.double().reshape(1), s.finite.double().reshape(1)]
+            if self.clip_coef_tensor is not None:
+                scalars.append(self.clip_coef_tensor.double().reshape(1))
+            packed = torch.cat([s.nan_count.double(), s.inf_count.double(), s.min, s.max, s.norm, *scalars]).cpu()
+            n = len(self.names)
+            rows = packed[: 5 * n].view(5, n).tolist()
+            tail = packed[5 * n :].tolist()
+            self._host = {
+                "nan_count": [int(v) for v in rows[0]],
+                "inf_count": [int(v) for v in rows[1]],
+                "min": rows[2],
+                "max": rows[3],
+                "norm": rows[4],
+                "total_norm": tail[0],
+                "finite": bool(tail[1]),
+                "clip_coef": tail[2] if len(tail) > 2 else None,
+            }
+        return self._host
+
+    @property
+    def finite(self) -> bool:
+        """True when no gradient holds a NaN or an Inf."""
+        return self._values()["finite"]
+
+    @property
+    def total_norm(self) -> float:
+        """The total gradient norm of order ``norm_type`` (before clipping)."""
+        return self._values()["total_norm"]
+
+    @property
+    def clip_coef(self) -> float | None:
+        """The factor the gradients were scaled by (1.0 when nothing was clipped), None without max_norm."""
+        return self._values()["clip_coef"]
+
+    @property
+    def clipped(self) -> bool:
+        """Whether the gradients were rewritten by clipping."""
+        coef = self.clip_coef
+        return coef is not None and coef != 1.0
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Names of the parameters whose gradient has a NaN or an Inf, in parameter order."""
+        v = self._values()
+        return [name for name, nan, inf in zip(self.names, v["nan_count"], v["inf_count"]) if nan or inf]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python values: totals, and per-parameter statistics keyed by name."""
+        v = self._values()
+        return {
+            "finite": v["finite"],
+            "total_norm": v["total_norm"],
+            "norm_type": self.norm_type,
+            "max_norm": self.max_norm,
+            "clip_coef": v["clip_coef"],
+            "nonfinite": self.nonfinite,
+            "parameters": {
+                name: {key: v[key][i] for key in ("nan_count", "inf_count", "min", "max", "norm")}
+                for i, name in enumerate(self.names)
+            },
+        }
+
+    def table(self, limit: int = 10) -> str:
+        """The worst ``limit`` gradients: non-finite ones first (most NaN/Inf first), then largest norm."""
+        v = self._values()
+        order = sorted(
+            range(len(self.names)),
+            key=lambda i: (-(v["nan_count"][i] + v["inf_count"][i]), -_sortable(v["norm"][i])),
+        )[:limit]
+        width = max([len("parameter")] + [len(self.names[i]) for i in order])
+        lines = [f"{'parameter':<{width}}  {'nan':>8} {'inf':>8} {'min':>11} {'max':>11} {'norm':>11}"]
+        for i in order:
+            lines.append(
+                f"{self.names[i]:<{width}}  {v['nan_count'][i]:>8} {v['inf_count'][i]:>8} "
+                f"{v['min'][i]:>11.4g} {v['max'][i]:>11.4g} {v['norm'][i]:>11.4g}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        v = self._values()
+        status = "finite" if v["finite"] else f"NON-FINITE in {len(self.nonfinite)} of {len(self.names)} gradients"
+        head = f"nanscan report: {status}; total norm ({_norm_name(self.norm_type)}) {v['total_norm']:.6g}"
+        if self.max_norm is not None:
+            head += f"; max_norm {self.max_norm:g}, clip coefficient {v['clip_coef']:.6g}"
+        return head + "\n" + self.table() if self.names else head
+
+    def __repr__(self) -> str:
+        synced = "synced" if self._host is not None else "not yet synced"
+        return f"<nanscan.Report of {len(self.names)} gradients, {synced}>"
+
+
+def _sortable(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def _norm_name(norm_type: float) -> str:
+    return "L2" if norm_type == 2.0 else f"L{norm_type:g}"
+
+
+def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, gradients) of the parameters that have a gradient.
+
+    Accepts an ``nn.Module`` (names from ``named_parameters()``), an iterable of parameters (named
+    by position, ``"[3]"``) or an iterable of ``(name, parameter)`` pairs.
+    """
+    if isinstance(model_or_params, torch.nn.Module):
+        pairs: Iterable[Any] = model_or_params.named_parameters()
+    elif isinstance(model_or_params, torch.Tensor):
+        pairs = [("[0]", model_or_params)]
+    else:
+        pairs = (
+            item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item)
+            for i, item in enumerate(model_or_params)
+        )
+    names: list[str] = []
+    grads: list[torch.Tensor] = []
+    for name, p in pairs:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"nanscan.check: parameter {name!r} is a {type(p).__name__}, not a torch.Tensor")
+        if p.grad is not None:
+            names.append(str(name))
+            grads.append(p.grad)
+    return names, grads
+
+
+def check(
+    model_or_params: torch.nn.Module | Iterable[Any],
+    *,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+) -> Report:
+    """Scans every gradient in one fused pass and returns a Report, without a host sync.
+
+    Args:
+        model_or_params: an ``nn.Module``, an iterable of parameters, or of ``(name, parameter)`` pairs.
+        max_norm: when given, clips the gradients exactly like ``nanscan.clip_grad_norm_`` (and so
+            ``torch.nn.utils.clip_grad_norm_``) with this threshold, reusing the scan's norm.
+        norm_type: the order of ``Report.total_norm`` and of the clipping. 2 and inf come from the
+            fused scan; other orders cost torch's own norm computation on top.
+
+    Example:
+        >>> report = nanscan.check(model, max_norm=1.0)
+        >>> if not report.finite:
+        ...     print(report.nonfinite)
+    """
+    norm_type = as_norm_type(norm_type)
+    if max_norm is not None:
+        max_norm = as_max_norm(max_norm)
+    names, grads = named_gradients(model_or_params)
+    with torch.no_grad():
+        stats = scan(grads, names)
+        if not grads:
+            total = torch.zeros((), dtype=torch.float64)
+        elif scan_answers(grads, norm_type):
+            total = total_norm_from_scan(stats, norm_type).to(result_dtype(grads))
+        else:
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+        coef = clip_grads_with_norm_(grads, max_norm, total) if max_norm is not None and grads else None
+    return Report(names, stats, total, norm_type, max_norm, coef)

@@ -1,0 +1,126 @@
+"""The fused scan: per-tensor NaN/Inf counts, finite min/max and L2 norms, plus totals, in one pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._ops import scan_op
+
+SUPPORTED_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+)
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """Statistics of a list of tensors. Every field is a tensor on the scanned device; none was synced.
+
+    Attributes:
+        nan_count: int64 [N], NaN elements per tensor.
+        inf_count: int64 [N], +-Inf elements per tensor.
+        min: float64 [N], smallest finite element (+inf when a tensor has no finite element).
+        max: float64 [N], largest finite element (-inf when a tensor has no finite element).
+        norm: float64 [N], L2 norm with torch semantics (NaN if any NaN, else inf if any Inf). Squares
+            are summed in at least fp32 and combined in fp64, so bf16/fp16 tensors get an accurate norm.
+        total_norm: float64 [], L2 norm of all tensors as one vector.
+        finite: bool [], True when no tensor has a NaN or Inf. Decided by classifying elements, so a
+            huge but finite gradient (1e20 everywhere) is finite even though its fp32 square is not.
+    """
+
+    nan_count: torch.Tensor
+    inf_count: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+    norm: torch.Tensor
+    total_norm: torch.Tensor
+    finite: torch.Tensor
+
+    @classmethod
+    def from_op(cls, counts: torch.Tensor, stats: torch.Tensor, total_norm: torch.Tensor, finite: torch.Tensor) -> ScanResult:
+        return cls(counts[0], counts[1], stats[0], stats[1], stats[2], total_norm, finite)
+
+    def __len__(self) -> int:
+        return self.norm.shape[0]
+
+
+def describe(names: Sequence[str] | None, index: int) -> str:
+    """How an error message names entry ``index``: its parameter name when known, else its position."""
+    if names is not None:
+        return f"{names[index]!r} (entry {index})"
+    return f"entry {index}"
+
+
+def validate(tensors: Sequence[object], names: Sequence[str] | None = None) -> None:
+    """Raises a TypeError/ValueError naming the first entry nanscan cannot scan."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"nanscan: {describe(names, i)} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"nanscan: {describe(names, i)} is a {t.layout} tensor; only dense tensors can be scanned "
+                "(call .to_dense() first)"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            kind = "complex" if t.is_complex() else "integer/bool" if not t.is_floating_point() else "unsupported"
+            raise TypeError(
+                f"nanscan: {describe(names, i)} has {kind} dtype {t.dtype}; supported: float32, float64, "
+                "float16, bfloat16, float8_e4m3fn, float8_e5m2"
+            )
+        if t.is_meta:
+            raise ValueError(f"nanscan: {describe(names, i)} is a meta tensor; it has no values to scan")
+
+
+def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
+    """Indices of the tensors on each device, devices in order of first appearance."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return groups
+
+
+def scan(tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | None = None) -> ScanResult:
+    """Scans every tensor in one fused pass per device; returns device tensors without a host sync.
+
+    Args:
+        tensors: a tensor or an iterable of tensors (typically gradients); any mix of float32, float64,
+            float16, bfloat16 and float8 dtypes, any shapes and strides, on one or several devices.
+        names: optional names of the tensors, used in error messages.
+
+    Tensors on several devices are scanned once per device and the results gathered on the device of
+    the first tensor (like ``torch.nn.utils.clip_grad_norm_`` does with its norms). An empty list
+    gives empty statistics on the CPU with ``total_norm == 0`` and ``finite == True``.
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    validate(tensors, names)
+    if not tensors:
+        return ScanResult.from_op(
+            torch.zeros((2, 0), dtype=torch.int64),
+            torch.zeros((3, 0), dtype=torch.float64),
+            torch.zeros((), dtype=torch.float64),
+            torch.ones((), dtype=torch.bool),
+        )
+    groups = group_by_device(tensors)
+    if len(groups) == 1:
+        return ScanResult.from_op(*scan_op(tensors))
+    return _gather_devices(tensors, groups)
+
+
+def _gather_devices(tensors: list[torch.Tensor], groups: dict[torch.device, list[int]]) -> ScanResult:
+    first = tensors[0].device
+    n = len(tensors)
+    counts = torch.empty((2, n), dtype=torch.int64, device=first)
+    stats = torch.empty((3, n), dtype=torch.float64, device=first)
+    sumsq = torch.zeros((), dtype=torch.float64, device=first)
+    finite = torch.ones((), dtype=torch.bool, device=first)
+    for device, indices in groups.items():
+        c, s, total, fin = scan_op([tensors[i] for i in indices])
+        index = torch.tensor(indices, device=first)
+        counts[:, index] = c.to(first)
+        stats[:, index] = s.to(first)
+        # NaN and Inf propagate through the square exactly as the norm rule requires.
+        sumsq = sumsq + total.to(first).square()
+        finite = finite & fin.to(first)
+    return ScanResult.from_op(counts, stats, sumsq.sqrt(), finite)

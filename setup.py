@@ -1,0 +1,67 @@
+"""Build nanscan's compiled library, nanscan._C, against the torch that is already installed.
+
+Install with `pip install --no-build-isolation -e .`: an isolated build would fetch another torch.
+The CUDA backend is built when the installed torch was built with CUDA and CUDA_HOME names a
+toolkit; whether a GPU is visible is irrelevant (build machines often have none).
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+import torch
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join("csrc")
+
+# No flag that lets the compiler assume finite math may reach this code (never -ffast-math / -Ofast /
+# -ffinite-math-only). -fno-trapping-math only lets it compute both sides of a select, which the
+# branch-free fp16/fp8 decoders need to vectorise; NaN/Inf classification is done on bits regardless.
+# -fopenmp: at::parallel_for runs on OpenMP in torch's CPU builds and is serial without it.
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno"]
+
+
+def log(message: str) -> None:
+    print(f"nanscan setup: {message}", file=sys.stderr)
+
+
+def cuda_build_reason() -> tuple[bool, str]:
+    """Whether to build the CUDA backend, and why, from the installed torch and CUDA_HOME."""
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} has no CUDA support"
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not cuda_home or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return False, f"torch has CUDA {torch.version.cuda} but CUDA_HOME does not name a toolkit with bin/nvcc"
+    return True, f"torch has CUDA {torch.version.cuda}, toolkit at {cuda_home}"
+
+
+def extension():
+    sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
+    with_cuda, reason = cuda_build_reason()
+    if not with_cuda:
+        sources = [s for s in sources if not s.endswith("cuda_binding.cpp")]
+        log(f"building CPU backend only ({reason})")
+        log(f"sources: {', '.join(sources)}")
+        return CppExtension("nanscan._C", sources, extra_compile_args={"cxx": CXX_FLAGS})
+
+    # Without an explicit list, torch probes the local GPU, which fails on a build machine without one.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+    log(f"building CPU + CUDA backends ({reason}; arch list {os.environ['TORCH_CUDA_ARCH_LIST']})")
+    log(f"sources: {', '.join(sources)}")
+    return CUDAExtension(
+        "nanscan._C",
+        sources,
+        define_macros=[("NANSCAN_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
