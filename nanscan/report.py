@@ -126,7 +126,7 @@ class Report:
         v = self._values()
         status = "finite" if v["finite"] else f"NON-FINITE in {len(self.nonfinite)} of {len(self.names)} gradients"
         head = f"nanscan report: {status}; total norm ({_norm_name(self.norm_type)}) {v['total_norm']:.6g}"
-        if self.max_norm is not None:
+        if v["clip_coef"] is not None:
             head += f"; max_norm {self.max_norm:g}, clip coefficient {v['clip_coef']:.6g}"
         return head + "\n" + self.table() if self.names else head
 

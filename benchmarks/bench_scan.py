@@ -1,0 +1,522 @@
+"""Times nanscan against its in-run ceiling and its peers, on the parameter shapes of real models.
+
+    python benchmarks/bench_scan.py                      # full run: every zoo model, fp32 + bf16
+    python benchmarks/bench_scan.py --quick              # smoke test (< 1 min on 2 CPU cores)
+    python benchmarks/bench_scan.py --models gpt2-small --dtype bfloat16 --json benchmarks/out/x.json
+
+Method (DESIGN.md section 5). For every case (a list of gradient shapes and a dtype) the gradients
+are filled once with ``torch.randn`` (never zeros) and every method below is timed in the same run on
+those same tensors: warm-up calls, then the median of the timed repeats (at least ``--repeats``, more
+for fast methods until about ``--min-time`` seconds were timed, at most ``--max-repeats``).
+
+* ``ceiling_sum``: ``torch.sum`` of one flat buffer of the same dtype and element count, i.e. one
+  read of the gradient bytes. Every other time is also given as a ratio to it ("x ceiling").
+* ``nanscan.scan``, ``nanscan.clip`` and ``torch.clip`` (``clip_grad_norm_``) with ``max_norm`` 1e30
+  (nothing is clipped) and 1e-3 (everything is).
+* ``per_param_loop``: the diagnosis loop of DESIGN.md section 1 (isnan/isinf ``.any().item()``,
+  ``min``/``max``/``norm`` ``.item()`` per gradient); ``foreach_norm+stack``: ``torch._foreach_norm``,
+  ``torch.stack`` and ``torch.linalg.vector_norm`` of the stack.
+* On CUDA only: ``torch.compile(stats)``, the same statistics as the scan written in torch and
+  compiled (plain amin/amax rather than min/max of the finite values), and ``amp.unscale_+clip``,
+  ``GradScaler.unscale_`` followed by ``torch.nn.utils.clip_grad_norm_`` with nothing to clip.
+
+The flat buffer is filled first and the gradients are separately allocated copies of its slices, so
+the ceiling reads the same values and a method that rewrites the gradients (the clipping cases,
+``GradScaler.unscale_``) is undone by copying them back, after each call and outside the timed
+region; the values never shrink towards denormals. Parameters are ``nn.Parameter`` views of the
+gradient storage with ``.grad`` set to the gradient (no memory beyond the gradients and the buffer).
+
+Caches: inputs smaller than the last-level cache would be timed warm. Each case is therefore built as
+several identical-shaped copies (fresh random values each) whose total is at least four times the
+last-level cache (L3 on the CPU, L2 on the GPU), and consecutive calls rotate through them, so every
+timing is of a cold read from memory. Cases bigger than that (every zoo model) have one copy.
+"many_small_2000x512" (2000 tensors of 512 elements, 4 MB in fp32) is the case this matters for.
+
+Memory: a case needs its gradients twice (gradients + flat buffer) per copy plus per-tensor
+temporaries of the loop; a case that does not fit in 85% of the available memory is skipped with a
+note (in the table and the JSON) rather than crashing. Tensors are freed between cases.
+
+Timing: host timers around each call; on CUDA with ``torch.cuda.synchronize()`` before and after, so a
+time includes launch overhead and any host syncs the method makes, as a training step would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import nanscan
+
+DEFAULT_ZOO = Path(__file__).resolve().parents[1].parent / "shared" / "zoo.json"
+MANY_SMALL = "many_small_2000x512"
+SYNTHETIC: dict[str, list[list[int]]] = {MANY_SMALL: [[512]] * 2000}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+ZOO_DTYPES = ("float32", "bfloat16")
+SYNTHETIC_DTYPES = ("float32",)
+NO_CLIP = 1e30  # max_norm that never clips
+CLIP = 1e-3  # max_norm that always clips
+ROTATE_CACHES = 4  # rotated copies of a case together span at least this many last-level caches
+MEMORY_FRACTION = 0.85
+CEILING = "ceiling_sum"
+SCAN = "nanscan.scan"
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class Inputs:
+    """One copy of a case's gradients, the flat buffer holding the same values, and their parameters."""
+
+    flat: torch.Tensor
+    grads: list[torch.Tensor]
+    params: list[torch.nn.Parameter]
+    sources: list[torch.Tensor]  # views of ``flat``, one per gradient: what ``restore`` copies back
+    optimizer: torch.optim.Optimizer | None = None  # CUDA only: for GradScaler.unscale_
+    scaler: torch.amp.GradScaler | None = None
+
+    def restore(self) -> None:
+        """Undoes a method that rewrote the gradients, and gives GradScaler a fresh unscale_ state."""
+        for grad, source in zip(self.grads, self.sources):
+            grad.copy_(source)
+        if self.optimizer is not None:
+            self.scaler = fresh_scaler(self.flat.device)
+
+
+def fresh_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler whose scale is initialised (``unscale_`` needs a prior ``scale``) and not yet used."""
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16)
+    scaler.scale(torch.ones((), device=device))
+    return scaler
+
+
+def build_inputs(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> Inputs:
+    """Random normal gradients of ``shapes``, each its own allocation, plus the flat buffer of their values."""
+    numels = [math.prod(shape) for shape in shapes]
+    flat = torch.randn(sum(numels), dtype=dtype, device=device)
+    sources = [chunk.view(shape) for chunk, shape in zip(flat.split(numels), shapes)]
+    grads = [source.clone() for source in sources]
+    params = [torch.nn.Parameter(grad, requires_grad=True) for grad in grads]  # shares the grad's storage
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    inputs = Inputs(flat, grads, params, sources)
+    if device.type == "cuda":
+        inputs.optimizer = torch.optim.SGD(params, lr=0.0)
+        inputs.scaler = fresh_scaler(device)
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Method:
+    """A timed call. ``counterpart``: the nanscan method a peer is compared with in "vs nanscan"."""
+
+    name: str
+    run: Callable[[Inputs], object]
+    counterpart: str | None = None
+    mutates: bool = False  # changes gradient values: restore the inputs after every call
+
+
+def per_param_loop(grads: list[torch.Tensor]) -> list[tuple[bool, bool, float, float, float]]:
+    """The usual diagnosis loop (DESIGN.md section 1): several kernels and host syncs per gradient."""
+    return [
+        (
+            torch.isnan(g).any().item(),
+            torch.isinf(g).any().item(),
+            g.min().item(),
+            g.max().item(),
+            g.norm().item(),
+        )
+        for g in grads
+    ]
+
+
+def foreach_total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The foreach peer: per-tensor norms in one foreach call, then the norm of their stack."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
+def torch_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The scan's statistics written in torch (the body ``torch.compile`` gets as a peer)."""
+    nans = torch.stack([torch.isnan(g).sum() for g in grads])
+    infs = torch.stack([torch.isinf(g).sum() for g in grads])
+    mins = torch.stack([g.amin() for g in grads])
+    maxs = torch.stack([g.amax() for g in grads])
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    )
+    return nans, infs, mins, maxs, norms, torch.linalg.vector_norm(norms)
+
+
+def amp_unscale_clip(inputs: Inputs) -> torch.Tensor:
+    """The AMP step's gradient handling: GradScaler.unscale_ (inf check + multiply), then torch's clip."""
+    assert inputs.scaler is not None and inputs.optimizer is not None
+    inputs.scaler.unscale_(inputs.optimizer)
+    return torch.nn.utils.clip_grad_norm_(inputs.params, NO_CLIP)
+
+
+def methods(device: torch.device) -> list[Method]:
+    """The methods timed on ``device``, the ceiling first and the scan second."""
+    found = [
+        Method(CEILING, lambda x: torch.sum(x.flat)),
+        Method(SCAN, lambda x: nanscan.scan(x.grads)),
+        Method("nanscan.clip(no-clip)", lambda x: nanscan.clip_grad_norm_(x.params, NO_CLIP)),
+        Method("nanscan.clip(clip)", lambda x: nanscan.clip_grad_norm_(x.params, CLIP), mutates=True),
+        # torch multiplies by exactly 1.0 when nothing is clipped: it writes, but the values stay.
+        Method("torch.clip(no-clip)", lambda x: torch.nn.utils.clip_grad_norm_(x.params, NO_CLIP), "nanscan.clip(no-clip)"),
+        Method("torch.clip(clip)", lambda x: torch.nn.utils.clip_grad_norm_(x.params, CLIP), "nanscan.clip(clip)", True),
+        Method("per_param_loop", lambda x: per_param_loop(x.grads), SCAN),
+        Method("foreach_norm+stack", lambda x: foreach_total_norm(x.grads), SCAN),
+    ]
+    if device.type == "cuda":
+        compiled = torch.compile(torch_stats)
+        found += [
+            Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN),
+            Method("amp.unscale_+clip", amp_unscale_clip, mutates=True),
+        ]
+    return found
+
+
+# ----------------------------------------------------------------------------------------- timing
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What makes a host timer honest on ``device``: a full synchronize on CUDA, nothing on the CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def time_method(method: Method, copies: list[Inputs], args: argparse.Namespace, sync: Callable[[], None]) -> list[float]:
+    """Seconds per timed call of ``method``, rotating through ``copies``; warm-up calls are not returned.
+
+    The number of timed calls is ``args.repeats``, raised to reach about ``args.min_time`` seconds in
+    all (estimated from the last warm-up call) but never past ``args.max_repeats``.
+    """
+    calls = 0
+
+    def once() -> float:
+        nonlocal calls
+        inputs = copies[calls % len(copies)]
+        calls += 1
+        sync()
+        start = time.perf_counter()
+        method.run(inputs)
+        sync()
+        elapsed = time.perf_counter() - start
+        if method.mutates:
+            inputs.restore()
+        return elapsed
+
+    estimate = [once() for _ in range(args.warmup)][-1] if args.warmup else 0.0
+    repeats = args.repeats
+    if estimate > 0:
+        repeats = max(repeats, min(args.max_repeats, math.ceil(args.min_time / estimate)))
+    return [once() for _ in range(repeats)]
+
+
+# ------------------------------------------------------------------------------------------ cases
+
+
+@dataclass
+class Case:
+    """One model's gradient shapes in one dtype, and what was measured on it."""
+
+    model: str
+    dtype: str
+    shapes: list[list[int]]
+    copies: int = 1
+    skipped: str | None = None
+    times: dict[str, list[float]] = field(default_factory=dict)
+    counterparts: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+    @property
+    def title(self) -> str:
+        return (
+            f"{self.model}  {self.dtype}  {len(self.shapes)} tensors, {self.numel / 1e6:.1f}M elements, "
+            f"{self.nbytes / 1e6:.1f} MB, {self.copies} rotated cop{'y' if self.copies == 1 else 'ies'}"
+        )
+
+    def median(self, method: str) -> float:
+        return statistics.median(self.times[method])
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model,
+            "dtype": self.dtype,
+            "tensors": len(self.shapes),
+            "numel": self.numel,
+            "bytes": self.nbytes,
+            "copies": self.copies,
+        }
+        if self.skipped:
+            return out | {"skipped": self.skipped}
+        out["methods"] = {}
+        for name, times in self.times.items():
+            median = self.median(name)
+            counterpart = self.counterparts[name]
+            out["methods"][name] = {
+                "median_ms": median * 1e3,
+                "min_ms": min(times) * 1e3,
+                "times_ms": [t * 1e3 for t in times],
+                "gb_per_s": self.nbytes / median / 1e9,
+                "ratio_vs_ceiling": median / self.median(CEILING),
+                "scan_speedup": median / self.median(SCAN),
+                "counterpart": counterpart,
+                "counterpart_speedup": median / self.median(counterpart) if counterpart else None,
+            }
+        return out
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """L2 size on a GPU, L3 (or the largest cache sysfs lists) on the CPU; 32 MiB when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on ``device`` (MemAvailable on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return sys.maxsize
+
+
+def needed_memory(case: Case) -> int:
+    """Gradients and flat buffer per copy, plus the largest per-tensor temporaries of the loop."""
+    largest = max(math.prod(shape) for shape in case.shapes)
+    return case.copies * 2 * case.nbytes + largest * (1 + DTYPES[case.dtype].itemsize)
+
+
+def check_agreement(inputs: Inputs) -> None:
+    """Refuses to time a scan whose total norm disagrees with torch's (a fast wrong answer is no result)."""
+    stats = nanscan.scan(inputs.grads)
+    ours = stats.total_norm.item()
+    theirs = foreach_total_norm(inputs.grads).item()  # bf16 per-tensor norms: agreement to 1e-2 only
+    if not stats.finite.item() or not math.isclose(ours, theirs, rel_tol=1e-2):
+        raise RuntimeError(f"nanscan.scan total norm {ours} (finite={stats.finite.item()}) vs torch {theirs}")
+
+
+def run_case(case: Case, device: torch.device, args: argparse.Namespace, progress: str) -> None:
+    """Builds the case's inputs, times every method on them, and frees them."""
+    case.copies = max(1, math.ceil(ROTATE_CACHES * last_level_cache_bytes(device) / case.nbytes))
+    need, have = needed_memory(case), available_memory(device)
+    if need > MEMORY_FRACTION * have:
+        case.skipped = f"needs {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available"
+        log(f"{progress} {case.model} {case.dtype}: skipped ({case.skipped})")
+        return
+    log(f"{progress} {case.model} {case.dtype}: building {case.copies} x {len(case.shapes)} tensors ({case.nbytes / 1e6:.1f} MB)")
+    copies = [build_inputs(case.shapes, DTYPES[case.dtype], device) for _ in range(case.copies)]
+    check_agreement(copies[0])
+    sync = synchronizer(device)
+    if device.type == "cuda":
+        torch.compiler.reset()  # a fresh compile cache per case: no recompile limit, no stale graphs
+    try:
+        for method in methods(device):
+            case.times[method.name] = time_method(method, copies, args, sync)
+            case.counterparts[method.name] = method.counterpart
+            log(f"    {method.name:<24} {case.median(method.name) * 1e3:10.3f} ms  ({len(case.times[method.name])} repeats)")
+    finally:
+        del copies
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load_zoo(path: Path) -> dict[str, list[list[int]]]:
+    """The zoo's ``{model: [shape, ...]}``, with an error that says what is missing or malformed."""
+    if not path.is_file():
+        sys.exit(f"bench_scan: zoo file not found at {path}; pass --zoo PATH (it lives in ../shared/ beside the repo)")
+    zoo = json.loads(path.read_text())
+    if not isinstance(zoo, dict) or not all(
+        isinstance(shapes, list) and all(isinstance(s, list) and all(isinstance(d, int) for d in s) for s in shapes)
+        for shapes in zoo.values()
+    ):
+        sys.exit(f"bench_scan: {path} is not a JSON object of model name -> list of shapes (lists of ints)")
+    return zoo
+
+
+def select_cases(args: argparse.Namespace, zoo: dict[str, list[list[int]]]) -> list[Case]:
+    """The (model, dtype) cases to run, in zoo order with the synthetic case last."""
+    shapes = zoo | SYNTHETIC
+    if args.models:
+        names = [name.strip() for name in args.models.split(",") if name.strip()]
+    elif args.quick:
+        names = [min(zoo, key=lambda m: sum(math.prod(s) for s in zoo[m])), MANY_SMALL]
+    else:
+        names = list(shapes)
+    unknown = [name for name in names if name not in shapes]
+    if unknown:
+        sys.exit(f"bench_scan: unknown model(s) {', '.join(unknown)}; known: {', '.join(shapes)}")
+    dtypes = [d.strip() for d in args.dtype.split(",")] if args.dtype else ["float32"] if args.quick else None
+    for dtype in dtypes or []:
+        if dtype not in DTYPES:
+            sys.exit(f"bench_scan: unknown dtype {dtype}; known: {', '.join(DTYPES)}")
+    return [
+        Case(name, dtype, shapes[name])
+        for name in names
+        for dtype in dtypes or (SYNTHETIC_DTYPES if name in SYNTHETIC else ZOO_DTYPES)
+    ]
+
+
+# ---------------------------------------------------------------------------------------- reports
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    lines = []
+    for row in [headers, ["-" * w for w in widths], *rows]:
+        cells = [f"{row[0]:<{widths[0]}}"] + [f"{cell:>{w}}" for cell, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def case_table(case: Case) -> str:
+    """Per method: median time, bandwidth, time / ceiling, time / scan and time / its nanscan counterpart."""
+    if case.skipped:
+        return f"skipped: {case.skipped}"
+    rows = []
+    for method, entry in case.to_json()["methods"].items():
+        rows.append([
+            method,
+            f"{entry['median_ms']:.3f}",
+            f"{entry['gb_per_s']:.1f}",
+            ratio(entry["ratio_vs_ceiling"]),
+            ratio(entry["scan_speedup"]),
+            ratio(entry["counterpart_speedup"]),
+        ])
+    return format_table(["method", "median ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"], rows)
+
+
+def summary_table(cases: Sequence[Case]) -> str:
+    """One row per case: the scan against the ceiling, the loop and foreach; nanscan's clip against torch's."""
+    rows = []
+    for case in cases:
+        if case.skipped:
+            rows.append([f"{case.model} {case.dtype}", "skipped", "", "", "", ""])
+            continue
+        m = case.median
+        rows.append([
+            f"{case.model} {case.dtype}",
+            ratio(m(SCAN) / m(CEILING)),
+            ratio(m("per_param_loop") / m(SCAN)),
+            ratio(m("foreach_norm+stack") / m(SCAN)),
+            ratio(m("torch.clip(no-clip)") / m("nanscan.clip(no-clip)")),
+            ratio(m("torch.clip(clip)") / m("nanscan.clip(clip)")),
+        ])
+    headers = ["case", "scan/ceiling", "loop/scan", "foreach/scan", "torch/nanscan no-clip", "torch/nanscan clip"]
+    return format_table(headers, rows)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "nanscan": nanscan.__version__,
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "last_level_cache_bytes": last_level_cache_bytes(device),
+    }
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test: smallest zoo model + many_small, float32, few repeats")
+    parser.add_argument("--json", type=Path, help="write every number and the machine description here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", help=f"comma-separated, of {', '.join(DTYPES)} (default: float32,bfloat16 for the zoo, float32 for {MANY_SMALL})")
+    parser.add_argument("--models", help=f"comma-separated zoo names and/or {MANY_SMALL} (default: all)")
+    parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO, help=f"parameter shapes (default: {DEFAULT_ZOO})")
+    parser.add_argument("--warmup", type=int, help="untimed calls per method (default 2, quick 1)")
+    parser.add_argument("--repeats", type=int, help="least timed calls per method (default 5, quick 3)")
+    parser.add_argument("--max-repeats", type=int, help="most timed calls per method (default 50, quick 10)")
+    parser.add_argument("--min-time", type=float, help="seconds of timed calls to aim for per method (default 0.5, quick 0.05)")
+    args = parser.parse_args(argv)
+    defaults = {"warmup": (2, 1), "repeats": (5, 3), "max_repeats": (50, 10), "min_time": (0.5, 0.05)}
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_scan: --device cuda, but torch sees no CUDA device")
+    device = torch.device(args.device)
+    cases = select_cases(args, load_zoo(args.zoo))
+    info = machine(device)
+    print(f"nanscan {info['nanscan']}, torch {info['torch']}, {info['device']}, {info['cpu']}, {info['threads']} threads, {info['date']}")
+    for i, case in enumerate(cases, 1):
+        run_case(case, device, args, f"[{i}/{len(cases)}]")
+        print(f"\n== {case.title}\n{case_table(case)}", flush=True)
+    print(f"\n== summary: ratios of median times (scan/ceiling: 1x is one read of the bytes; the others: above 1x, nanscan is faster)\n{summary_table(cases)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        report = {"machine": info, "config": config, "cases": [case.to_json() for case in cases]}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Shared test helpers: the fp64 reference every backend is checked against, and device parametrisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+# CPU always; CUDA where present (the same tests run on both, like torchvision's cpu_and_cuda()).
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def reference_stats(t: torch.Tensor) -> dict[str, float]:
+    """The statistics of one tensor computed independently, in fp64, with plain torch ops."""
+    x = t.detach().to("cpu").float().double() if t.dtype in FP8_DTYPES else t.detach().to("cpu").double()
+    x = x.reshape(-1)
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    finite = x[torch.isfinite(x)]
+    sumsq = float((finite * finite).sum()) if finite.numel() else 0.0
+    return {
+        "nan_count": nan,
+        "inf_count": inf,
+        "min": float(finite.min()) if finite.numel() else math.inf,
+        "max": float(finite.max()) if finite.numel() else -math.inf,
+        "norm": math.nan if nan else math.inf if inf else math.sqrt(sumsq),
+        "sumsq": math.nan if nan else math.inf if inf else sumsq,
+    }
+
+
+def plant(t: torch.Tensor, positions: list[int], value: float) -> torch.Tensor:
+    """Writes ``value`` at flat ``positions`` of a contiguous tensor (in place), returns it."""
+    flat = t.view(-1)
+    for p in positions:
+        flat[p] = value
+    return t
+
+
+def random_tensor(n: int, dtype: torch.dtype, device: str = "cpu", scale: float = 1.0) -> torch.Tensor:
+    """Fresh random values (never zeros), representable in ``dtype``."""
+    x = torch.randn(n, dtype=torch.float64, device=device) * scale
+    if dtype in FP8_DTYPES:
+        x = x.clamp(-400, 400)
+    return x.to(dtype)
+
+
+def assert_matches_reference(result, tensors: list[torch.Tensor], rtol: float = 1e-6) -> None:
+    """Checks every per-tensor statistic and the totals of a ScanResult against reference_stats."""
+    refs = [reference_stats(t) for t in tensors]
+    got = {k: getattr(result, k).cpu().tolist() for k in ("nan_count", "inf_count", "min", "max", "norm")}
+    for i, ref in enumerate(refs):
+        assert got["nan_count"][i] == ref["nan_count"], f"tensor {i}: nan_count"
+        assert got["inf_count"][i] == ref["inf_count"], f"tensor {i}: inf_count"
+        assert got["min"][i] == ref["min"], f"tensor {i}: min {got['min'][i]} != {ref['min']}"
+        assert got["max"][i] == ref["max"], f"tensor {i}: max {got['max'][i]} != {ref['max']}"
+        assert_close_float(got["norm"][i], ref["norm"], rtol, f"tensor {i}: norm")
+    total_sumsq = sum(r["sumsq"] for r in refs)
+    assert_close_float(float(result.total_norm), math.sqrt(total_sumsq) if total_sumsq == total_sumsq else math.nan, rtol, "total_norm")
+    assert bool(result.finite) == all(r["nan_count"] == 0 and r["inf_count"] == 0 for r in refs)
+
+
+def assert_close_float(got: float, want: float, rtol: float, what: str) -> None:
+    if math.isnan(want):
+        assert math.isnan(got), f"{what}: {got} is not NaN"
+    elif math.isinf(want):
+        assert got == want, f"{what}: {got} != {want}"
+    else:
+        assert abs(got - want) <= rtol * abs(want) + 1e-300, f"{what}: {got} != {want} (rtol {rtol})"

@@ -1,0 +1,188 @@
+"""clip_grad_norm_ / get_total_norm as drop-ins for torch.nn.utils: values, dtypes, errors, edge inputs."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import nanscan
+from conftest import DEVICES
+
+NORM_TYPES = [0.5, 1.0, 1.5, 2.0, 4.0, math.inf, -math.inf, 0.0, "inf"]
+
+
+def make_params(device: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(300, 7), (7,), (5, 5, 5), (1,), (65537,)]
+    params = []
+    for i, shape in enumerate(shapes):
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen).to(device=device, dtype=dtype))
+        p.grad = torch.randn(shape, generator=gen).to(device=device, dtype=dtype) * (i + 1)
+        params.append(p)
+    params.append(torch.nn.Parameter(torch.ones(3, device=device, dtype=dtype)))  # grad None: skipped
+    return params
+
+
+def twin(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = None if p.grad is None else p.grad.clone()
+        out.append(q)
+    return out
+
+
+def grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    return [p.grad for p in params]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("max_norm", [1e-2, 1e6])
+def test_clip_matches_torch(device: str, norm_type: float, max_norm: float) -> None:
+    ours = make_params(device)
+    theirs = twin(ours)
+    got = nanscan.clip_grad_norm_(ours, max_norm, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+    assert got.dtype == want.dtype and got.device == want.device and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    for a, b in zip(grads(ours), grads(theirs)):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0])
+def test_clip_other_dtypes(device: str, dtype: torch.dtype, norm_type: float) -> None:
+    ours = make_params(device, dtype)
+    theirs = twin(ours)
+    got = nanscan.clip_grad_norm_(ours, 1.0, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 1.0, norm_type)
+    assert got.dtype == want.dtype == dtype
+    # torch rounds each per-tensor norm to the low-precision dtype before combining; nanscan rounds once.
+    rtol = {torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+    if norm_type in (2.0, math.inf):  # the norms nanscan computes itself: correctly rounded once
+        fresh = [p.grad.double().flatten() for p in make_params(device, dtype) if p.grad is not None]
+        exact = torch.linalg.vector_norm(torch.cat(fresh), norm_type)
+        assert got.item() == pytest.approx(exact.to(dtype).item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_clip_leaves_gradients_untouched(device: str) -> None:
+    params = make_params(device)
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    pointers = [p.grad.data_ptr() for p in params if p.grad is not None]
+    nanscan.clip_grad_norm_(params, 1e9)
+    after = [p.grad for p in params if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert pointers == [p.grad.data_ptr() for p in params if p.grad is not None]
+    versions = [p.grad._version for p in params if p.grad is not None]
+    nanscan.clip_grad_norm_(params, 1e9)
+    assert versions == [p.grad._version for p in params if p.grad is not None], "a no-clip step wrote gradients"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_get_total_norm_matches_torch(device: str) -> None:
+    tensors = [p.grad for p in make_params(device) if p.grad is not None]
+    for norm_type in NORM_TYPES:
+        torch.testing.assert_close(
+            nanscan.get_total_norm(tensors, norm_type), torch.nn.utils.get_total_norm(tensors, norm_type), rtol=2e-6, atol=0
+        )
+    single = tensors[0]
+    torch.testing.assert_close(nanscan.get_total_norm(single), torch.nn.utils.get_total_norm(single))
+    assert torch.equal(nanscan.get_total_norm([]), torch.nn.utils.get_total_norm([]))
+
+
+def test_single_tensor_generator_and_empty_inputs() -> None:
+    p = make_params("cpu")[0]
+    q = twin([p])[0]
+    torch.testing.assert_close(nanscan.clip_grad_norm_(p, 0.1), torch.nn.utils.clip_grad_norm_(q, 0.1))
+    torch.testing.assert_close(p.grad, q.grad)
+    params = make_params("cpu")
+    others = twin(params)
+    torch.testing.assert_close(
+        nanscan.clip_grad_norm_((x for x in params), 0.1), torch.nn.utils.clip_grad_norm_((x for x in others), 0.1)
+    )
+    with pytest.warns(UserWarning, match="empty generator"):
+        assert nanscan.clip_grad_norm_((x for x in []), 1.0).item() == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert nanscan.clip_grad_norm_([], 1.0).item() == 0.0
+    no_grads = [torch.nn.Parameter(torch.ones(2))]
+    assert nanscan.clip_grad_norm_(no_grads, 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_norm_and_error_if_nonfinite(device: str) -> None:
+    for bad in (math.nan, math.inf):
+        ours = make_params(device)
+        ours[1].grad[3] = bad
+        theirs = twin(ours)
+        got = nanscan.clip_grad_norm_(ours, 1.0)
+        want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        for a, b in zip(grads(ours), grads(theirs)):
+            if a is not None:
+                torch.testing.assert_close(a, b, equal_nan=True)
+        ours = make_params(device)
+        ours[1].grad[3] = bad
+        before = [p.grad.clone() for p in ours if p.grad is not None]
+        with pytest.raises(RuntimeError, match="non-finite"):
+            nanscan.clip_grad_norm_(ours, 1.0, error_if_nonfinite=True)
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(twin(ours), 1.0, error_if_nonfinite=True)
+        for a, b in zip(before, [p.grad for p in ours if p.grad is not None]):
+            torch.testing.assert_close(a, b, equal_nan=True)
+
+
+def test_inf_norm_of_empty_tensor_raises_like_torch() -> None:
+    t = [torch.empty(0), torch.ones(3)]
+    with pytest.raises(RuntimeError, match="infinity norm|inf norm"):
+        torch.nn.utils.get_total_norm(t, math.inf)
+    with pytest.raises(RuntimeError, match="infinity norm|inf norm"):
+        nanscan.get_total_norm(t, math.inf)
+    assert nanscan.get_total_norm(t, 2.0).item() == pytest.approx(math.sqrt(3))
+
+
+def test_foreach_argument_accepted() -> None:
+    for foreach in (None, True, False):
+        params = make_params("cpu")
+        others = twin(params)
+        torch.testing.assert_close(
+            nanscan.clip_grad_norm_(params, 0.5, foreach=foreach), torch.nn.utils.clip_grad_norm_(others, 0.5, foreach=foreach)
+        )
+
+
+@pytest.mark.parametrize(
+    "max_norm, error",
+    [(-1.0, "non-negative"), (math.nan, "non-negative"), ("abc", "could not convert")],
+)
+def test_bad_max_norm_raises_before_touching_gradients(max_norm: object, error: str) -> None:
+    params = make_params("cpu")
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    with pytest.raises(ValueError, match=error):
+        nanscan.clip_grad_norm_(params, max_norm)  # type: ignore[arg-type]
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None]))
+
+
+@pytest.mark.parametrize("norm_type", ["fro", None, [2.0], True])
+def test_bad_norm_type(norm_type: object) -> None:
+    params = make_params("cpu")
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    with pytest.raises(ValueError, match="norm_type must be a number"):
+        nanscan.clip_grad_norm_(params, 1.0, norm_type)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="norm_type must be a number"):
+        nanscan.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)  # type: ignore[arg-type]
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None]))
+
+
+def test_non_tensor_parameter_is_named() -> None:
+    with pytest.raises(TypeError, match="entry 1 of parameters is a str"):
+        nanscan.clip_grad_norm_([torch.nn.Parameter(torch.ones(1)), "weight"], 1.0)  # type: ignore[list-item]

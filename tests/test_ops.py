@@ -1,0 +1,127 @@
+"""The op layer: opcheck, torch.compile, the fake implementation, and bad input to the raw op and to scan()."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nanscan
+from conftest import DEVICES, FP8_DTYPES, random_tensor
+
+
+def finite_samples(device: str) -> list[list[torch.Tensor]]:
+    return [
+        [random_tensor(n, dtype, device) for n, dtype in [(17, torch.float32), (4096 + 3, torch.bfloat16)]],
+        [torch.randn(3, 5, device=device, dtype=torch.float64).t(), torch.randn((), device=device)],
+        [random_tensor(70_000, torch.float16, device)],
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_scan(device: str) -> None:
+    for sample in finite_samples(device):
+        torch.library.opcheck(torch.ops.nanscan.scan.default, (sample,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_scale(device: str) -> None:
+    for coef in (0.5, 1.0):
+        tensors = [torch.randn(33, device=device), torch.randn(4, 4, device=device)]
+        torch.library.opcheck(torch.ops.nanscan.scale_.default, (tensors, torch.tensor(coef, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device: str) -> None:
+    def health(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r = nanscan.scan(grads)
+        return r.total_norm * 2, r.finite, r.nan_count.sum()
+
+    compiled = torch.compile(health, fullgraph=True)
+    grads = [torch.randn(100, device=device), torch.randn(7, 3, device=device, dtype=torch.bfloat16)]
+    grads[0][5] = math.nan
+    got = compiled(grads)
+    want = health(grads)
+    assert math.isnan(got[0].item()) and math.isnan(want[0].item())
+    assert got[1].item() is False and got[2].item() == 1
+    grads[0][5] = 1.0
+    torch.testing.assert_close(compiled(grads)[0], health(grads)[0])
+
+
+def test_raw_op_errors_name_the_index() -> None:
+    good = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] has dtype Long"):
+        torch.ops.nanscan.scan([good, torch.ones(3, dtype=torch.int64)])
+    with pytest.raises(RuntimeError, match="non-empty list of Tensors"):  # the dispatcher says so itself
+        torch.ops.nanscan.scan([])
+    with pytest.raises(RuntimeError, match="coef must have one element"):
+        torch.ops.nanscan.scale_([good], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (3.0, TypeError, "entry 1 is a float, not a torch.Tensor"),
+        (None, TypeError, "entry 1 is a NoneType"),
+        (torch.ones(2, dtype=torch.complex64), TypeError, "entry 1 has complex dtype"),
+        (torch.ones(2, dtype=torch.int32), TypeError, "entry 1 has integer/bool dtype"),
+        (torch.ones(2, dtype=torch.bool), TypeError, "entry 1 has integer/bool dtype"),
+        (torch.ones(2).to_sparse(), TypeError, "entry 1 is a torch.sparse_coo tensor"),
+        (torch.ones(2, device="meta"), ValueError, "entry 1 is a meta tensor"),
+    ],
+)
+def test_scan_bad_input(bad: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        nanscan.scan([torch.ones(3), bad])  # type: ignore[list-item]
+
+
+def test_scan_names_in_errors() -> None:
+    with pytest.raises(TypeError, match="'layer.bias' \\(entry 1\\)"):
+        nanscan.scan([torch.ones(1), torch.ones(1, dtype=torch.int8)], names=["layer.weight", "layer.bias"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_rules(device: str) -> None:
+    e4m3 = torch.tensor([0x7F, 0xFF, 0x7E, 0xFE, 0x78, 0x01, 0x00], dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    r = nanscan.scan([e4m3])
+    assert r.nan_count.item() == 2 and r.inf_count.item() == 0  # no Inf in e4m3fn; 0x7e is 448, finite
+    assert r.max.item() == 448.0 and r.min.item() == -448.0
+    e5m2 = torch.tensor([0x7C, 0xFC, 0x7D, 0x7B, 0x01], dtype=torch.uint8, device=device).view(torch.float8_e5m2)
+    r = nanscan.scan([e5m2])
+    assert r.inf_count.item() == 2 and r.nan_count.item() == 1 and r.max.item() == 57344.0
+    for dtype in FP8_DTYPES:
+        all_bits = torch.arange(256, dtype=torch.uint8, device=device).view(dtype)
+        ref = all_bits.float()
+        finite = ref[torch.isfinite(ref)]
+        r = nanscan.scan([all_bits])
+        assert r.nan_count.item() == int(torch.isnan(ref).sum()) and r.inf_count.item() == int(torch.isinf(ref).sum())
+        assert (r.min.item(), r.max.item()) == (finite.min().item(), finite.max().item())
+
+
+def test_every_half_bit_pattern_decodes_exactly() -> None:
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.float16, torch.bfloat16):
+        values = bits.view(dtype)
+        ref = values.double()
+        for start in range(0, 65536, 1024):  # one scan per slice, so min/max pin down every decoded value
+            part = values[start : start + 1024]
+            r = nanscan.scan([part])
+            sub = ref[start : start + 1024]
+            fin = sub[torch.isfinite(sub)]
+            assert r.nan_count.item() == int(torch.isnan(sub).sum())
+            assert r.inf_count.item() == int(torch.isinf(sub).sum())
+            if fin.numel():
+                assert (r.min.item(), r.max.item()) == (fin.min().item(), fin.max().item())
+            if fin.numel() == sub.numel():
+                assert r.norm.item() == pytest.approx(float(fin.square().sum().sqrt()), rel=1e-6, abs=1e-300)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multi_device_lists_group_by_device(device: str) -> None:
+    if device == "cpu":
+        pytest.skip("needs two devices: exercised with cuda + cpu")
+    tensors = [torch.ones(4, device=device), torch.full((4,), 2.0), torch.tensor([math.nan], device=device)]
+    r = nanscan.scan(tensors)
+    assert r.norm.device.type == device
+    assert r.norm[:2].tolist() == [2.0, 4.0] and r.nan_count.tolist() == [0, 0, 1] and not bool(r.finite)

@@ -1,0 +1,121 @@
+"""check(model) and Report: names, lazy sync, clipping parity, accepted inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nanscan
+from conftest import DEVICES
+
+
+def tiny_model(device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()), torch.nn.Linear(16, 1)
+    ).to(device)
+    model(torch.randn(32, 8, device=device)).pow(2).mean().backward()
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_finite_model(device: str) -> None:
+    model = tiny_model(device)
+    report = nanscan.check(model)
+    assert report.finite and report.nonfinite == []
+    assert report.names == [n for n, _ in model.named_parameters()]
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert report.total_norm == pytest.approx(want.item(), rel=1e-6)
+    assert report.clip_coef is None and not report.clipped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_names_the_bad_parameters(device: str) -> None:
+    model = tiny_model(device)
+    model[2][0].weight.grad[1, 2] = math.nan
+    model[3].bias.grad[0] = -math.inf
+    report = nanscan.check(model)
+    assert not report.finite
+    assert report.nonfinite == ["2.0.weight", "3.bias"]
+    d = report.to_dict()
+    assert d["parameters"]["2.0.weight"]["nan_count"] == 1 and d["parameters"]["3.bias"]["inf_count"] == 1
+    assert math.isnan(d["total_norm"])
+    text = str(report)
+    assert "NON-FINITE in 2 of 6" in text
+    lines = text.splitlines()
+    assert lines[2].startswith("2.0.weight") and lines[3].startswith("3.bias"), "worst first"
+
+
+def test_building_a_report_does_not_sync_and_syncs_once() -> None:
+    model = tiny_model()
+    report = nanscan.check(model)
+    assert report._host is None and "not yet synced" in repr(report)
+    _ = report.finite
+    host = report._host
+    assert host is not None
+    _ = report.total_norm, report.nonfinite, report.to_dict(), str(report)
+    assert report._host is host, "values were fetched again"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0])
+def test_check_with_max_norm_clips_like_torch(device: str, norm_type: float) -> None:
+    model = tiny_model(device)
+    twin = tiny_model(device)
+    report = nanscan.check(model, max_norm=0.05, norm_type=norm_type)
+    total = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05, norm_type)
+    assert report.total_norm == pytest.approx(total.item(), rel=1e-6)
+    assert report.clipped and report.clip_coef < 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-6, atol=1e-30)
+
+
+def test_check_without_need_to_clip_does_not_write() -> None:
+    model = tiny_model()
+    versions = [p.grad._version for p in model.parameters()]
+    report = nanscan.check(model, max_norm=1e9)
+    assert report.clip_coef == 1.0 and not report.clipped
+    assert versions == [p.grad._version for p in model.parameters()]
+
+
+def test_accepts_params_pairs_and_skips_missing_grads() -> None:
+    model = tiny_model()
+    model[0].bias.grad = None
+    by_params = nanscan.check(model.parameters())
+    assert by_params.names == ["[0]", "[2]", "[3]", "[4]", "[5]"]
+    pairs = nanscan.check(list(model.named_parameters()))
+    assert pairs.names == ["0.weight", "2.0.weight", "2.0.bias", "3.weight", "3.bias"]
+    assert by_params.total_norm == pairs.total_norm
+    single = nanscan.check(model[0].weight)
+    assert single.names == ["[0]"]
+
+
+def test_model_without_gradients() -> None:
+    model = torch.nn.Linear(3, 3)
+    report = nanscan.check(model, max_norm=1.0)
+    assert report.finite and report.total_norm == 0.0 and report.names == [] and report.clip_coef is None
+    assert "finite" in str(report)
+
+
+def test_shared_parameters_counted_once() -> None:
+    lin = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)
+    model(torch.randn(2, 4)).sum().backward()
+    assert nanscan.check(model).names == ["0.weight", "0.bias"]
+
+
+def test_bad_inputs_are_named() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    with pytest.raises(TypeError, match="'b' is a int"):
+        nanscan.check([("a", p), ("b", 3)])
+    with pytest.raises(ValueError, match="non-negative"):
+        nanscan.check([p], max_norm=-1.0)
+    with pytest.raises(ValueError, match="norm_type must be a number"):
+        nanscan.check([p], norm_type="fro")
+    q = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    q.grad = torch.ones(2, dtype=torch.float64).to_sparse()
+    with pytest.raises(TypeError, match=r"'sparse' \(entry 1\) is a torch.sparse_coo tensor"):
+        nanscan.check([("dense", p), ("sparse", q)])

@@ -1,0 +1,175 @@
+"""The fused scan against an fp64 reference: dtypes, sizes around chunk boundaries, planted NaN/Inf,
+layouts, edge shapes, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nanscan
+from conftest import DEVICES, FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, plant, random_tensor, reference_stats
+
+# Sizes straddling the SIMD lane width (32), the fast-run length (4096), the CPU chunk (256 KiB: 65536
+# fp32 / 131072 half elements) and the sizes DESIGN.md names.
+SIZES = [1, 31, 33, 555, 4095, 4097, 65535, 65536, 65537, 2048 * 32 + 1, 131073, 300_001]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_random_matches_reference(device: str, dtype: torch.dtype, n: int) -> None:
+    t = random_tensor(n, dtype, device)
+    assert_matches_reference(nanscan.scan([t]), [t], rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES)
+@pytest.mark.parametrize("where", ["first", "middle", "last", "all"])
+@pytest.mark.parametrize("n", [1, 555, 65537, 300_001])
+def test_planted_nan_inf(device: str, dtype: torch.dtype, where: str, n: int) -> None:
+    positions = {"first": [0], "middle": [n // 2], "last": [n - 1], "all": list(range(n))[: min(n, 40)]}[where]
+    has_inf = dtype != torch.float8_e4m3fn  # e4m3fn has no Inf: +-inf converts to NaN
+    nan_t = plant(random_tensor(n, dtype, device), positions, math.nan)
+    inf_t = plant(random_tensor(n, dtype, device), positions, math.inf)
+    both = plant(plant(random_tensor(n, dtype, device), positions, -math.inf), positions[:1], math.nan)
+    clean = random_tensor(n, dtype, device)
+    tensors = [clean, nan_t, inf_t, both]
+    result = nanscan.scan(tensors)
+    assert_matches_reference(result, tensors)
+    assert not bool(result.finite)
+    assert result.nan_count[1].item() == len(positions)
+    if has_inf:
+        assert result.inf_count[2].item() == len(positions)
+        assert math.isinf(result.norm[2].item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_minmax_independent_of_nan_position(device: str) -> None:
+    base = torch.arange(1, 10_001, dtype=torch.float32, device=device)
+    expected = (1.0, 10_000.0)
+    for pos in [0, 1, 31, 32, 4095, 4096, 9_999]:
+        t = base.clone()
+        t[pos] = math.nan
+        r = nanscan.scan([t])
+        lo = 2.0 if pos == 0 else 1.0
+        hi = 9_999.0 if pos == 9_999 else 10_000.0
+        assert (r.min.item(), r.max.item()) == (lo, hi), f"NaN at {pos}"
+    r = nanscan.scan([base])
+    assert (r.min.item(), r.max.item()) == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_mixed_dtype_list(device: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    dtypes = FLOAT_DTYPES + FP8_DTYPES
+    tensors = []
+    for i in range(3000):
+        n = int(torch.randint(0, 700, (1,), generator=gen))
+        t = random_tensor(n, dtypes[i % len(dtypes)], device)
+        if n and i % 97 == 0:
+            t.view(-1)[n // 3] = math.nan
+        if n and i % 89 == 0 and t.dtype != torch.float8_e4m3fn:
+            t.view(-1)[-1] = -math.inf
+        tensors.append(t)
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_views(device: str) -> None:
+    base = random_tensor(64 * 96 * 3, torch.float32, device).view(64, 96, 3)
+    base[5, 7, 1] = math.nan
+    base[60, 90, 2] = math.inf
+    views = [
+        base.transpose(0, 1),          # dense, permuted
+        base.permute(2, 0, 1),         # dense, permuted
+        base[:, ::3, :],               # strided, skips the NaN row? no: step 3 keeps index 90
+        base[1::2, 5:70, 1],           # strided, 2-D
+        base[:, :, 0].t(),             # strided transpose
+        base[3:4].expand(5, 96, 3),    # stride 0: overlapping, every element counted as it is seen
+        base.view(-1)[1::7],
+        base.to(torch.bfloat16).transpose(1, 2)[:, 1:, ::2],
+    ]
+    assert_matches_reference(nanscan.scan(views), views)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_zero_dim_and_empty_list(device: str) -> None:
+    tensors = [
+        torch.empty(0, device=device),
+        torch.tensor(3.0, device=device),
+        torch.tensor(math.nan, device=device),
+        torch.empty(0, 5, device=device, dtype=torch.bfloat16),
+    ]
+    r = nanscan.scan(tensors)
+    assert_matches_reference(r, tensors)
+    assert r.min[0].item() == math.inf and r.max[0].item() == -math.inf and r.norm[0].item() == 0.0
+    empty = nanscan.scan([])
+    assert len(empty) == 0 and empty.total_norm.item() == 0.0 and bool(empty.finite)
+    single = nanscan.scan(torch.ones(4, device=device))
+    assert single.total_norm.item() == 2.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_and_tiny_finite_values(device: str) -> None:
+    huge = torch.full((100,), 1e20, device=device)  # squares overflow fp32, values are finite
+    r = nanscan.scan([huge])
+    assert bool(r.finite)
+    assert r.norm.item() == pytest.approx(float(huge[0]) * 10, rel=1e-12)  # 1e20 rounds to 1.00000002e20
+    assert r.inf_count.item() == 0
+    tiny = torch.full((5000,), 1e-25, device=device)  # squares fall below fp32's normal range
+    r = nanscan.scan([tiny])
+    assert r.norm.item() == pytest.approx(math.sqrt(5000) * 1e-25, rel=1e-6)
+    big_bf16 = torch.full((10_000,), 1e30, device=device, dtype=torch.bfloat16)
+    r = nanscan.scan([big_bf16])
+    assert r.norm.item() == pytest.approx(float(big_bf16[0]) * 100, rel=1e-9)
+    fp64 = torch.full((4,), 1e200, device=device, dtype=torch.float64)  # fp64 squares overflow: torch says inf
+    assert nanscan.scan([fp64]).norm.item() == torch.linalg.vector_norm(fp64).item() == math.inf
+    assert bool(nanscan.scan([fp64]).finite)
+
+
+def test_large_fp32_norm_accuracy() -> None:
+    """DESIGN.md: the norm of a 1e8-element fp32 list matches fp64 to 1e-6 relative."""
+    torch.manual_seed(1)
+    parts = [torch.rand(25_000_000) + 0.5 for _ in range(4)]  # all positive: no cancellation to hide errors
+    ref = math.sqrt(sum(float(p.double().square().sum()) for p in parts))
+    got = nanscan.scan(parts).total_norm.item()
+    assert abs(got - ref) <= 1e-6 * ref
+
+
+def test_deterministic_across_runs_and_threads() -> None:
+    torch.manual_seed(2)
+    tensors = [torch.randn(n) for n in (3_000_000, 65537, 17, 1_000_001)] + [torch.randn(512) for _ in range(500)]
+    tensors += [t.bfloat16() for t in tensors[:4]]
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 1, 2):
+            torch.set_num_threads(threads)
+            r = nanscan.scan(tensors)
+            results.append(torch.cat([r.norm, r.min, r.max, r.total_norm.view(1)]))
+    finally:
+        torch.set_num_threads(previous)
+    for r in results[1:]:
+        assert torch.equal(r.view(torch.int64), results[0].view(torch.int64)), "results differ bit-wise"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_stay_on_device_with_documented_dtypes(device: str) -> None:
+    r = nanscan.scan([torch.ones(3, device=device, dtype=torch.bfloat16)])
+    for name in ("nan_count", "inf_count"):
+        assert getattr(r, name).dtype == torch.int64 and getattr(r, name).device.type == device
+    for name in ("min", "max", "norm", "total_norm"):
+        assert getattr(r, name).dtype == torch.float64
+    assert r.finite.dtype == torch.bool and r.finite.shape == ()
+
+
+def test_reference_helper_can_fail() -> None:
+    """Guards the guard: the reference comparison rejects a wrong result."""
+    t = torch.tensor([1.0, 2.0])
+    r = nanscan.scan([t])
+    wrong = type(r)(r.nan_count, r.inf_count, r.min, r.max, r.norm * 1.01, r.total_norm, r.finite)
+    with pytest.raises(AssertionError):
+        assert_matches_reference(wrong, [t])
+    assert reference_stats(t)["norm"] == math.sqrt(5)
