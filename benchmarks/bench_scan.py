@@ -11,14 +11,16 @@ for fast methods until about ``--min-time`` seconds were timed, at most ``--max-
 
 * ``ceiling_sum``: ``torch.sum`` of one flat buffer of the same dtype and element count, i.e. one
   read of the gradient bytes. Every other time is also given as a ratio to it ("x ceiling").
-* ``nanscan.scan``, ``nanscan.clip`` and ``torch.clip`` (``clip_grad_norm_``) with ``max_norm`` 1e30
+* ``nanscan.scan``; ``torch.ops.nanscan.scan``, the registered op without the Python wrapper (its
+  validation per tensor), to show the wrapper's share; ``nanscan.clip`` and ``torch.clip`` (``clip_grad_norm_``) with ``max_norm`` 1e30
   (nothing is clipped) and 1e-3 (everything is).
 * ``per_param_loop``: the diagnosis loop of DESIGN.md section 1 (isnan/isinf ``.any().item()``,
   ``min``/``max``/``norm`` ``.item()`` per gradient); ``foreach_norm+stack``: ``torch._foreach_norm``,
   ``torch.stack`` and ``torch.linalg.vector_norm`` of the stack.
 * On CUDA only: ``torch.compile(stats)``, the same statistics as the scan written in torch and
   compiled (plain amin/amax rather than min/max of the finite values), and ``amp.unscale_+clip``,
-  ``GradScaler.unscale_`` followed by ``torch.nn.utils.clip_grad_norm_`` with nothing to clip.
+  ``GradScaler.unscale_`` followed by ``torch.nn.utils.clip_grad_norm_`` with nothing to clip
+  (not for float16 gradients, which GradScaler refuses to unscale).
 
 The flat buffer is filled first and the gradients are separately allocated copies of its slices, so
 the ceiling reads the same values and a method that rewrites the gradients (the clipping cases,
@@ -176,11 +178,13 @@ def amp_unscale_clip(inputs: Inputs) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(inputs.params, NO_CLIP)
 
 
-def methods(device: torch.device) -> list[Method]:
-    """The methods timed on ``device``, the ceiling first and the scan second."""
+def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
+    """The methods timed on ``device`` for gradients of ``dtype``, the ceiling first and the scan second."""
     found = [
         Method(CEILING, lambda x: torch.sum(x.flat)),
         Method(SCAN, lambda x: nanscan.scan(x.grads)),
+        # The registered op alone, without the Python wrapper's checks: the wrapper's share of the time.
+        Method("torch.ops.nanscan.scan", lambda x: torch.ops.nanscan.scan(x.grads)),
         Method("nanscan.clip(no-clip)", lambda x: nanscan.clip_grad_norm_(x.params, NO_CLIP)),
         Method("nanscan.clip(clip)", lambda x: nanscan.clip_grad_norm_(x.params, CLIP), mutates=True),
         # torch multiplies by exactly 1.0 when nothing is clipped: it writes, but the values stay.
@@ -191,10 +195,9 @@ def methods(device: torch.device) -> list[Method]:
     ]
     if device.type == "cuda":
         compiled = torch.compile(torch_stats)
-        found += [
-            Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN),
-            Method("amp.unscale_+clip", amp_unscale_clip, mutates=True),
-        ]
+        found.append(Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN))
+        if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
+            found.append(Method("amp.unscale_+clip", amp_unscale_clip, mutates=True))
     return found
 
 
@@ -347,7 +350,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
     if device.type == "cuda":
         torch.compiler.reset()  # a fresh compile cache per case: no recompile limit, no stale graphs
     try:
-        for method in methods(device):
+        for method in methods(device, DTYPES[case.dtype]):
             case.times[method.name] = time_method(method, copies, args, sync)
             case.counterparts[method.name] = method.counterpart
             log(f"    {method.name:<24} {case.median(method.name) * 1e3:10.3f} ms  ({len(case.times[method.name])} repeats)")
