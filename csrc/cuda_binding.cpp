@@ -1,0 +1,80 @@
+// torch -> CUDA launcher glue: validation (shared with the CPU op), device guard, current stream,
+// allocation through the caching allocator. Registers the CUDA kernels of the schemas in ops.cpp.
+// Built only when torch has CUDA (see setup.py).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cuda/scan_cuda.h"
+#include "ops.h"
+
+namespace nanscan {
+namespace {
+
+// Tensor arguments for the launcher. Dense tensors (any dimension order) are read in place; others
+// are copied to contiguous memory first (kept alive in `copies` until the launch is enqueued; the
+// caching allocator's stream semantics keep the memory valid until the kernel has read it).
+std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vector<DType>& tags,
+                                         std::vector<at::Tensor>& copies) {
+  std::vector<cuda::TensorArg> args(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor* t = &tensors[i];
+    if (t->numel() > 0 && !t->is_non_overlapping_and_dense()) {
+      copies.push_back(t->contiguous());
+      t = &copies.back();
+    }
+    args[i] = cuda::TensorArg{t->data_ptr(), t->numel(), tags[i]};
+  }
+  return args;
+}
+
+int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors) {
+  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  std::vector<at::Tensor> copies;
+  copies.reserve(tensors.size());
+  const std::vector<cuda::TensorArg> args = tensor_args(tensors, tags, copies);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const auto device = at::TensorOptions().device(tensors[0].device());
+  ScanOutputs out = allocate_scan_outputs(n, device);
+  const size_t workspace_bytes = cuda::scan_workspace_bytes(args.data(), n);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, device.dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::scan(args.data(), n, result_pointers(out, n), workspace.data_ptr(), sm_count(),
+                            at::cuda::getCurrentCUDAStream()));
+  return {out.counts, out.stats, out.total_norm, out.finite};
+}
+
+void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
+  TORCH_CHECK(coef.numel() == 1, "nanscan.scale_: coef must have one element, got shape ", coef.sizes());
+  if (tensors.empty()) return;
+  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scale_");
+  TORCH_CHECK(coef.device() == tensors[0].device(), "nanscan.scale_: coef is on ", coef.device(), " but the tensors are on ",
+              tensors[0].device());
+  const auto coef_tag = dtype_tag(coef.scalar_type());
+  TORCH_CHECK(coef_tag.has_value(), "nanscan.scale_: coef has unsupported dtype ", coef.scalar_type());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].is_non_overlapping_and_dense() || tensors[i].numel() == 0, "nanscan.scale_: tensors[", i,
+                "] is not dense in memory; it cannot be scaled in place");
+    TORCH_CHECK(tags[i] != DType::Float8E4M3FN && tags[i] != DType::Float8E5M2, "nanscan.scale_: tensors[", i,
+                "] is float8; torch cannot multiply float8 tensors either");
+  }
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  std::vector<at::Tensor> unused;
+  const std::vector<cuda::TensorArg> args = tensor_args(tensors, tags, unused);
+  C10_CUDA_CHECK(cuda::scale(args.data(), static_cast<int64_t>(args.size()), coef.data_ptr(), *coef_tag, sm_count(),
+                             at::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+}  // namespace nanscan
+
+TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
+  m.impl("scan", &nanscan::scan_cuda);
+  m.impl("scale_", &nanscan::scale_cuda);
+}
