@@ -2,11 +2,12 @@
 // allocation through the caching allocator. Registers the CUDA kernels of the schemas in ops.cpp.
 // Built only when torch has CUDA (see setup.py).
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <array>
 #include <vector>
 
 #include "cuda/scan_cuda.h"
@@ -32,7 +33,17 @@ std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vect
   return args;
 }
 
-int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+// Multiprocessor count of the current device, queried once per device (no CUDA call on later steps).
+int sm_count() {
+  static std::array<int, 64> cached{};  // racing writers store the same value
+  const int device = c10::cuda::current_device();
+  const bool cacheable = device < static_cast<int>(cached.size());
+  if (cacheable && cached[device] != 0) return cached[device];
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (cacheable) cached[device] = count;
+  return count;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
@@ -46,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorL
   const size_t workspace_bytes = cuda::scan_workspace_bytes(args.data(), n);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, device.dtype(at::kByte));
   C10_CUDA_CHECK(cuda::scan(args.data(), n, result_pointers(out, n), workspace.data_ptr(), sm_count(),
-                            at::cuda::getCurrentCUDAStream()));
+                            c10::cuda::getCurrentCUDAStream()));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
 
@@ -68,7 +79,7 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
   std::vector<at::Tensor> unused;
   const std::vector<cuda::TensorArg> args = tensor_args(tensors, tags, unused);
   C10_CUDA_CHECK(cuda::scale(args.data(), static_cast<int64_t>(args.size()), coef.data_ptr(), *coef_tag, sm_count(),
-                             at::cuda::getCurrentCUDAStream()));
+                             c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

@@ -28,4 +28,21 @@ for src in csrc/cuda/*.cu; do
     echo "check_cuda_build: ok $src sm_$arch (${regs:-no kernels}; ${spills:-no spill report})"
   done
 done
+
+# The binding needs torch's CUDA headers. A CPU build of torch ships them except one header that its
+# CMake generates; an empty stand-in for it is enough to syntax-check the binding against the real API.
+if python -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then
+  mkdir -p "$out/stub/c10/cuda/impl"
+  echo "#define C10_CUDA_BUILD_SHARED_LIBS" >"$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
+fi
+includes=$(python -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))")
+# shellcheck disable=SC2086
+if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Wno-unused-parameter -Werror $includes -I"$out/stub" \
+    -I"$CUDA_HOME/include" csrc/cuda_binding.cpp 2>"$out/binding.log"; then
+  echo "check_cuda_build: ok csrc/cuda_binding.cpp (syntax and types against torch's headers)"
+else
+  echo "check_cuda_build: FAILED csrc/cuda_binding.cpp" >&2
+  grep -v "^In file included" "$out/binding.log" | head -40 >&2
+  status=1
+fi
 exit $status

@@ -22,7 +22,6 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarpSize;
-constexpr int kBlocksPerSm = 2048 / kThreads;
 constexpr int64_t kChunkBytes = 32 * 1024;
 constexpr int kUnroll = 4;
 // Tensor metadata travels by value in the kernel parameters (up to 32764 bytes since CUDA 12.1 on
@@ -348,9 +347,21 @@ int32_t fill_table(TensorTable& table, const TensorArg* tensors, int64_t first, 
 
 int64_t num_launches(int64_t num_tensors) { return (num_tensors + kMaxTensorsPerLaunch - 1) / kMaxTensorsPerLaunch; }
 
-int grid_for(int32_t chunks, int num_sms) {
+// Resident blocks per multiprocessor of a kernel (its register use decides), asked once per kernel.
+template <class Kernel>
+int resident_blocks_per_sm(Kernel kernel) {
+  static const int blocks = [kernel] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0) != cudaSuccess || n < 1) n = 1;
+    return n;
+  }();
+  return blocks;
+}
+
+// A persistent grid: one wave of resident blocks, fewer when there are not enough chunks to share.
+int grid_for(int32_t chunks, int num_sms, int blocks_per_sm) {
   const int64_t wanted = (static_cast<int64_t>(chunks) + kWarps - 1) / kWarps;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * kBlocksPerSm)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * blocks_per_sm)));
 }
 
 size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -393,7 +404,7 @@ cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPoin
     launch->is_last_launch = l == launches - 1;
     Workspace launch_ws = ws;
     launch_ws.tickets = ws.tickets + l;
-    scan_kernel<<<grid_for(chunks, num_sms), kThreads, 0, stream>>>(*launch, launch_ws, out);
+    scan_kernel<<<grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel)), kThreads, 0, stream>>>(*launch, launch_ws, out);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     first_chunk += chunks;
@@ -413,7 +424,7 @@ cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coe
     const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, num_tensors - first);
     const int32_t chunks = fill_table(launch->table, tensors, first, count);
     if (chunks == 0) continue;
-    scale_kernel<<<grid_for(chunks, num_sms), kThreads, 0, stream>>>(*launch);
+    scale_kernel<<<grid_for(chunks, num_sms, resident_blocks_per_sm(scale_kernel)), kThreads, 0, stream>>>(*launch);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
