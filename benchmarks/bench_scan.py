@@ -40,6 +40,10 @@ note (in the table and the JSON) rather than crashing. Tensors are freed between
 
 Timing: host timers around each call; on CUDA with ``torch.cuda.synchronize()`` before and after, so a
 time includes launch overhead and any host syncs the method makes, as a training step would see.
+Ratios use medians; the table also gives the fastest call. A median far above the fastest call means
+the machine stalled during the case (seen on small VMs: a parallel region that waits ~8 ms for its
+other vCPU). Each method cost is then inflated by its number of parallel regions, so the per-tensor
+peers suffer most: rerun, or compare with ``--threads 1``, before quoting such a case.
 """
 
 from __future__ import annotations
@@ -420,7 +424,7 @@ def ratio(x: float | None) -> str:
 
 
 def case_table(case: Case) -> str:
-    """Per method: median time, bandwidth, time / ceiling, time / scan and time / its nanscan counterpart."""
+    """Per method: median and fastest time, bandwidth of the median, time / ceiling, time / scan and time / its nanscan counterpart."""
     if case.skipped:
         return f"skipped: {case.skipped}"
     rows = []
@@ -428,12 +432,13 @@ def case_table(case: Case) -> str:
         rows.append([
             method,
             f"{entry['median_ms']:.3f}",
+            f"{entry['min_ms']:.3f}",
             f"{entry['gb_per_s']:.1f}",
             ratio(entry["ratio_vs_ceiling"]),
             ratio(entry["scan_speedup"]),
             ratio(entry["counterpart_speedup"]),
         ])
-    return format_table(["method", "median ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"], rows)
+    return format_table(["method", "median ms", "min ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"], rows)
 
 
 def summary_table(cases: Sequence[Case]) -> str:
@@ -495,6 +500,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", help=f"comma-separated, of {', '.join(DTYPES)} (default: float32,bfloat16 for the zoo, float32 for {MANY_SMALL})")
     parser.add_argument("--models", help=f"comma-separated zoo names and/or {MANY_SMALL} (default: all)")
     parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO, help=f"parameter shapes (default: {DEFAULT_ZOO})")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads before timing (default: torch's own choice)")
     parser.add_argument("--warmup", type=int, help="untimed calls per method (default 2, quick 1)")
     parser.add_argument("--repeats", type=int, help="least timed calls per method (default 5, quick 3)")
     parser.add_argument("--max-repeats", type=int, help="most timed calls per method (default 50, quick 10)")
@@ -512,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_scan: --device cuda, but torch sees no CUDA device")
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cases = select_cases(args, load_zoo(args.zoo))
     info = machine(device)
     print(f"nanscan {info['nanscan']}, torch {info['torch']}, {info['device']}, {info['cpu']}, {info['threads']} threads, load {info['loadavg_at_start']:.2f}, {info['date']}")

@@ -1,0 +1,168 @@
+"""CUDA-only behaviour: CPU parity, launch splitting, > 2^31 elements, CUDA graphs, no host syncs,
+torch.compile with CUDA graphs. Every test here is skipped without a GPU; the device-generic tests in
+the other files also run on CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nanscan
+from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, needs_cuda, random_tensor
+
+pytestmark = [pytest.mark.cuda, needs_cuda]
+
+
+def cuda_and_cpu_agree(tensors: list[torch.Tensor]) -> None:
+    gpu = nanscan.scan(tensors)
+    cpu = nanscan.scan([t.cpu() for t in tensors])
+    for name in ("nan_count", "inf_count", "min", "max"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    torch.testing.assert_close(gpu.norm.cpu(), cpu.norm, rtol=1e-6, atol=0, equal_nan=True)
+    torch.testing.assert_close(gpu.total_norm.cpu(), cpu.total_norm, rtol=1e-6, atol=0, equal_nan=True)
+    assert bool(gpu.finite) == bool(cpu.finite)
+
+
+def test_cpu_parity_mixed_list() -> None:
+    gen = torch.Generator().manual_seed(3)
+    dtypes = FLOAT_DTYPES + FP8_DTYPES
+    tensors = []
+    for i in range(400):
+        n = int(torch.randint(0, 200_000, (1,), generator=gen))
+        t = random_tensor(n, dtypes[i % len(dtypes)], "cuda")
+        if n and i % 7 == 0:
+            t.view(-1)[int(torch.randint(0, n, (1,), generator=gen))] = math.nan
+        tensors.append(t)
+    tensors.append(torch.randn(64, 48, device="cuda")[:, ::3])  # not dense: copied, then scanned
+    cuda_and_cpu_agree(tensors)
+
+
+def test_list_longer_than_one_launch() -> None:
+    tensors = [random_tensor(1 + (i * 37) % 3000, torch.float32, "cuda") for i in range(5000)]
+    tensors[4321].view(-1)[0] = math.inf
+    tensors[1536].view(-1)[-1] = math.nan  # first tensor of the second launch
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+    cuda_and_cpu_agree(tensors)
+
+
+def test_many_tiny_tensors() -> None:
+    tensors = [random_tensor(1024, torch.float32, "cuda") for _ in range(10_000)]
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+
+
+def test_more_than_2_31_elements() -> None:
+    n = 2**31 + 1000
+    free, _ = torch.cuda.mem_get_info()
+    if free < 3 * n:
+        pytest.skip("needs ~7 GB of free GPU memory")
+    t = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 0x7F).view(torch.float8_e4m3fn)  # no NaN codes
+    t[-1:] .view(torch.uint8).fill_(0x7F)  # a NaN in the very last element
+    t[2**31 + 7 : 2**31 + 8].view(torch.uint8).fill_(0xFE)  # -448, the minimum, past 2^31
+    r = nanscan.scan([t])
+    assert r.nan_count.item() == 1 and r.min.item() == -448.0
+    sumsq = 0.0
+    for start in range(0, n - 1, 2**28):  # reference in pieces: fp64 of 2^31 elements would need 17 GB
+        piece = t[start : min(start + 2**28, n - 1)].float().double()
+        sumsq += float(piece.square().sum())
+    finite_norm = nanscan.scan([t[:-1]]).norm.item()
+    assert finite_norm == pytest.approx(math.sqrt(sumsq), rel=1e-6)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+
+
+def test_cuda_graph_capture_and_replays() -> None:
+    model = make_model()
+    static_x = torch.randn(32, 64, device="cuda")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step() -> nanscan.Report:
+        for p in model.parameters():
+            p.grad.zero_()
+        model(static_x).square().mean().backward()
+        return nanscan.check(model, max_norm=0.5)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        report = step()
+    for i in range(100):
+        static_x.copy_(torch.randn(32, 64, device="cuda") * (1 + i % 5))
+        if i % 10 == 3:
+            static_x[0, 0] = math.nan
+        graph.replay()
+        grads_after = [p.grad.clone() for p in model.parameters()]
+        # Recompute eagerly from the same input to know what the replay should have produced.
+        twin = make_model()
+        twin.load_state_dict(model.state_dict())
+        twin(static_x).square().mean().backward()
+        want = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
+        got = report.total_norm_tensor  # the captured output tensor, refreshed by each replay
+        if i % 10 == 3:
+            assert not bool(report.stats.finite) and math.isnan(got.item())
+        else:
+            assert bool(report.stats.finite)
+            torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=0)
+            torch.nn.utils.clip_grad_norm_(list(twin.parameters()), 0.5)
+            for a, b in zip(grads_after, twin.parameters()):
+                torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_no_host_sync() -> None:
+    model = make_model()
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        nanscan.scan(grads)
+        nanscan.clip_grad_norm_(model.parameters(), 1.0)
+        nanscan.clip_grad_norm_(model.parameters(), 1e-3)
+        report = nanscan.check(model, max_norm=1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert report.finite  # reading a value syncs, outside the guarded region
+
+
+def test_torch_compile_reduce_overhead() -> None:
+    def health(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        r = nanscan.scan(grads)
+        return r.total_norm, r.finite
+
+    compiled = torch.compile(health, mode="reduce-overhead", fullgraph=True)
+    grads = [torch.randn(1000, device="cuda"), torch.randn(33, 7, device="cuda", dtype=torch.bfloat16)]
+    for i in range(5):
+        for g in grads:
+            g.normal_()
+        if i == 3:
+            grads[1][2, 2] = math.inf
+        got_norm, got_finite = compiled(grads)
+        want_norm, want_finite = health(grads)
+        torch.testing.assert_close(got_norm.clone(), want_norm)
+        assert bool(got_finite) == bool(want_finite) == (i != 3)
+
+
+def test_scale_skips_write_when_coefficient_is_one() -> None:
+    t = torch.randn(1 << 20, device="cuda")
+    before = t.clone()
+    torch.ops.nanscan.scale_([t], torch.tensor(1.0, device="cuda"))
+    assert torch.equal(t, before)
+    torch.ops.nanscan.scale_([t], torch.tensor(0.25, device="cuda"))
+    assert torch.equal(t, before * 0.25)
+
+
+def test_scale_rejects_fp8() -> None:
+    t = torch.zeros(4, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="float8"):
+        torch.ops.nanscan.scale_([t], torch.tensor(0.5, device="cuda"))
