@@ -12,8 +12,8 @@ for fast methods until about ``--min-time`` seconds were timed, at most ``--max-
 * ``ceiling_sum``: ``torch.sum`` of one flat buffer of the same dtype and element count, i.e. one
   read of the gradient bytes. Every other time is also given as a ratio to it ("x ceiling").
 * ``nanscan.scan``; ``torch.ops.nanscan.scan``, the registered op without the Python wrapper (its
-  validation per tensor), to show the wrapper's share; ``nanscan.clip`` and ``torch.clip`` (``clip_grad_norm_``) with ``max_norm`` 1e30
-  (nothing is clipped) and 1e-3 (everything is).
+  validation per tensor), to show the wrapper's share; ``nanscan.clip`` and ``torch.clip``
+  (``clip_grad_norm_``) with ``max_norm`` 1e30 (nothing is clipped) and 1e-3 (everything is).
 * ``per_param_loop``: the diagnosis loop of DESIGN.md section 1 (isnan/isinf ``.any().item()``,
   ``min``/``max``/``norm`` ``.item()`` per gradient); ``foreach_norm+stack``: ``torch._foreach_norm``,
   ``torch.stack`` and ``torch.linalg.vector_norm`` of the stack.
@@ -184,6 +184,7 @@ def amp_unscale_clip(inputs: Inputs) -> torch.Tensor:
 
 def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
     """The methods timed on ``device`` for gradients of ``dtype``, the ceiling first and the scan second."""
+    torch_clip = torch.nn.utils.clip_grad_norm_
     found = [
         Method(CEILING, lambda x: torch.sum(x.flat)),
         Method(SCAN, lambda x: nanscan.scan(x.grads)),
@@ -192,8 +193,8 @@ def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
         Method("nanscan.clip(no-clip)", lambda x: nanscan.clip_grad_norm_(x.params, NO_CLIP)),
         Method("nanscan.clip(clip)", lambda x: nanscan.clip_grad_norm_(x.params, CLIP), mutates=True),
         # torch multiplies by exactly 1.0 when nothing is clipped: it writes, but the values stay.
-        Method("torch.clip(no-clip)", lambda x: torch.nn.utils.clip_grad_norm_(x.params, NO_CLIP), "nanscan.clip(no-clip)"),
-        Method("torch.clip(clip)", lambda x: torch.nn.utils.clip_grad_norm_(x.params, CLIP), "nanscan.clip(clip)", True),
+        Method("torch.clip(no-clip)", lambda x: torch_clip(x.params, NO_CLIP), "nanscan.clip(no-clip)"),
+        Method("torch.clip(clip)", lambda x: torch_clip(x.params, CLIP), "nanscan.clip(clip)", mutates=True),
         Method("per_param_loop", lambda x: per_param_loop(x.grads), SCAN),
         Method("foreach_norm+stack", lambda x: foreach_total_norm(x.grads), SCAN),
     ]
@@ -213,7 +214,9 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def time_method(method: Method, copies: list[Inputs], args: argparse.Namespace, sync: Callable[[], None]) -> list[float]:
+def time_method(
+    method: Method, copies: list[Inputs], args: argparse.Namespace, sync: Callable[[], None]
+) -> list[float]:
     """Seconds per timed call of ``method``, rotating through ``copies``; warm-up calls are not returned.
 
     The number of timed calls is ``args.repeats``, raised to reach about ``args.min_time`` seconds in
@@ -341,7 +344,8 @@ def check_agreement(inputs: Inputs) -> None:
     chunks = inputs.flat.split(1 << 24)
     reference = math.sqrt(sum(torch.linalg.vector_norm(c, dtype=torch.float64).item() ** 2 for c in chunks))
     if not stats.finite.item() or not math.isclose(ours, reference, rel_tol=1e-6):
-        raise RuntimeError(f"nanscan.scan: total norm {ours} (finite={stats.finite.item()}), fp64 reference {reference}")
+        finite = stats.finite.item()
+        raise RuntimeError(f"nanscan.scan: total norm {ours} (finite={finite}), fp64 reference {reference}")
 
 
 def run_case(case: Case, device: torch.device, args: argparse.Namespace, progress: str) -> None:
@@ -352,7 +356,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
         case.skipped = f"needs {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available"
         log(f"{progress} {case.model} {case.dtype}: skipped ({case.skipped})")
         return
-    log(f"{progress} {case.model} {case.dtype}: building {case.copies} x {len(case.shapes)} tensors ({case.nbytes / 1e6:.1f} MB)")
+    size = f"{case.copies} x {len(case.shapes)} tensors ({case.nbytes / 1e6:.1f} MB)"
+    log(f"{progress} {case.model} {case.dtype}: building {size}")
     copies = [build_inputs(case.shapes, DTYPES[case.dtype], device) for _ in range(case.copies)]
     check_agreement(copies[0])
     sync = synchronizer(device)
@@ -362,7 +367,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
         for method in methods(device, DTYPES[case.dtype]):
             case.times[method.name] = time_method(method, copies, args, sync)
             case.counterparts[method.name] = method.counterpart
-            log(f"    {method.name:<24} {case.median(method.name) * 1e3:10.3f} ms  ({len(case.times[method.name])} repeats)")
+            median, repeats = case.median(method.name), len(case.times[method.name])
+            log(f"    {method.name:<24} {median * 1e3:10.3f} ms  ({repeats} repeats)")
     finally:
         del copies
         gc.collect()
@@ -424,7 +430,8 @@ def ratio(x: float | None) -> str:
 
 
 def case_table(case: Case) -> str:
-    """Per method: median and fastest time, bandwidth of the median, time / ceiling, time / scan and time / its nanscan counterpart."""
+    """Per method: median and fastest time, bandwidth of the median, and the median over the ceiling's,
+    over the scan's and over its nanscan counterpart's."""
     if case.skipped:
         return f"skipped: {case.skipped}"
     rows = []
@@ -493,18 +500,26 @@ def log(message: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke test: smallest zoo model + many_small, float32, few repeats")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: smallest zoo model + many_small, float32, few repeats"
+    )
     parser.add_argument("--json", type=Path, help="write every number and the machine description here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", help=f"comma-separated, of {', '.join(DTYPES)} (default: float32,bfloat16 for the zoo, float32 for {MANY_SMALL})")
+    parser.add_argument(
+        "--dtype",
+        help=f"comma-separated, of {', '.join(DTYPES)} (default: {','.join(ZOO_DTYPES)} for the zoo, "
+        f"{','.join(SYNTHETIC_DTYPES)} for {MANY_SMALL}; --quick: float32)",
+    )
     parser.add_argument("--models", help=f"comma-separated zoo names and/or {MANY_SMALL} (default: all)")
     parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO, help=f"parameter shapes (default: {DEFAULT_ZOO})")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads before timing (default: torch's own choice)")
     parser.add_argument("--warmup", type=int, help="untimed calls per method (default 2, quick 1)")
     parser.add_argument("--repeats", type=int, help="least timed calls per method (default 5, quick 3)")
     parser.add_argument("--max-repeats", type=int, help="most timed calls per method (default 50, quick 10)")
-    parser.add_argument("--min-time", type=float, help="seconds of timed calls to aim for per method (default 0.5, quick 0.05)")
+    parser.add_argument(
+        "--min-time", type=float, help="seconds of timed calls to aim for per method (default 0.5, quick 0.05)"
+    )
     args = parser.parse_args(argv)
     defaults = {"warmup": (2, 1), "repeats": (5, 3), "max_repeats": (50, 10), "min_time": (0.5, 0.05)}
     for name, (full, quick) in defaults.items():
@@ -522,11 +537,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     cases = select_cases(args, load_zoo(args.zoo))
     info = machine(device)
-    print(f"nanscan {info['nanscan']}, torch {info['torch']}, {info['device']}, {info['cpu']}, {info['threads']} threads, load {info['loadavg_at_start']:.2f}, {info['date']}")
+    print(
+        f"nanscan {info['nanscan']}, torch {info['torch']}, {info['device']}, {info['cpu']}, "
+        f"{info['threads']} threads, load {info['loadavg_at_start']:.2f}, {info['date']}"
+    )
     for i, case in enumerate(cases, 1):
         run_case(case, device, args, f"[{i}/{len(cases)}]")
         print(f"\n== {case.title}\n{case_table(case)}", flush=True)
-    print(f"\n== summary: ratios of median times (scan/ceiling: 1x is one read of the bytes; the others: above 1x, nanscan is faster)\n{summary_table(cases)}")
+    print("\n== summary: ratios of median times (scan/ceiling: 1x is one read of the bytes; the others: above 1x, "
+          f"nanscan is faster)\n{summary_table(cases)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

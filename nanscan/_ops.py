@@ -23,6 +23,8 @@ def _scan_fake(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
     torch._check(len(tensors) > 0, lambda: "nanscan.scan: expected at least one tensor")
     n = len(tensors)
     device = tensors[0].device
+    for i, t in enumerate(tensors):  # the real kernels refuse mixed devices; so must the fake one
+        torch._check(t.device == device, lambda: f"nanscan.scan: tensors[{i}] is on {t.device} but tensors[0] is on {device}")
     return (
         torch.empty((2, n), dtype=torch.int64, device=device),
         torch.empty((3, n), dtype=torch.float64, device=device),

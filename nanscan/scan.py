@@ -94,7 +94,6 @@ def scan(tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | 
     gives empty statistics on the CPU with ``total_norm == 0`` and ``finite == True``.
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    validate(tensors, names)
     if not tensors:
         return ScanResult.from_op(
             torch.zeros((2, 0), dtype=torch.int64),
@@ -102,10 +101,22 @@ def scan(tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | 
             torch.zeros((), dtype=torch.float64),
             torch.ones((), dtype=torch.bool),
         )
-    groups = group_by_device(tensors)
-    if len(groups) == 1:
+    if torch.compiler.is_compiling():
+        validate(tensors, names)  # traced once, costs nothing at run time
         return ScanResult.from_op(*scan_op(tensors))
-    return _gather_devices(tensors, groups)
+    # The op validates every entry in C++; Python walks the list only when something is wrong, to
+    # name the entry (or to split a list that spans devices). That keeps the host cost per tensor low.
+    try:
+        outputs = scan_op(tensors)
+    except (RuntimeError, TypeError):
+        validate(tensors, names)
+        groups = group_by_device(tensors)
+        if len(groups) > 1:
+            return _gather_devices(tensors, groups)
+        raise
+    if outputs[0].is_meta:
+        validate(tensors, names)
+    return ScanResult.from_op(*outputs)
 
 
 def _gather_devices(tensors: list[torch.Tensor], groups: dict[torch.device, list[int]]) -> ScanResult:
