@@ -23,7 +23,7 @@ import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from ._ops import scale_op
-from .scan import ScanResult, describe, group_by_device, scan, validate
+from .scan import SUPPORTED_DTYPES, ScanResult, describe, group_by_device, scan, validate
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
@@ -54,7 +54,7 @@ def as_max_norm(max_norm: object) -> float:
 
 def result_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
     """The dtype torch's total norm has: its per-tensor norms keep each dtype and are then stacked."""
-    return reduce(torch.promote_types, (t.dtype for t in tensors))
+    return reduce(torch.promote_types, {t.dtype for t in tensors})
 
 
 def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
@@ -98,12 +98,18 @@ def get_total_norm(
     norm_type = as_norm_type(norm_type)
     if not tensors:
         return torch.tensor(0.0)
-    validate(tensors)
+    try:
+        dtypes = {t.dtype for t in tensors}
+    except AttributeError:
+        validate(tensors)  # raises, naming the entry that is not a tensor
+        raise
     check_foreach(tensors, foreach)
-    if not scan_answers(tensors, norm_type):
+    if not dtypes <= SUPPORTED_DTYPES or not scan_answers(tensors, norm_type):
+        # Norms the scan does not compute, and dtypes it does not read (complex, integer): torch's own
+        # code, so results and errors are torch's exactly.
         return torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
     with torch.no_grad():
-        total = total_norm_from_scan(scan(tensors), norm_type).to(result_dtype(tensors))
+        total = total_norm_from_scan(scan(tensors), norm_type).to(reduce(torch.promote_types, dtypes))
     if error_if_nonfinite:
         raise_if_nonfinite(total, norm_type)
     return total

@@ -186,3 +186,15 @@ def test_bad_norm_type(norm_type: object) -> None:
 def test_non_tensor_parameter_is_named() -> None:
     with pytest.raises(TypeError, match="entry 1 of parameters is a str"):
         nanscan.clip_grad_norm_([torch.nn.Parameter(torch.ones(1)), "weight"], 1.0)  # type: ignore[list-item]
+
+
+def test_dtypes_the_scan_does_not_read_behave_exactly_like_torch() -> None:
+    complex_grads = [torch.randn(10, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)]
+    torch.testing.assert_close(nanscan.get_total_norm(complex_grads), torch.nn.utils.get_total_norm(complex_grads))
+    ints = [torch.ones(3, dtype=torch.int64)]
+    with pytest.raises(RuntimeError, match="floating point or complex"):
+        torch.nn.utils.get_total_norm(ints)
+    with pytest.raises(RuntimeError, match="floating point or complex"):
+        nanscan.get_total_norm(ints)
+    with pytest.raises(TypeError, match="entry 1 is a str"):
+        nanscan.get_total_norm([torch.ones(1), "x"])  # type: ignore[list-item]
