@@ -6,8 +6,11 @@
 
 Method (DESIGN.md section 5). For every case (a list of gradient shapes and a dtype) the gradients
 are filled once with ``torch.randn`` (never zeros) and every method below is timed in the same run on
-those same tensors: warm-up calls, then the median of the timed repeats (at least ``--repeats``, more
-for fast methods until about ``--min-time`` seconds were timed, at most ``--max-repeats``).
+those same tensors: warm-up calls, then the median of the timed calls (at least ``--repeats``, more
+for fast methods until about ``--min-time`` seconds were timed, at most ``--max-repeats``). The timed
+calls are interleaved: in rounds, each method's calls spread evenly over the rounds, so a slow spell
+of the machine (a shared VM's memory bandwidth drifts by tens of percent) hits every method alike
+instead of whichever method happened to run during it.
 
 * ``ceiling_sum``: ``torch.sum`` of one flat buffer of the same dtype and element count, i.e. one
   read of the gradient bytes. Every other time is also given as a ratio to it ("x ceiling").
@@ -40,16 +43,21 @@ note (in the table and the JSON) rather than crashing. Tensors are freed between
 
 Timing: host timers around each call; on CUDA with ``torch.cuda.synchronize()`` before and after, so a
 time includes launch overhead and any host syncs the method makes, as a training step would see.
-Ratios use medians; the table also gives the fastest call. A median far above the fastest call means
-the machine stalled during the case (seen on small VMs: a parallel region that waits ~8 ms for its
-other vCPU). Each method cost is then inflated by its number of parallel regions, so the per-tensor
-peers suffer most: rerun, or compare with ``--threads 1``, before quoting such a case.
+Ratios use medians; the table also gives the fastest call.
+
+Stalls: on a small VM the second vCPU is at times descheduled by the host, and every parallel region
+then waits for it (on the 2-core development VM: times snap to multiples of 8 ms). That inflates each
+method by its number of parallel regions, per-tensor peers most. A probe, a 1 MB ``torch.sum``
+(under 0.3 ms when healthy), is interleaved with the methods; when over a tenth of its calls take more
+than 1 ms (a lone slow call is an interrupt, not a stall) the case is marked STALLED: rerun it (or try
+``--threads 1``) before quoting it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -82,6 +90,9 @@ NO_CLIP = 1e30  # max_norm that never clips
 CLIP = 1e-3  # max_norm that always clips
 ROTATE_CACHES = 4  # rotated copies of a case together span at least this many last-level caches
 MEMORY_FRACTION = 0.85
+STALL_PROBE_MS = 1.0  # a probe call slower than this waited for a stalled vCPU (see the module docstring)
+STALL_FRACTION = 0.1  # the share of slow probe calls that marks a case STALLED
+PROBE = "stall_probe"
 CEILING = "ceiling_sum"
 SCAN = "nanscan.scan"
 
@@ -183,9 +194,11 @@ def amp_unscale_clip(inputs: Inputs) -> torch.Tensor:
 
 
 def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
-    """The methods timed on ``device`` for gradients of ``dtype``, the ceiling first and the scan second."""
+    """The methods timed on ``device`` for gradients of ``dtype``: the stall probe, the ceiling, the scan, ..."""
     torch_clip = torch.nn.utils.clip_grad_norm_
+    probe_buffer = torch.ones(1 << 18, device=device)
     found = [
+        Method(PROBE, lambda _: torch.sum(probe_buffer)),
         Method(CEILING, lambda x: torch.sum(x.flat)),
         Method(SCAN, lambda x: nanscan.scan(x.grads)),
         # The registered op alone, without the Python wrapper's checks: the wrapper's share of the time.
@@ -214,20 +227,19 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def time_method(
-    method: Method, copies: list[Inputs], args: argparse.Namespace, sync: Callable[[], None]
-) -> list[float]:
-    """Seconds per timed call of ``method``, rotating through ``copies``; warm-up calls are not returned.
+def time_methods(
+    found: list[Method], copies: list[Inputs], args: argparse.Namespace, sync: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Seconds per timed call of each method, rotating through ``copies``; warm-up calls are not returned.
 
-    The number of timed calls is ``args.repeats``, raised to reach about ``args.min_time`` seconds in
-    all (estimated from the last warm-up call) but never past ``args.max_repeats``.
+    Each method gets ``args.repeats`` timed calls, raised to reach about ``args.min_time`` seconds in
+    all (estimated from its last warm-up call) but never past ``args.max_repeats``. The timed calls run
+    in rounds, each method's calls spread evenly over them, so drift in the machine hits all alike.
     """
-    calls = 0
+    calls = itertools.count()
 
-    def once() -> float:
-        nonlocal calls
-        inputs = copies[calls % len(copies)]
-        calls += 1
+    def once(method: Method) -> float:
+        inputs = copies[next(calls) % len(copies)]
         sync()
         start = time.perf_counter()
         method.run(inputs)
@@ -237,11 +249,21 @@ def time_method(
             inputs.restore()
         return elapsed
 
-    estimate = [once() for _ in range(args.warmup)][-1] if args.warmup else 0.0
-    repeats = args.repeats
-    if estimate > 0:
-        repeats = max(repeats, min(args.max_repeats, math.ceil(args.min_time / estimate)))
-    return [once() for _ in range(repeats)]
+    counts: dict[str, int] = {}
+    for method in found:
+        estimate = [once(method) for _ in range(args.warmup)][-1] if args.warmup else 0.0
+        counts[method.name] = args.repeats
+        if estimate > 0:
+            counts[method.name] = max(args.repeats, min(args.max_repeats, math.ceil(args.min_time / estimate)))
+        log(f"    warm-up {method.name:<24} {estimate * 1e3:10.3f} ms -> {counts[method.name]} timed calls")
+    rounds = max(counts.values())
+    times: dict[str, list[float]] = {method.name: [] for method in found}
+    for r in range(rounds):
+        for method in found:
+            n = counts[method.name]
+            if (r + 1) * n // rounds > r * n // rounds:  # true n times over the rounds, evenly spaced
+                times[method.name].append(once(method))
+    return times
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -258,6 +280,7 @@ class Case:
     skipped: str | None = None
     times: dict[str, list[float]] = field(default_factory=dict)
     counterparts: dict[str, str | None] = field(default_factory=dict)
+    probe: list[float] = field(default_factory=list)  # stall probe times, interleaved with the methods
 
     @property
     def numel(self) -> int:
@@ -277,6 +300,21 @@ class Case:
     def median(self, method: str) -> float:
         return statistics.median(self.times[method])
 
+    @property
+    def slow_probes(self) -> int:
+        return sum(t * 1e3 > STALL_PROBE_MS for t in self.probe)
+
+    @property
+    def stalled(self) -> bool:
+        return self.slow_probes > STALL_FRACTION * len(self.probe)
+
+    @property
+    def probe_summary(self) -> str:
+        return (
+            f"stall probe: median {statistics.median(self.probe) * 1e3:.3f} ms, {self.slow_probes} of "
+            f"{len(self.probe)} calls over {STALL_PROBE_MS:g} ms" + (" STALLED" if self.stalled else "")
+        )
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "model": self.model,
@@ -288,6 +326,8 @@ class Case:
         }
         if self.skipped:
             return out | {"skipped": self.skipped}
+        out["stall_probe_ms"] = [t * 1e3 for t in self.probe]
+        out["stalled"] = self.stalled
         out["methods"] = {}
         for name, times in self.times.items():
             median = self.median(name)
@@ -364,11 +404,12 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
     if device.type == "cuda":
         torch.compiler.reset()  # a fresh compile cache per case: no recompile limit, no stale graphs
     try:
-        for method in methods(device, DTYPES[case.dtype]):
-            case.times[method.name] = time_method(method, copies, args, sync)
-            case.counterparts[method.name] = method.counterpart
-            median, repeats = case.median(method.name), len(case.times[method.name])
-            log(f"    {method.name:<24} {median * 1e3:10.3f} ms  ({repeats} repeats)")
+        found = methods(device, DTYPES[case.dtype])
+        case.times = time_methods(found, copies, args, sync)
+        case.probe = case.times.pop(PROBE)
+        case.counterparts = {method.name: method.counterpart for method in found}
+        for name in case.times:
+            log(f"    median  {name:<24} {case.median(name) * 1e3:10.3f} ms")
     finally:
         del copies
         gc.collect()
@@ -445,7 +486,8 @@ def case_table(case: Case) -> str:
             ratio(entry["scan_speedup"]),
             ratio(entry["counterpart_speedup"]),
         ])
-    return format_table(["method", "median ms", "min ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"], rows)
+    headers = ["method", "median ms", "min ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"]
+    return format_table(headers, rows) + "\n" + case.probe_summary
 
 
 def summary_table(cases: Sequence[Case]) -> str:
@@ -453,7 +495,7 @@ def summary_table(cases: Sequence[Case]) -> str:
     rows = []
     for case in cases:
         if case.skipped:
-            rows.append([f"{case.model} {case.dtype}", "skipped", "", "", "", ""])
+            rows.append([f"{case.model} {case.dtype}", "skipped", "", "", "", "", "", ""])
             continue
         m = case.median
         rows.append([
@@ -463,8 +505,11 @@ def summary_table(cases: Sequence[Case]) -> str:
             ratio(m("foreach_norm+stack") / m(SCAN)),
             ratio(m("torch.clip(no-clip)") / m("nanscan.clip(no-clip)")),
             ratio(m("torch.clip(clip)") / m("nanscan.clip(clip)")),
+            f"{case.slow_probes}/{len(case.probe)}",
+            "STALLED" if case.stalled else "",
         ])
     headers = ["case", "scan/ceiling", "loop/scan", "foreach/scan", "torch/nanscan no-clip", "torch/nanscan clip"]
+    headers += [f"probe >{STALL_PROBE_MS:g}ms", "stalled"]
     return format_table(headers, rows)
 
 
@@ -515,13 +560,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO, help=f"parameter shapes (default: {DEFAULT_ZOO})")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads before timing (default: torch's own choice)")
     parser.add_argument("--warmup", type=int, help="untimed calls per method (default 2, quick 1)")
-    parser.add_argument("--repeats", type=int, help="least timed calls per method (default 5, quick 3)")
+    parser.add_argument("--repeats", type=int, help="least timed calls per method (default 9, quick 3)")
     parser.add_argument("--max-repeats", type=int, help="most timed calls per method (default 50, quick 10)")
     parser.add_argument(
-        "--min-time", type=float, help="seconds of timed calls to aim for per method (default 0.5, quick 0.05)"
+        "--min-time", type=float, help="seconds of timed calls to aim for per method (default 1.0, quick 0.05)"
     )
     args = parser.parse_args(argv)
-    defaults = {"warmup": (2, 1), "repeats": (5, 3), "max_repeats": (50, 10), "min_time": (0.5, 0.05)}
+    defaults = {"warmup": (2, 1), "repeats": (9, 3), "max_repeats": (50, 10), "min_time": (1.0, 0.05)}
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
