@@ -28,7 +28,7 @@ std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vect
       copies.push_back(t->contiguous());
       t = &copies.back();
     }
-    args[i] = cuda::TensorArg{t->data_ptr(), t->numel(), tags[i]};
+    args[i] = cuda::TensorArg{t->const_data_ptr(), t->numel(), tags[i]};
   }
   return args;
 }

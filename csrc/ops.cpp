@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorLi
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const int64_t n = static_cast<int64_t>(tensors.size());
   ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU));
-  cpu::scan(tensors.vec(), tags, result_pointers(out, n));
+  cpu::scan(tensors, tags, result_pointers(out, n));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
 

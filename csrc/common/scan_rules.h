@@ -6,14 +6,18 @@
 //
 // Two rules exist for accumulating elements, and a backend must use them as this file prescribes:
 //
-//  * accumulate_exact(): the definition. Branchy, fp64, correct for every input.
-//  * accumulate_fast():  for a run of elements processed in SIMD lanes / per thread. It does no
-//    classification per element: it tracks the largest magnitude bit pattern seen and accumulates
-//    squares in the format's Wide type (fp32 for all but fp64). When the run ends, run_is_exact()
-//    says whether the fast result equals what accumulate_exact() would have produced (no NaN/Inf was
-//    present and the fp32 sum of squares neither overflowed nor fell into the subnormal range). When it
-//    is not, the backend re-reads the run with accumulate_exact(). NaN/Inf are rare in practice, so the
-//    hot loop pays for neither classification nor fp64 arithmetic, and the result stays exact.
+//  * accumulate_exact(): the definition. Classifies each element by its bits, fp64, correct for
+//    every input.
+//  * accumulate_fast():  for a run of elements processed in SIMD lanes / per thread: no
+//    classification at all, squares summed in the format's Wide type (fp32 for all but fp64). When
+//    the run ends, run_is_exact() says whether the fast result equals what accumulate_exact() would
+//    have produced; when it does not, the backend re-reads the run with accumulate_exact().
+//
+// Why the fast rule needs no per-element test: a NaN or Inf element makes its square NaN or +Inf, and
+// a sum of non-negative terms that meets a NaN or +Inf stays NaN or +Inf. So "the run's sum of
+// squares is finite" implies "every element was finite". The converse does not hold (finite values
+// above 1.8e19 overflow an fp32 square), which only sends such runs down the exact path; the finite
+// flag and the counts always come from accumulate_exact()'s bit tests, never from a sum.
 #pragma once
 
 #include <cmath>
@@ -67,27 +71,24 @@ NANSCAN_HD void accumulate_exact(TensorStats& s, typename Codec::Raw raw) {
 template <class Codec>
 struct FastRun {
   using Wide = typename Codec::Wide;
-  using Raw = typename Codec::Raw;
   Wide min;
   Wide max;
   Wide sumsq;
-  Raw max_magnitude;
 };
 
 template <class Codec>
 NANSCAN_HD FastRun<Codec> empty_run() {
   using Wide = typename Codec::Wide;
-  return FastRun<Codec>{static_cast<Wide>(INFINITY), static_cast<Wide>(-INFINITY), Wide(0), 0};
+  return FastRun<Codec>{static_cast<Wide>(INFINITY), static_cast<Wide>(-INFINITY), Wide(0)};
 }
 
 // Branch-free (selects, not jumps) so that compilers vectorise it across lanes. With a NaN or Inf in
-// the run, min/max/sumsq here are garbage; run_is_exact() then rejects the run.
+// the run, min/max here are meaningless; the sum of squares then is NaN or +Inf and run_is_exact()
+// rejects the run.
 template <class Codec>
 NANSCAN_HD void accumulate_fast(typename Codec::Wide& min, typename Codec::Wide& max, typename Codec::Wide& sumsq,
-                                typename Codec::Raw& max_magnitude, typename Codec::Raw raw) {
-  const typename Codec::Raw mag = raw & Codec::kMagnitudeMask;
+                                typename Codec::Raw raw) {
   const typename Codec::Wide v = Codec::decode(raw);
-  max_magnitude = mag > max_magnitude ? mag : max_magnitude;
   min = v < min ? v : min;
   max = v > max ? v : max;
   sumsq += v * v;
@@ -97,15 +98,16 @@ NANSCAN_HD void accumulate_fast(typename Codec::Wide& min, typename Codec::Wide&
 // their total absolute error (<= run length * 2^-149) is under 2^-37 of the sum.
 constexpr double kSmallestExactFloatSumsq = 7.888609052210118e-31;  // 2^-100
 
-// Whether a run merged from fast lanes equals the exact rule's result: no NaN/Inf (all magnitudes
-// below the first non-finite one), and a Wide sum of squares that neither overflowed to Inf nor is
-// small enough to have lost bits to subnormal rounding while some element was non-zero.
+// Whether a run's fast result (lanes already merged: min, max, and the fp64 sum of the lanes' Wide
+// sums of squares) equals the exact rule's. Not when the sum is NaN or Inf (a NaN/Inf element, or an
+// fp32 square that overflowed), nor when an fp32 sum is so small that squares may have lost bits to
+// subnormal rounding, unless every element was zero. fp64 squares are what torch computes, overflow
+// and underflow included, so for fp64 only NaN/Inf elements force the exact path.
 template <class Codec>
-NANSCAN_HD bool run_is_exact(typename Codec::Raw max_magnitude, double sumsq) {
-  if (is_nonfinite_magnitude<Codec>(max_magnitude)) return false;
-  if (sizeof(typename Codec::Wide) == sizeof(double)) return true;  // fp64 squares, like torch
-  if (sumsq == INFINITY) return false;
-  return max_magnitude == 0 || sumsq >= kSmallestExactFloatSumsq;
+NANSCAN_HD bool run_is_exact(double run_min, double run_max, double run_sumsq) {
+  if (!(run_sumsq < INFINITY)) return false;  // NaN or +Inf
+  if (sizeof(typename Codec::Wide) == sizeof(double)) return true;
+  return run_sumsq >= kSmallestExactFloatSumsq || (run_min == 0.0 && run_max == 0.0);
 }
 
 // Fold an exact run (already merged across lanes) into tensor statistics.

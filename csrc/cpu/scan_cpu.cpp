@@ -25,36 +25,31 @@ constexpr int64_t kMinParallelBytes = 512 * 1024;
 template <class Codec>
 NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorStats& s) {
   using Wide = typename Codec::Wide;
-  using Raw = typename Codec::Raw;
   Wide mn[kLanes], mx[kLanes], ss[kLanes];
-  Raw mag[kLanes];
   const FastRun<Codec> init = empty_run<Codec>();
   for (int64_t l = 0; l < kLanes; ++l) {
     mn[l] = init.min;
     mx[l] = init.max;
     ss[l] = init.sumsq;
-    mag[l] = init.max_magnitude;
   }
   const int64_t full = len - len % kLanes;
   for (int64_t i = 0; i < full; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      accumulate_fast<Codec>(mn[l], mx[l], ss[l], mag[l], p[i + l]);
+    for (int64_t l = 0; l < kLanes; ++l) accumulate_fast<Codec>(mn[l], mx[l], ss[l], p[i + l]);
+  }
+  for (int64_t i = full; i < len; ++i) accumulate_fast<Codec>(mn[i - full], mx[i - full], ss[i - full], p[i]);
+
+  // Merge the lanes in a fixed pairwise tree (vectorises, unlike a serial fold); sums in fp64.
+  double ds[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) ds[l] = static_cast<double>(ss[l]);
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) {
+      mn[l] = mn[l + width] < mn[l] ? mn[l + width] : mn[l];
+      mx[l] = mx[l + width] > mx[l] ? mx[l + width] : mx[l];
+      ds[l] += ds[l + width];
     }
   }
-  for (int64_t i = full; i < len; ++i) {
-    accumulate_fast<Codec>(mn[i - full], mx[i - full], ss[i - full], mag[i - full], p[i]);
-  }
-  double run_min = INFINITY, run_max = -INFINITY, run_sumsq = 0.0;
-  Raw run_mag = 0;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    run_min = mn[l] < run_min ? mn[l] : run_min;
-    run_max = mx[l] > run_max ? mx[l] : run_max;
-    run_sumsq += static_cast<double>(ss[l]);
-    run_mag = mag[l] > run_mag ? mag[l] : run_mag;
-  }
-  // A Wide lane sum that overflowed is +inf; summing lanes in fp64 keeps it +inf.
-  if (run_is_exact<Codec>(run_mag, run_sumsq)) {
-    merge_run(s, run_min, run_max, run_sumsq);
+  if (run_is_exact<Codec>(mn[0], mx[0], ds[0])) {
+    merge_run(s, mn[0], mx[0], ds[0]);
   } else {
     for (int64_t i = 0; i < len; ++i) accumulate_exact<Codec>(s, p[i]);
   }
@@ -82,7 +77,7 @@ NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end
     index[d] = rest % sizes[d];
     rest /= sizes[d];
   }
-  const auto* base = static_cast<const Raw*>(t.data_ptr());
+  const auto* base = static_cast<const Raw*>(t.const_data_ptr());
   Raw buffer[kRunElements];
   for (int64_t i = begin; i < end;) {
     const int64_t len = std::min(kRunElements, end - i);
@@ -109,7 +104,7 @@ struct Chunk {
 // The tensor's elements as one contiguous memory span, when it is dense in any permutation of its
 // dimensions (contiguous, transposed, channels-last, ...): order does not change the statistics.
 const void* dense_span(const at::Tensor& t) {
-  return t.is_non_overlapping_and_dense() ? t.data_ptr() : nullptr;
+  return t.is_non_overlapping_and_dense() ? t.const_data_ptr() : nullptr;
 }
 
 // The only function with hot loops; compiled for several x86 levels and picked at load time.
@@ -140,12 +135,14 @@ TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int6
 
 }  // namespace
 
-void scan(const std::vector<at::Tensor>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out) {
+void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out) {
   const int64_t n = static_cast<int64_t>(tensors.size());
   std::vector<const void*> dense(n);
   std::vector<Chunk> chunks;
   std::vector<int64_t> first_chunk(n + 1);
   std::vector<int64_t> chunk_start_byte;  // prefix sum of chunk bytes; byte-balances the threads
+  chunks.reserve(n);
+  chunk_start_byte.reserve(n);
   int64_t total_bytes = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& t = tensors[i];

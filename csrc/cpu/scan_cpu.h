@@ -16,6 +16,6 @@ constexpr int64_t kMaxDims = 64;
 // Fills `out` for `tensors` (all on the CPU, dtypes[i] the tag of tensors[i]). Work is split into
 // byte-sized chunks fixed by the tensor sizes alone, scanned in parallel, and combined in chunk order,
 // so the result does not depend on the thread count. Non-contiguous tensors are read in place.
-void scan(const std::vector<at::Tensor>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out);
+void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out);
 
 }  // namespace nanscan::cpu

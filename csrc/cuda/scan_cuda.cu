@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <type_traits>
 
 namespace nanscan::cuda {
 namespace {
@@ -140,22 +139,18 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   const int64_t n = end - begin;
 
   FastRun<Codec> run = empty_run<Codec>();
-  for_each_lane_element(p, n, lane, [&](Raw r) { accumulate_fast<Codec>(run.min, run.max, run.sumsq, run.max_magnitude, r); });
+  for_each_lane_element(p, n, lane, [&](Raw r) { accumulate_fast<Codec>(run.min, run.max, run.sumsq, r); });
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = static_cast<double>(run.sumsq);
-  using Shuffled = typename std::conditional<sizeof(Raw) == 8, unsigned long long, unsigned int>::type;
-  Shuffled run_mag = run.max_magnitude;
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const double other_min = shfl_xor(run_min, offset), other_max = shfl_xor(run_max, offset);
-    const Shuffled other_mag = shfl_xor(run_mag, offset);
     run_min = other_min < run_min ? other_min : run_min;
     run_max = other_max > run_max ? other_max : run_max;
     run_sumsq += shfl_xor(run_sumsq, offset);
-    run_mag = other_mag > run_mag ? other_mag : run_mag;
   }
   TensorStats s = empty_stats();
-  if (run_is_exact<Codec>(static_cast<Raw>(run_mag), run_sumsq)) {
+  if (run_is_exact<Codec>(run_min, run_max, run_sumsq)) {
     merge_run(s, run_min, run_max, run_sumsq);
     return s;
   }
