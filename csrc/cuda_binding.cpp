@@ -34,6 +34,31 @@ std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vect
 }
 
 // Multiprocessor count of the current device, queried once per device (no CUDA call on later steps).
+int sm_count();
+
+// Multiplies dense tensors with the CUDA kernel (it exits at once when *coef is 1) and non-dense ones
+// with ATen (rare for gradients).
+void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, const at::Tensor& coef, DType coef_tag,
+                       cuda::CoefRounding rounding) {
+  std::vector<cuda::TensorArg> dense;
+  dense.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    if (t.is_non_overlapping_and_dense()) {
+      dense.push_back(cuda::TensorArg{t.const_data_ptr(), t.numel(), tags[i]});
+    } else {
+      const_cast<at::Tensor&>(t).mul_(rounding == cuda::CoefRounding::ToTensorDtype ? coef.to(t.scalar_type()) : coef);
+    }
+  }
+  if (dense.empty()) return;
+  C10_CUDA_CHECK(cuda::scale(dense.data(), static_cast<int64_t>(dense.size()), coef.const_data_ptr(), coef_tag, rounding,
+                             sm_count(), c10::cuda::getCurrentCUDAStream()));
+  // Whether the kernel writes is decided on the device (coef == 1 writes nothing); the host cannot
+  // know without a sync, so it assumes a write.
+  bump_versions_of_dense(tensors);
+}
+
 int sm_count() {
   static std::array<int, 64> cached{};  // racing writers store the same value
   const int device = c10::cuda::current_device();
@@ -69,17 +94,21 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
               tensors[0].device());
   const auto coef_tag = dtype_tag(coef.scalar_type());
   TORCH_CHECK(coef_tag.has_value(), "nanscan.scale_: coef has unsupported dtype ", coef.scalar_type());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(tensors[i].is_non_overlapping_and_dense() || tensors[i].numel() == 0, "nanscan.scale_: tensors[", i,
-                "] is not dense in memory; it cannot be scaled in place");
-    TORCH_CHECK(tags[i] != DType::Float8E4M3FN && tags[i] != DType::Float8E5M2, "nanscan.scale_: tensors[", i,
-                "] is float8; torch cannot multiply float8 tensors either");
-  }
+  check_multipliable(tensors, tags, "nanscan.scale_");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
-  std::vector<at::Tensor> unused;
-  const std::vector<cuda::TensorArg> args = tensor_args(tensors, tags, unused);
-  C10_CUDA_CHECK(cuda::scale(args.data(), static_cast<int64_t>(args.size()), coef.data_ptr(), *coef_tag, sm_count(),
-                             c10::cuda::getCurrentCUDAStream()));
+  multiply_in_place(tensors, tags, coef, *coef_tag, cuda::CoefRounding::ToTensorDtype);
+}
+
+// GradScaler's unscale, then the scan. Two launches (one read-write pass, one read pass); fusing the
+// multiply into the scan kernel, as the CPU backend does, is the next step for the GPU.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cuda(at::TensorList tensors,
+                                                                             const at::Tensor& inv_scale) {
+  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
+  check_multipliable(tensors, tags, "nanscan.unscale_scan_");
+  check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None);
+  return scan_cuda(tensors);
 }
 
 }  // namespace
@@ -88,4 +117,5 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
 TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
   m.impl("scan", &nanscan::scan_cuda);
   m.impl("scale_", &nanscan::scale_cuda);
+  m.impl("unscale_scan_", &nanscan::unscale_scan_cuda);
 }

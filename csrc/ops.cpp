@@ -53,6 +53,27 @@ std::vector<DType> check_scan_inputs(const at::TensorList tensors, const char* o
   return tags;
 }
 
+void bump_versions_of_dense(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (t.is_non_overlapping_and_dense()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void check_multipliable(at::TensorList tensors, const std::vector<DType>& tags, const char* op) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tags[i] != DType::Float8E4M3FN && tags[i] != DType::Float8E5M2, op, ": tensors[", i,
+                "] is float8; torch cannot multiply float8 tensors either");
+  }
+}
+
+void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op) {
+  TORCH_CHECK(inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, op,
+              ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ", inv_scale.scalar_type(),
+              " of shape ", inv_scale.sizes());
+  TORCH_CHECK(inv_scale.device() == first.device(), op, ": inv_scale is on ", inv_scale.device(),
+              " but the tensors are on ", first.device());
+}
+
 ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device) {
   return ScanOutputs{at::empty({2, num_tensors}, device.dtype(at::kLong)),
                      at::empty({3, num_tensors}, device.dtype(at::kDouble)), at::empty({}, device.dtype(at::kDouble)),
@@ -74,6 +95,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorLi
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
 
+// torch's GradScaler unscale and the scan in one pass: each element becomes round(x * inv_scale)
+// (torch's arithmetic; nothing is written when inv_scale is 1) and the statistics are of the result.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::TensorList tensors,
+                                                                            const at::Tensor& inv_scale) {
+  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
+  check_multipliable(tensors, tags, "nanscan.unscale_scan_");
+  check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
+  const float factor = inv_scale.item<float>();
+  for (const at::Tensor& t : tensors) {
+    // The kernel fuses the multiply for dense tensors; the rare strided view is multiplied here.
+    if (factor != 1.0f && t.numel() > 0 && !t.is_non_overlapping_and_dense()) const_cast<at::Tensor&>(t).mul_(inv_scale);
+  }
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU));
+  cpu::scan(tensors, tags, result_pointers(out, n), factor);
+  if (factor != 1.0f) bump_versions_of_dense(tensors);  // written by the kernel, not through ATen
+  return {out.counts, out.stats, out.total_norm, out.finite};
+}
+
 // Multiplies every tensor by coef in place, unless coef is exactly 1: a step that needs no clipping
 // then costs no write pass. The multiply itself is ATen's, so the values equal torch's clipping.
 void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
@@ -88,9 +128,13 @@ void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
 TORCH_LIBRARY(nanscan, m) {
   m.def("scan(Tensor[] tensors) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
+  m.def(
+      "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "
+      "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
 }
 
 TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);
   m.impl("scale_", &nanscan::scale_cpu);
+  m.impl("unscale_scan_", &nanscan::unscale_scan_cpu);
 }

@@ -24,6 +24,17 @@ std::optional<DType> dtype_tag(at::ScalarType t);
 // Errors name the offending index.
 std::vector<DType> check_scan_inputs(at::TensorList tensors, const char* op);
 
+// Rejects float8 tensors for ops that write (torch has no float8 arithmetic to match).
+void check_multipliable(at::TensorList tensors, const std::vector<DType>& tags, const char* op);
+
+// Kernels that write tensors directly (not through ATen ops) bump the version counters themselves, so
+// that autograd and nanscan's reuse of statistics see the change. Non-dense tensors are written
+// through ATen, which bumps them already.
+void bump_versions_of_dense(at::TensorList tensors);
+
+// inv_scale must be a one-element float32 tensor on the tensors' device.
+void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op);
+
 ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device);
 
 ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors);

@@ -6,6 +6,8 @@ The ops themselves are declared once, in csrc/ops.cpp:
   counts int64 [2, N] (NaN, Inf), stats float64 [3, N] (min, max, L2 norm), total_norm float64 [],
   finite bool []. All outputs live on the tensors' device.
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
+* ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite)``:
+  GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the scan of the result.
 """
 
 from __future__ import annotations
@@ -16,10 +18,22 @@ from . import _C  # noqa: F401  (loading the library registers the ops)
 
 scan_op = torch.ops.nanscan.scan.default
 scale_op = torch.ops.nanscan.scale_.default
+unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 
 
 @torch.library.register_fake("nanscan::scan")
 def _scan_fake(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _scan_outputs(tensors)
+
+
+@torch.library.register_fake("nanscan::unscale_scan_")
+def _unscale_scan_fake(
+    tensors: list[torch.Tensor], inv_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _scan_outputs(tensors)
+
+
+def _scan_outputs(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check(len(tensors) > 0, lambda: "nanscan.scan: expected at least one tensor")
     n = len(tensors)
     device = tensors[0].device

@@ -61,9 +61,33 @@ NANSCAN_HD uint32_t half_magnitude_to_float_bits(uint32_t mag) {
   return mag >= 0x7c00u ? special : (mag < 0x0400u ? subnormal : normal);
 }
 
+// Rounding a float back to a 16-bit format, round-to-nearest-even, with torch's (c10's) results bit
+// for bit: overflow goes to Inf, NaN becomes the canonical quiet NaN (bf16 0x7fc0, fp16 0x7e00).
+// Branch-free integer arithmetic, so the same code vectorises on the CPU and runs on the GPU.
+NANSCAN_HD uint16_t float_to_bfloat16_bits(float f) {
+  const uint32_t x = float_to_bits(f);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+NANSCAN_HD uint16_t float_to_half_bits(float f) {
+  const uint32_t x = float_to_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t mag = x & 0x7fffffffu;
+  // Normal halves: re-bias the exponent and round the 13 dropped mantissa bits to nearest even.
+  const uint32_t normal = (mag + ((15u - 127u) << 23) + 0xfffu + ((mag >> 13) & 1u)) >> 13;
+  // Subnormal halves (|f| < 2^-14): adding 0.5 aligns the value so the FPU's own round-to-nearest-even
+  // drops exactly the bits a half cannot hold; both operands are normal floats.
+  const uint32_t subnormal = float_to_bits(bits_to_float(mag) + 0.5f) - 0x3f000000u;
+  const uint32_t finite = mag < 0x38800000u ? subnormal : normal;
+  const uint32_t special = mag > 0x7f800000u ? 0x7e00u : 0x7c00u;  // NaN, or Inf / overflow
+  return static_cast<uint16_t>(sign | (mag >= 0x477ff000u ? special : finite));
+}
+
 // A codec names the storage word, its magnitude mask, the first magnitude that is not finite, and
 // whether that magnitude is an Inf (IEEE formats) or already a NaN (e4m3fn, which has no Inf).
-// decode() returns the exact value in Wide (float for every format but fp64).
+// decode() returns the exact value in Wide (float for every format but fp64); encode(), where a
+// format has one (not float8: torch cannot compute in it either), rounds a Wide back like torch does.
 struct Float32Codec {
   using Raw = uint32_t;
   using Wide = float;
@@ -71,6 +95,7 @@ struct Float32Codec {
   static constexpr Raw kFirstNonFinite = 0x7f800000u;
   static constexpr bool kHasInf = true;
   NANSCAN_HD static float decode(Raw r) { return bits_to_float(r); }
+  NANSCAN_HD static Raw encode(float v) { return float_to_bits(v); }
 };
 
 struct Float64Codec {
@@ -80,6 +105,11 @@ struct Float64Codec {
   static constexpr Raw kFirstNonFinite = 0x7ff0000000000000ull;
   static constexpr bool kHasInf = true;
   NANSCAN_HD static double decode(Raw r) { return bits_to_double(r); }
+  NANSCAN_HD static Raw encode(double v) {
+    Raw r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+  }
 };
 
 struct BFloat16Codec {
@@ -89,6 +119,7 @@ struct BFloat16Codec {
   static constexpr Raw kFirstNonFinite = 0x7f80;
   static constexpr bool kHasInf = true;
   NANSCAN_HD static float decode(Raw r) { return bits_to_float(static_cast<uint32_t>(r) << 16); }
+  NANSCAN_HD static Raw encode(float v) { return float_to_bfloat16_bits(v); }
 };
 
 struct Float16Codec {
@@ -101,6 +132,7 @@ struct Float16Codec {
     const uint32_t sign = (static_cast<uint32_t>(r) & 0x8000u) << 16;
     return bits_to_float(sign | half_magnitude_to_float_bits(r & 0x7fffu));
   }
+  NANSCAN_HD static Raw encode(float v) { return float_to_half_bits(v); }
 };
 
 // e5m2 is the upper byte of an fp16: same exponent width and bias, two mantissa bits.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace nanscan::cpu {
 namespace {
@@ -55,11 +56,32 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   }
 }
 
+// Formats torch can compute in have an encode(); float8 has none.
+template <class Codec, class = void>
+struct HasEncode : std::false_type {};
 template <class Codec>
-NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end, TensorStats& s) {
-  const auto* p = static_cast<const typename Codec::Raw*>(data);
+struct HasEncode<Codec, std::void_t<decltype(Codec::encode(typename Codec::Wide()))>> : std::true_type {};
+
+// Replaces each element by round(x * factor) in place, computing in Wide exactly as torch's
+// _amp_foreach_non_finite_check_and_unscale_ does (a float factor, widened for fp64).
+template <class Codec>
+NANSCAN_INLINE void multiply_run(typename Codec::Raw* p, int64_t len, float factor) {
+  if constexpr (HasEncode<Codec>::value) {
+    const auto f = static_cast<typename Codec::Wide>(factor);
+    for (int64_t i = 0; i < len; ++i) p[i] = Codec::encode(Codec::decode(p[i]) * f);
+  }
+}
+
+// Scans [begin, end) of a dense tensor run by run; with a multiplier, each run is first rewritten
+// in place and then scanned while it is still in L1, so the pair costs one read and one write.
+template <class Codec>
+NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end, const float* multiply_by,
+                                    TensorStats& s) {
+  auto* p = static_cast<typename Codec::Raw*>(const_cast<void*>(data));
   for (int64_t i = begin; i < end; i += kRunElements) {
-    scan_run<Codec>(p + i, std::min(kRunElements, end - i), s);
+    const int64_t len = std::min(kRunElements, end - i);
+    if (multiply_by != nullptr) multiply_run<Codec>(p + i, len, *multiply_by);
+    scan_run<Codec>(p + i, len, s);
   }
 }
 
@@ -111,13 +133,14 @@ const void* dense_span(const at::Tensor& t) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int64_t begin, int64_t end) {
+TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int64_t begin, int64_t end,
+                       const float* multiply_by) {
   TensorStats s = empty_stats();
   switch (dtype) {
 #define NANSCAN_CASE(TAG, CODEC)                                 \
   case DType::TAG:                                               \
     if (dense) {                                                 \
-      scan_contiguous<CODEC>(dense, begin, end, s);              \
+      scan_contiguous<CODEC>(dense, begin, end, multiply_by, s); \
     } else {                                                     \
       scan_strided<CODEC>(t, begin, end, s);                     \
     }                                                            \
@@ -135,7 +158,10 @@ TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int6
 
 }  // namespace
 
-void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out) {
+void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
+          std::optional<float> multiply_dense_by) {
+  // torch leaves the values untouched (no write) when the factor is exactly 1; so do we.
+  const float* multiply_by = multiply_dense_by.has_value() && *multiply_dense_by != 1.0f ? &*multiply_dense_by : nullptr;
   const int64_t n = static_cast<int64_t>(tensors.size());
   std::vector<const void*> dense(n);
   std::vector<Chunk> chunks;
@@ -168,7 +194,7 @@ void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const Result
       const int64_t num_chunks = static_cast<int64_t>(chunks.size());
       for (; c < num_chunks && chunk_start_byte[c] < byte_end; ++c) {
         const Chunk& ch = chunks[c];
-        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end);
+        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by);
       }
     });
   }

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <vector>
 
 #include "../common/scan_rules.h"
@@ -16,6 +17,9 @@ constexpr int64_t kMaxDims = 64;
 // Fills `out` for `tensors` (all on the CPU, dtypes[i] the tag of tensors[i]). Work is split into
 // byte-sized chunks fixed by the tensor sizes alone, scanned in parallel, and combined in chunk order,
 // so the result does not depend on the thread count. Non-contiguous tensors are read in place.
-void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out);
+// With `multiply_dense_by`, every dense tensor is first multiplied in place (fused into the same pass;
+// the caller multiplies non-dense ones beforehand), and the statistics are of the products.
+void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
+          std::optional<float> multiply_dense_by = std::nullopt);
 
 }  // namespace nanscan::cpu

@@ -51,6 +51,7 @@ struct ScaleLaunch {
   TensorTable table;
   const void* coef;
   DType coef_dtype;
+  CoefRounding rounding;
 };
 
 
@@ -263,22 +264,6 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
   if (threadIdx.x == 0) *ws.tickets = 0;  // self-reset: a graph replay starts from zero even without the memset
 }
 
-// Rounds a float (or double) to the storage format, as torch's casts do (round to nearest even).
-template <class Codec>
-__device__ typename Codec::Raw encode(typename Codec::Wide v);
-template <>
-__device__ uint32_t encode<Float32Codec>(float v) { return float_to_bits(v); }
-template <>
-__device__ uint64_t encode<Float64Codec>(double v) {
-  uint64_t b;
-  memcpy(&b, &v, sizeof b);
-  return b;
-}
-template <>
-__device__ uint16_t encode<Float16Codec>(float v) { return __half_as_ushort(__float2half_rn(v)); }
-template <>
-__device__ uint16_t encode<BFloat16Codec>(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
 __device__ double load_scalar(const void* p, DType dtype) {
   switch (dtype) {
     case DType::Float32: return Float32Codec::decode(*static_cast<const uint32_t*>(p));
@@ -291,15 +276,15 @@ __device__ double load_scalar(const void* p, DType dtype) {
   return 1.0;
 }
 
-// The coefficient is first rounded to the tensor's dtype (torch's mul_ casts its inputs to the common
-// dtype), then the product is formed in Wide and rounded once.
+// The product is formed in Wide and rounded once; see CoefRounding for the coefficient.
 template <class Codec>
-__device__ void scale_chunk(void* data, int64_t begin, int64_t end, double coef, int lane) {
+__device__ void scale_chunk(void* data, int64_t begin, int64_t end, double coef, CoefRounding rounding, int lane) {
   using Raw = typename Codec::Raw;
   using Wide = typename Codec::Wide;
   Raw* p = static_cast<Raw*>(data) + begin;
-  const Wide c = Codec::decode(encode<Codec>(static_cast<Wide>(coef)));
-  for (int64_t e = lane; e < end - begin; e += kWarpSize) p[e] = encode<Codec>(Codec::decode(p[e]) * c);
+  const Wide c = rounding == CoefRounding::ToTensorDtype ? Codec::decode(Codec::encode(static_cast<Wide>(coef)))
+                                                         : static_cast<Wide>(static_cast<float>(coef));
+  for (int64_t e = lane; e < end - begin; e += kWarpSize) p[e] = Codec::encode(Codec::decode(p[e]) * c);
 }
 
 __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__ ScaleLaunch launch) {
@@ -314,10 +299,10 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__
     const int64_t end = begin + per < table.numel[t] ? begin + per : table.numel[t];
     void* data = const_cast<void*>(table.data[t]);
     switch (table.dtype_of(t)) {
-      case DType::Float32: scale_chunk<Float32Codec>(data, begin, end, coef, lane); break;
-      case DType::Float64: scale_chunk<Float64Codec>(data, begin, end, coef, lane); break;
-      case DType::Float16: scale_chunk<Float16Codec>(data, begin, end, coef, lane); break;
-      case DType::BFloat16: scale_chunk<BFloat16Codec>(data, begin, end, coef, lane); break;
+      case DType::Float32: scale_chunk<Float32Codec>(data, begin, end, coef, launch.rounding, lane); break;
+      case DType::Float64: scale_chunk<Float64Codec>(data, begin, end, coef, launch.rounding, lane); break;
+      case DType::Float16: scale_chunk<Float16Codec>(data, begin, end, coef, launch.rounding, lane); break;
+      case DType::BFloat16: scale_chunk<BFloat16Codec>(data, begin, end, coef, launch.rounding, lane); break;
       default: break;  // rejected on the host
     }
   }
@@ -407,14 +392,15 @@ cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPoin
   return cudaSuccess;
 }
 
-cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coef, DType coef_dtype, int num_sms,
-                  cudaStream_t stream) {
+cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coef, DType coef_dtype,
+                  CoefRounding rounding, int num_sms, cudaStream_t stream) {
   for (int64_t i = 0; i < num_tensors; ++i) {
     if (tensors[i].dtype == DType::Float8E4M3FN || tensors[i].dtype == DType::Float8E5M2) return cudaErrorInvalidValue;
   }
   auto launch = std::make_unique<ScaleLaunch>();
   launch->coef = coef;
   launch->coef_dtype = coef_dtype;
+  launch->rounding = rounding;
   for (int64_t first = 0; first < num_tensors; first += kMaxTensorsPerLaunch) {
     const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, num_tensors - first);
     const int32_t chunks = fill_table(launch->table, tensors, first, count);

@@ -30,11 +30,17 @@ size_t scan_workspace_bytes(const TensorArg* tensors, int64_t num_tensors);
 cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPointers& out, void* workspace,
                  int num_sms, cudaStream_t stream);
 
+// How scale() treats its coefficient, mirroring the torch op it stands in for.
+enum class CoefRounding {
+  ToTensorDtype,  // tensor.mul_(coef_tensor): the coefficient is cast to the tensor's dtype first
+  None,           // GradScaler's unscale: the float coefficient multiplies in float (double for fp64)
+};
+
 // Multiplies every tensor in place by *coef (a device scalar of dtype coef_dtype), computing in the
-// tensor's Wide type and rounding once, as torch's mul_ does. Blocks read the coefficient first and
-// return at once when it is exactly 1, so a step that needs no clipping writes nothing.
+// tensor's Wide type and rounding once, as torch does. Blocks read the coefficient first and return at
+// once when it is exactly 1, so a step that needs no clipping writes nothing.
 // Float8 tensors are rejected (cudaErrorInvalidValue), as torch's mul_ rejects them.
-cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coef, DType coef_dtype, int num_sms,
-                  cudaStream_t stream);
+cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coef, DType coef_dtype,
+                  CoefRounding rounding, int num_sms, cudaStream_t stream);
 
 }  // namespace nanscan::cuda
