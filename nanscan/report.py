@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .guard import ON_NONFINITE, act_on_nonfinite
 from .clip import as_max_norm, as_norm_type, clip_grads_with_norm_, result_dtype, scan_answers, total_norm_from_scan
 from .scan import ScanResult, scan
 
@@ -174,6 +175,9 @@ def check(
     *,
     max_norm: float | None = None,
     norm_type: float = 2.0,
+    on_nonfinite: str = "ignore",
+    optimizer: torch.optim.Optimizer | None = None,
+    max_consecutive_skips: int | None = None,
 ) -> Report:
     """Scans every gradient in one fused pass and returns a Report, without a host sync.
 
@@ -183,12 +187,21 @@ def check(
             ``torch.nn.utils.clip_grad_norm_``) with this threshold, reusing the scan's norm.
         norm_type: the order of ``Report.total_norm`` and of the clipping. 2 and inf come from the
             fused scan; other orders cost torch's own norm computation on top.
+        on_nonfinite: what to do when a gradient has a NaN/Inf. ``"ignore"`` (default);
+            ``"warn"`` or ``"raise"`` (NonFiniteGradientError naming the parameters), both of which
+            read the finite flag (one sync); ``"skip"``: the next ``optimizer.step()`` does nothing
+            (see SkipGuard: no sync with a fused optimizer, one otherwise).
+        optimizer: the optimizer whose step ``"skip"`` guards.
+        max_consecutive_skips: with ``"skip"``, raise NonFiniteGradientError after more consecutive
+            skipped steps than this.
 
     Example:
         >>> report = nanscan.check(model, max_norm=1.0)
         >>> if not report.finite:
         ...     print(report.nonfinite)
     """
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"nanscan.check: on_nonfinite must be one of {', '.join(map(repr, ON_NONFINITE))}, got {on_nonfinite!r}")
     norm_type = as_norm_type(norm_type)
     if max_norm is not None:
         max_norm = as_max_norm(max_norm)
@@ -202,4 +215,6 @@ def check(
         else:
             total = torch.nn.utils.get_total_norm(grads, norm_type)
         coef = clip_grads_with_norm_(grads, max_norm, total) if max_norm is not None and grads else None
-    return Report(names, stats, total, norm_type, max_norm, coef)
+    report = Report(names, stats, total, norm_type, max_norm, coef)
+    act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
+    return report

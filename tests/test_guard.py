@@ -1,0 +1,98 @@
+"""check(..., on_nonfinite=...): ignore, warn, raise, skip (with counters and a consecutive limit)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nanscan
+from nanscan.guard import NonFiniteGradientError, SkipGuard
+
+
+def setup(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def backward(model: torch.nn.Module, poison: bool) -> None:
+    model.zero_grad()
+    model(torch.randn(4, 6)).sum().backward()
+    if poison:
+        model[2].weight.grad[1, 1] = math.nan
+
+
+def params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_unknown_mode_and_missing_optimizer() -> None:
+    model, _ = setup()
+    backward(model, False)
+    with pytest.raises(ValueError, match="on_nonfinite must be one of 'ignore', 'warn', 'raise', 'skip'"):
+        nanscan.check(model, on_nonfinite="skipp")
+    with pytest.raises(ValueError, match="needs optimizer="):
+        nanscan.check(model, on_nonfinite="skip")
+
+
+def test_raise_and_warn_name_the_parameters() -> None:
+    model, _ = setup()
+    backward(model, False)
+    nanscan.check(model, on_nonfinite="raise")  # finite: no error
+    backward(model, True)
+    with pytest.raises(NonFiniteGradientError, match="non-finite gradients in 2.weight"):
+        nanscan.check(model, on_nonfinite="raise")
+    with pytest.warns(RuntimeWarning, match="non-finite gradients in 2.weight"):
+        nanscan.check(model, on_nonfinite="warn")
+    nanscan.check(model, on_nonfinite="ignore")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_skip_and_counters(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = setup(fused)
+    pattern = [False, True, True, False, True]
+    for poison in pattern:
+        backward(model, poison)
+        before = params(model)
+        if fused:  # the device-side path must not read the flag on the host
+            with monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "__bool__", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+                m.setattr(torch.Tensor, "item", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+                nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+                opt.step()
+        else:
+            nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+            opt.step()
+        after = params(model)
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+        assert changed == (not poison), f"poison={poison}: parameters {'changed' if changed else 'unchanged'}"
+        assert all(torch.isfinite(p).all() for p in after)
+    guard = SkipGuard.of(opt)
+    assert guard.total_skips == 3 and guard.consecutive_skips == 1 and guard.last_skipped
+    if fused:
+        assert opt.state[next(iter(model.parameters()))]["step"].item() == 2  # skipped steps not counted
+
+
+def test_consecutive_limit_raises() -> None:
+    model, opt = setup()
+    for i in range(3):
+        backward(model, True)
+        if i < 2:
+            nanscan.check(model, on_nonfinite="skip", optimizer=opt, max_consecutive_skips=2)
+            opt.step()
+    with pytest.raises(NonFiniteGradientError, match="3 consecutive optimizer steps skipped"):
+        nanscan.check(model, on_nonfinite="skip", optimizer=opt, max_consecutive_skips=2)
+
+
+def test_unarmed_step_is_an_ordinary_step() -> None:
+    model, opt = setup()
+    backward(model, False)
+    nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+    opt.step()
+    backward(model, False)
+    before = params(model)
+    opt.step()  # no check this step: runs normally
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model)))
