@@ -70,7 +70,7 @@ int sm_count() {
   return count;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors, bool fp16_range) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
   std::vector<at::Tensor> copies;
@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorL
   const std::vector<cuda::TensorArg> args = tensor_args(tensors, tags, copies);
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto device = at::TensorOptions().device(tensors[0].device());
-  ScanOutputs out = allocate_scan_outputs(n, device);
+  ScanOutputs out = allocate_scan_outputs(n, device, fp16_range);
   const size_t workspace_bytes = cuda::scan_workspace_bytes(args.data(), n);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, device.dtype(at::kByte));
   C10_CUDA_CHECK(cuda::scan(args.data(), n, result_pointers(out, n), workspace.data_ptr(), sm_count(),
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cuda(at:
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
   multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None);
-  return scan_cuda(tensors);
+  return scan_cuda(tensors, false);
 }
 
 }  // namespace

@@ -74,23 +74,23 @@ void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const
               " but the tensors are on ", first.device());
 }
 
-ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device) {
-  return ScanOutputs{at::empty({2, num_tensors}, device.dtype(at::kLong)),
+ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, bool half_range) {
+  return ScanOutputs{at::empty({half_range ? 4 : 2, num_tensors}, device.dtype(at::kLong)),
                      at::empty({3, num_tensors}, device.dtype(at::kDouble)), at::empty({}, device.dtype(at::kDouble)),
                      at::empty({}, device.dtype(at::kBool))};
 }
 
 ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors) {
   return ResultPointers{o.counts.data_ptr<int64_t>(), o.stats.data_ptr<double>(), o.total_norm.data_ptr<double>(),
-                        o.finite.data_ptr<bool>(), num_tensors};
+                        o.finite.data_ptr<bool>(), num_tensors, o.counts.size(0) == 4};
 }
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorList tensors) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorList tensors, bool fp16_range) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU));
+  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), fp16_range);
   cpu::scan(tensors, tags, result_pointers(out, n));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::
     if (factor != 1.0f && t.numel() > 0 && !t.is_non_overlapping_and_dense()) const_cast<at::Tensor&>(t).mul_(inv_scale);
   }
   const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU));
+  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), false);
   cpu::scan(tensors, tags, result_pointers(out, n), factor);
   if (factor != 1.0f) bump_versions_of_dense(tensors);  // written by the kernel, not through ATen
   return {out.counts, out.stats, out.total_norm, out.finite};
@@ -126,7 +126,9 @@ void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
 }  // namespace nanscan
 
 TORCH_LIBRARY(nanscan, m) {
-  m.def("scan(Tensor[] tensors) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
+  // fp16_range adds two rows to counts: finite values that overflow fp16, and non-zero values that
+  // fp16 would flush to zero (the AMP advisor's evidence).
+  m.def("scan(Tensor[] tensors, bool fp16_range=False) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "

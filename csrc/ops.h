@@ -12,7 +12,7 @@
 namespace nanscan {
 
 struct ScanOutputs {
-  at::Tensor counts;      // int64 [2, N]
+  at::Tensor counts;      // int64 [2, N], or [4, N] with the fp16-range counts
   at::Tensor stats;       // float64 [3, N]
   at::Tensor total_norm;  // float64 []
   at::Tensor finite;      // bool []
@@ -35,7 +35,7 @@ void bump_versions_of_dense(at::TensorList tensors);
 // inv_scale must be a one-element float32 tensor on the tensors' device.
 void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op);
 
-ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device);
+ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, bool half_range);
 
 ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors);
 

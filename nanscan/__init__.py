@@ -5,9 +5,22 @@
         print(report.nonfinite)                    # names of the parameters that went bad
 """
 
+from . import amp
 from .clip import clip_grad_norm_, get_total_norm
+from .guard import NonFiniteGradientError, SkipGuard
 from .report import Report, check
 from .scan import SUPPORTED_DTYPES, ScanResult, scan
 
-__all__ = ["Report", "SUPPORTED_DTYPES", "ScanResult", "check", "clip_grad_norm_", "get_total_norm", "scan"]
+__all__ = [
+    "NonFiniteGradientError",
+    "Report",
+    "SUPPORTED_DTYPES",
+    "ScanResult",
+    "SkipGuard",
+    "amp",
+    "check",
+    "clip_grad_norm_",
+    "get_total_norm",
+    "scan",
+]
 __version__ = "0.1.0"

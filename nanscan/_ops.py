@@ -2,8 +2,8 @@
 
 The ops themselves are declared once, in csrc/ops.cpp:
 
-* ``nanscan::scan(Tensor[] tensors) -> (counts, stats, total_norm, finite)``
-  counts int64 [2, N] (NaN, Inf), stats float64 [3, N] (min, max, L2 norm), total_norm float64 [],
+* ``nanscan::scan(Tensor[] tensors, bool fp16_range=False) -> (counts, stats, total_norm, finite)``
+  counts int64 [2, N] (NaN, Inf; with fp16_range also fp16 overflow and underflow: [4, N]), stats float64 [3, N] (min, max, L2 norm), total_norm float64 [],
   finite bool []. All outputs live on the tensors' device.
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite)``:
@@ -22,8 +22,10 @@ unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 
 
 @torch.library.register_fake("nanscan::scan")
-def _scan_fake(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _scan_outputs(tensors)
+def _scan_fake(
+    tensors: list[torch.Tensor], fp16_range: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _scan_outputs(tensors, 4 if fp16_range else 2)
 
 
 @torch.library.register_fake("nanscan::unscale_scan_")
@@ -33,14 +35,16 @@ def _unscale_scan_fake(
     return _scan_outputs(tensors)
 
 
-def _scan_outputs(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scan_outputs(
+    tensors: list[torch.Tensor], count_rows: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check(len(tensors) > 0, lambda: "nanscan.scan: expected at least one tensor")
     n = len(tensors)
     device = tensors[0].device
     for i, t in enumerate(tensors):  # the real kernels refuse mixed devices; so must the fake one
         torch._check(t.device == device, lambda: f"nanscan.scan: tensors[{i}] is on {t.device} but tensors[0] is on {device}")
     return (
-        torch.empty((2, n), dtype=torch.int64, device=device),
+        torch.empty((count_rows, n), dtype=torch.int64, device=device),
         torch.empty((3, n), dtype=torch.float64, device=device),
         torch.empty((), dtype=torch.float64, device=device),
         torch.empty((), dtype=torch.bool, device=device),

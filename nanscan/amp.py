@@ -15,14 +15,16 @@ two launches (two reads and one write).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ._ops import unscale_scan_op
-from .report import Report
-from .scan import ScanResult, remember_for_reuse
+from .report import Report, named_gradients
+from .scan import ScanResult, remember_for_reuse, scan
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -90,3 +92,120 @@ class GradScaler(torch.amp.GradScaler):
         else:
             self.last_report = None  # several devices: found_inf is exact, the per-device stats are not merged
         return found_per_device
+
+
+FP16_MAX = 65504.0
+
+
+@dataclass
+class Advice:
+    """The Advisor's answer.
+
+    Attributes:
+        recommendation: ``"keep"`` (fp16 holds these gradients), ``"loss-scale"`` (change the scaler's
+            settings: ``suggested_init_scale``), ``"bf16"`` (fp16's range does not fit; bf16 has fp32's
+            range) or ``"fp32-modules"`` (a few modules overflow fp16: keep ``fp32_modules`` in fp32,
+            what a hand-written ``force_fp32`` does).
+        reasons: the evidence, one sentence each.
+    """
+
+    recommendation: str
+    reasons: list[str]
+    fp32_modules: list[str] = field(default_factory=list)
+    suggested_init_scale: float | None = None
+
+    def __str__(self) -> str:
+        return f"nanscan AMP advice: {self.recommendation}\n" + "\n".join(f"  - {r}" for r in self.reasons)
+
+
+class Advisor:
+    """Watches gradients over steps and says whether fp16 (with a loss scale) can hold them.
+
+    ``observe(model)`` runs the fused scan with the fp16-range counts (one pass, no sync) and adds its
+    counts to device-side totals; ``advise()`` reads them once. Observe unscaled gradients: those of
+    bf16/fp32 training, or after ``scaler.unscale_``.
+    """
+
+    def __init__(self, underflow_threshold: float = 1e-3, module_share_threshold: float = 0.25) -> None:
+        self.underflow_threshold = underflow_threshold
+        self.module_share_threshold = module_share_threshold
+        self.names: list[str] | None = None
+        self.numels: list[int] = []
+        self.steps = 0
+        self._overflow: torch.Tensor | None = None
+        self._underflow: torch.Tensor | None = None
+        self._max_abs: torch.Tensor | None = None
+        self._nonfinite_steps: torch.Tensor | None = None
+
+    def observe(self, model_or_params: torch.nn.Module | Any) -> ScanResult:
+        """Scans the current gradients once and accumulates the fp16 evidence; returns the scan."""
+        names, grads = named_gradients(model_or_params)
+        if self.names is None:
+            self.names, self.numels = names, [g.numel() for g in grads]
+        elif names != self.names:
+            raise ValueError("nanscan.amp.Advisor: the set of parameters with gradients changed between observe() calls")
+        with torch.no_grad():
+            r = scan(grads, names, fp16_range=True)
+            finite_abs = torch.maximum(r.min.abs(), r.max.abs()).nan_to_num(0.0, 0.0, 0.0)
+            # Tensors with no finite value have min=+inf/max=-inf: nan_to_num turned those into 0.
+            assert r.fp16_overflow is not None and r.fp16_underflow is not None
+            if self._overflow is None:
+                self._overflow, self._underflow = r.fp16_overflow.clone(), r.fp16_underflow.clone()
+                self._max_abs, self._nonfinite_steps = finite_abs, (~r.finite).to(torch.int64)
+            else:
+                self._overflow += r.fp16_overflow
+                self._underflow += r.fp16_underflow
+                self._max_abs = torch.maximum(self._max_abs, finite_abs)
+                self._nonfinite_steps = self._nonfinite_steps + (~r.finite).to(torch.int64)
+        self.steps += 1
+        return r
+
+    def advise(self) -> Advice:
+        """The recommendation and its reasons, from everything observed so far (one sync)."""
+        if self.names is None or self._overflow is None:
+            raise RuntimeError("nanscan.amp.Advisor: call observe() at least once before advise()")
+        overflow = self._overflow.tolist()
+        underflow = self._underflow.tolist()
+        max_abs = self._max_abs.tolist()
+        nonfinite_steps = int(self._nonfinite_steps)
+        elements = sum(self.numels) * self.steps
+        peak = max(max_abs) if max_abs else 0.0
+        headroom = FP16_MAX / peak if peak > 0 else math.inf
+        reasons = [
+            f"{self.steps} step(s) observed over {len(self.names)} gradients; largest |g| {peak:.4g} is "
+            f"{peak / FP16_MAX:.3g}x fp16's limit of 65504"
+        ]
+        if nonfinite_steps:
+            reasons.append(f"{nonfinite_steps} observed step(s) already had NaN/Inf gradients")
+        total_overflow, total_underflow = sum(overflow), sum(underflow)
+        if total_overflow:
+            modules = module_shares(self.names, self.numels, overflow)
+            share = sum(self.numels[i] for i, n in enumerate(overflow) if n) / max(1, sum(self.numels))
+            reasons.append(
+                f"{total_overflow} gradient values ({total_overflow / elements:.2e} of all) exceed 65504 and would be "
+                f"Inf in fp16, in {', '.join(modules)} ({share:.0%} of the parameters)"
+            )
+            if share <= self.module_share_threshold:
+                return Advice("fp32-modules", reasons + ["the overflow is confined to these modules: run them in fp32"], modules)
+            return Advice("bf16", reasons + ["the overflow is widespread: bf16 has fp32's range and needs no loss scale"])
+        flushed = total_underflow / max(1, elements)
+        if flushed > self.underflow_threshold:
+            reasons.append(f"{flushed:.2%} of gradient values are non-zero but below 2^-24: fp16 would flush them to zero")
+            if headroom >= 4:
+                scale = 2.0 ** math.floor(math.log2(headroom / 2))
+                reasons.append(f"a loss scale up to {scale:g} keeps the largest value under 65504 with a 2x margin")
+                return Advice("loss-scale", reasons, suggested_init_scale=scale)
+            reasons.append("there is no headroom to scale them up without overflowing: fp16's range is too narrow")
+            return Advice("bf16", reasons)
+        reasons.append(f"only {flushed:.2e} of values underflow fp16 and none overflow it: the setup holds")
+        return Advice("keep", reasons)
+
+
+def module_shares(names: list[str], numels: list[int], counts: list[int]) -> list[str]:
+    """Module names (parameter name minus its last component) that have a non-zero count, in order."""
+    modules: list[str] = []
+    for name, count in zip(names, counts):
+        module = name.rsplit(".", 1)[0] if "." in name else name
+        if count and module not in modules:
+            modules.append(module)
+    return modules

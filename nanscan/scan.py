@@ -29,6 +29,9 @@ class ScanResult:
         total_norm: float64 [], L2 norm of all tensors as one vector.
         finite: bool [], True when no tensor has a NaN or Inf. Decided by classifying elements, so a
             huge but finite gradient (1e20 everywhere) is finite even though its fp32 square is not.
+        fp16_overflow: int64 [N], finite elements above fp16's 65504 (only with ``fp16_range=True``).
+        fp16_underflow: int64 [N], non-zero elements below fp16's smallest subnormal 2^-24, which fp16
+            would flush to zero (only with ``fp16_range=True``).
     """
 
     nan_count: torch.Tensor
@@ -38,10 +41,13 @@ class ScanResult:
     norm: torch.Tensor
     total_norm: torch.Tensor
     finite: torch.Tensor
+    fp16_overflow: torch.Tensor | None = None
+    fp16_underflow: torch.Tensor | None = None
 
     @classmethod
     def from_op(cls, counts: torch.Tensor, stats: torch.Tensor, total_norm: torch.Tensor, finite: torch.Tensor) -> ScanResult:
-        return cls(counts[0], counts[1], stats[0], stats[1], stats[2], total_norm, finite)
+        extra = (counts[2], counts[3]) if counts.shape[0] == 4 else (None, None)
+        return cls(counts[0], counts[1], stats[0], stats[1], stats[2], total_norm, finite, *extra)
 
     def __len__(self) -> int:
         return self.norm.shape[0]
@@ -106,13 +112,17 @@ def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[
     return groups
 
 
-def scan(tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | None = None) -> ScanResult:
+def scan(
+    tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | None = None, *, fp16_range: bool = False
+) -> ScanResult:
     """Scans every tensor in one fused pass per device; returns device tensors without a host sync.
 
     Args:
         tensors: a tensor or an iterable of tensors (typically gradients); any mix of float32, float64,
             float16, bfloat16 and float8 dtypes, any shapes and strides, on one or several devices.
         names: optional names of the tensors, used in error messages.
+        fp16_range: also count, in the same pass, the finite values an fp16 could not hold
+            (``fp16_overflow``, ``fp16_underflow``): the evidence ``nanscan.amp.Advisor`` works from.
 
     Tensors on several devices are scanned once per device and the results gathered on the device of
     the first tensor (like ``torch.nn.utils.clip_grad_norm_`` does with its norms). An empty list
@@ -121,41 +131,41 @@ def scan(tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | 
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if not tensors:
         return ScanResult.from_op(
-            torch.zeros((2, 0), dtype=torch.int64),
+            torch.zeros((4 if fp16_range else 2, 0), dtype=torch.int64),
             torch.zeros((3, 0), dtype=torch.float64),
             torch.zeros((), dtype=torch.float64),
             torch.ones((), dtype=torch.bool),
         )
     if torch.compiler.is_compiling():
         validate(tensors, names)  # traced once, costs nothing at run time
-        return ScanResult.from_op(*scan_op(tensors))
-    reused = recall(tensors)
+        return ScanResult.from_op(*scan_op(tensors, fp16_range))
+    reused = None if fp16_range else recall(tensors)
     if reused is not None:
         return reused
     # The op validates every entry in C++; Python walks the list only when something is wrong, to
     # name the entry (or to split a list that spans devices). That keeps the host cost per tensor low.
     try:
-        outputs = scan_op(tensors)
+        outputs = scan_op(tensors, fp16_range)
     except (RuntimeError, TypeError):
         validate(tensors, names)
         groups = group_by_device(tensors)
         if len(groups) > 1:
-            return _gather_devices(tensors, groups)
+            return _gather_devices(tensors, groups, fp16_range)
         raise
     if outputs[0].is_meta:
         validate(tensors, names)
     return ScanResult.from_op(*outputs)
 
 
-def _gather_devices(tensors: list[torch.Tensor], groups: dict[torch.device, list[int]]) -> ScanResult:
+def _gather_devices(tensors: list[torch.Tensor], groups: dict[torch.device, list[int]], fp16_range: bool) -> ScanResult:
     first = tensors[0].device
     n = len(tensors)
-    counts = torch.empty((2, n), dtype=torch.int64, device=first)
+    counts = torch.empty((4 if fp16_range else 2, n), dtype=torch.int64, device=first)
     stats = torch.empty((3, n), dtype=torch.float64, device=first)
     sumsq = torch.zeros((), dtype=torch.float64, device=first)
     finite = torch.ones((), dtype=torch.bool, device=first)
     for device, indices in groups.items():
-        c, s, total, fin = scan_op([tensors[i] for i in indices])
+        c, s, total, fin = scan_op([tensors[i] for i in indices], fp16_range)
         index = torch.tensor(indices, device=first)
         counts[:, index] = c.to(first)
         stats[:, index] = s.to(first)

@@ -86,7 +86,7 @@ def test_reuse_after_unscale_and_recompute_after_change(monkeypatch: pytest.Monk
     scaler.unscale_(opt)
     calls = []
     real_scan = nanscan.scan.__globals__["scan_op"]
-    monkeypatch.setitem(nanscan.scan.__globals__, "scan_op", lambda t: calls.append(len(t)) or real_scan(t))
+    monkeypatch.setitem(nanscan.scan.__globals__, "scan_op", lambda t, *a: calls.append(len(t)) or real_scan(t, *a))
     first = nanscan.check(model)
     assert calls == [], "the unscaled statistics were not reused"
     assert first.stats is scaler.last_report.stats
@@ -119,3 +119,45 @@ def test_scaler_rejects_fp16_grads_like_torch() -> None:
     scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
         scaler.unscale_(opt)
+
+
+def advisor_for(grad_fn) -> nanscan.amp.Advice:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    advisor = nanscan.amp.Advisor()
+    for step in range(3):
+        for name, p in model.named_parameters():
+            p.grad = grad_fn(name, p)
+        advisor.observe(model)
+    return advisor.advise()
+
+
+def test_advisor_recommendations() -> None:
+    normal = advisor_for(lambda n, p: torch.randn_like(p) * 1e-2)
+    assert normal.recommendation == "keep", str(normal)
+    overflowing = advisor_for(lambda n, p: torch.randn_like(p) * 1e6)
+    assert overflowing.recommendation == "bf16", str(overflowing)
+    one_module = advisor_for(lambda n, p: torch.randn_like(p) * (1e6 if n.startswith("3.") else 1e-2))
+    assert one_module.recommendation == "fp32-modules" and one_module.fp32_modules == ["3"], str(one_module)
+    tiny = advisor_for(lambda n, p: torch.randn_like(p) * 1e-9)
+    assert tiny.recommendation == "loss-scale", str(tiny)
+    scale = tiny.suggested_init_scale
+    assert scale is not None and math.log2(scale).is_integer()
+    peak = 4.5e-9  # randn * 1e-9 over ~13k values per step peaks near 4e-9
+    assert 2**38 <= scale <= 2**44 and scale * peak < 65504, "a power of two that keeps the peak under fp16's limit"
+    assert "flush them to zero" in str(tiny)
+
+
+def test_advisor_observe_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = model_and_optimizer("cpu")
+    model(torch.randn(2, 16)).sum().backward()
+    advisor = nanscan.amp.Advisor()
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "item", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+        m.setattr(torch.Tensor, "tolist", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+        m.setattr(torch.Tensor, "__bool__", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+        for _ in range(3):
+            advisor.observe(model)
+    assert advisor.advise().recommendation == "keep"
+    with pytest.raises(RuntimeError, match="observe\\(\\) at least once"):
+        nanscan.amp.Advisor().advise()

@@ -33,9 +33,27 @@ struct TensorStats {
   double min;    // over finite elements; +inf when there are none
   double max;    // over finite elements; -inf when there are none
   double sumsq;  // over finite elements
+  // Only when the fp16-range option is on (zero otherwise): finite elements an fp16 cannot hold,
+  // because they overflow it or because fp16 would flush them to zero (see count_half_range).
+  int64_t half_overflow;
+  int64_t half_underflow;
 };
 
-NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFINITY, 0.0}; }
+NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFINITY, 0.0, 0, 0}; }
+
+// fp16's limits: the largest finite value, and the smallest subnormal (values below it, other than
+// zero, are lost when stored as fp16).
+constexpr float kHalfMax = 65504.0f;
+constexpr float kHalfSmallestSubnormal = 5.9604644775390625e-8f;  // 2^-24
+
+// Counts a finite value that fp16 cannot hold. Callers pass finite values only (the fast rule's
+// counts are discarded with the rest of a run that held a NaN/Inf).
+template <class Wide, class Count>
+NANSCAN_HD void count_half_range(Count& overflow, Count& underflow, Wide v) {
+  const Wide a = v < Wide(0) ? -v : v;
+  overflow += a > Wide(kHalfMax) ? 1 : 0;
+  underflow += (a < Wide(kHalfSmallestSubnormal) && a > Wide(0)) ? 1 : 0;
+}
 
 // Magnitudes at or above kFirstNonFinite are NaN or Inf; a bit test, so no compiler flag removes it.
 template <class Codec>
@@ -51,7 +69,7 @@ NANSCAN_HD bool is_nan_magnitude(typename Codec::Raw mag) {
 // The definition of one element's contribution. Min/max use a strict comparison on finite values
 // only, so the result never depends on where a NaN sits (unlike fminf or vminps with a NaN operand).
 template <class Codec>
-NANSCAN_HD void accumulate_exact(TensorStats& s, typename Codec::Raw raw) {
+NANSCAN_HD void accumulate_exact(TensorStats& s, typename Codec::Raw raw, bool half_range) {
   const typename Codec::Raw mag = raw & Codec::kMagnitudeMask;
   if (is_nonfinite_magnitude<Codec>(mag)) {
     if (is_nan_magnitude<Codec>(mag)) {
@@ -65,6 +83,7 @@ NANSCAN_HD void accumulate_exact(TensorStats& s, typename Codec::Raw raw) {
   s.min = v < s.min ? v : s.min;
   s.max = v > s.max ? v : s.max;
   s.sumsq += v * v;
+  if (half_range) count_half_range(s.half_overflow, s.half_underflow, v);
 }
 
 // One lane's (or thread's) state over a run of elements; see the file comment.
@@ -120,8 +139,10 @@ NANSCAN_HD void merge_run(TensorStats& s, double run_min, double run_max, double
 // Combine two partial results. Callers combine in a fixed order (chunk order within a tensor, tensor
 // order for totals), which is what makes results bit-identical across runs and thread counts.
 NANSCAN_HD TensorStats combine(const TensorStats& a, const TensorStats& b) {
-  return TensorStats{a.nan_count + b.nan_count, a.inf_count + b.inf_count, b.min < a.min ? b.min : a.min,
-                     b.max > a.max ? b.max : a.max, a.sumsq + b.sumsq};
+  return TensorStats{a.nan_count + b.nan_count,         a.inf_count + b.inf_count,
+                     b.min < a.min ? b.min : a.min,         b.max > a.max ? b.max : a.max,
+                     a.sumsq + b.sumsq,                     a.half_overflow + b.half_overflow,
+                     a.half_underflow + b.half_underflow};
 }
 
 // The L2 norm with torch semantics: NaN if any element is NaN, else Inf if any is Inf. Finite values
@@ -135,19 +156,25 @@ NANSCAN_HD double l2_norm(const TensorStats& s) {
 NANSCAN_HD bool all_finite(const TensorStats& s) { return s.nan_count == 0 && s.inf_count == 0; }
 
 // Where a scan's results go; the op layer allocates these, every backend fills them the same way.
-// counts: int64 [2, N] (NaN counts, then Inf counts); stats: float64 [3, N] (min, max, norm).
+// counts: int64 [2, N] (NaN counts, then Inf counts), or [4, N] with the fp16-range option (then
+// fp16 overflow and fp16 underflow counts); stats: float64 [3, N] (min, max, norm).
 struct ResultPointers {
   int64_t* counts;
   double* stats;
   double* total_norm;  // 0-dim
   bool* finite;        // 0-dim
   int64_t num_tensors;
+  bool half_range;
 };
 
 NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const TensorStats& s) {
   const int64_t n = out.num_tensors;
   out.counts[i] = s.nan_count;
   out.counts[n + i] = s.inf_count;
+  if (out.half_range) {
+    out.counts[2 * n + i] = s.half_overflow;
+    out.counts[3 * n + i] = s.half_underflow;
+  }
   out.stats[i] = s.min;
   out.stats[n + i] = s.max;
   out.stats[2 * n + i] = l2_norm(s);

@@ -22,11 +22,13 @@ constexpr int64_t kMinParallelBytes = 512 * 1024;
 
 #define NANSCAN_INLINE inline __attribute__((always_inline))
 
-// Scans one run of at most kRunElements contiguous elements into `s`.
-template <class Codec>
+// Scans one run of at most kRunElements contiguous elements into `s`; with kHalfRange, also counts
+// the values fp16 cannot hold (a separate instantiation, so the plain scan pays nothing for it).
+template <class Codec, bool kHalfRange>
 NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorStats& s) {
   using Wide = typename Codec::Wide;
   Wide mn[kLanes], mx[kLanes], ss[kLanes];
+  int32_t over[kLanes] = {}, under[kLanes] = {};
   const FastRun<Codec> init = empty_run<Codec>();
   for (int64_t l = 0; l < kLanes; ++l) {
     mn[l] = init.min;
@@ -35,9 +37,15 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   }
   const int64_t full = len - len % kLanes;
   for (int64_t i = 0; i < full; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) accumulate_fast<Codec>(mn[l], mx[l], ss[l], p[i + l]);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      accumulate_fast<Codec>(mn[l], mx[l], ss[l], p[i + l]);
+      if constexpr (kHalfRange) count_half_range(over[l], under[l], Codec::decode(p[i + l]));
+    }
   }
-  for (int64_t i = full; i < len; ++i) accumulate_fast<Codec>(mn[i - full], mx[i - full], ss[i - full], p[i]);
+  for (int64_t i = full; i < len; ++i) {
+    accumulate_fast<Codec>(mn[i - full], mx[i - full], ss[i - full], p[i]);
+    if constexpr (kHalfRange) count_half_range(over[i - full], under[i - full], Codec::decode(p[i]));
+  }
 
   // Merge the lanes in a fixed pairwise tree (vectorises, unlike a serial fold); sums in fp64.
   double ds[kLanes];
@@ -51,8 +59,14 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   }
   if (run_is_exact<Codec>(mn[0], mx[0], ds[0])) {
     merge_run(s, mn[0], mx[0], ds[0]);
+    if constexpr (kHalfRange) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        s.half_overflow += over[l];
+        s.half_underflow += under[l];
+      }
+    }
   } else {
-    for (int64_t i = 0; i < len; ++i) accumulate_exact<Codec>(s, p[i]);
+    for (int64_t i = 0; i < len; ++i) accumulate_exact<Codec>(s, p[i], kHalfRange);
   }
 }
 
@@ -74,20 +88,20 @@ NANSCAN_INLINE void multiply_run(typename Codec::Raw* p, int64_t len, float fact
 
 // Scans [begin, end) of a dense tensor run by run; with a multiplier, each run is first rewritten
 // in place and then scanned while it is still in L1, so the pair costs one read and one write.
-template <class Codec>
+template <class Codec, bool kHalfRange>
 NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end, const float* multiply_by,
                                     TensorStats& s) {
   auto* p = static_cast<typename Codec::Raw*>(const_cast<void*>(data));
   for (int64_t i = begin; i < end; i += kRunElements) {
     const int64_t len = std::min(kRunElements, end - i);
     if (multiply_by != nullptr) multiply_run<Codec>(p + i, len, *multiply_by);
-    scan_run<Codec>(p + i, len, s);
+    scan_run<Codec, kHalfRange>(p + i, len, s);
   }
 }
 
 // Elements [begin, end) in logical (row-major) order of a tensor that is not dense in memory, gathered
 // run by run into a stack buffer, so no allocation scales with the tensor.
-template <class Codec>
+template <class Codec, bool kHalfRange>
 NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end, TensorStats& s) {
   using Raw = typename Codec::Raw;
   const int64_t ndim = t.dim();
@@ -112,7 +126,7 @@ NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end
         index[d] = 0;
       }
     }
-    scan_run<Codec>(buffer, len, s);
+    scan_run<Codec, kHalfRange>(buffer, len, s);
     i += len;
   }
 }
@@ -134,16 +148,22 @@ const void* dense_span(const at::Tensor& t) {
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int64_t begin, int64_t end,
-                       const float* multiply_by) {
+                       const float* multiply_by, bool half_range) {
   TensorStats s = empty_stats();
   switch (dtype) {
-#define NANSCAN_CASE(TAG, CODEC)                                 \
-  case DType::TAG:                                               \
-    if (dense) {                                                 \
-      scan_contiguous<CODEC>(dense, begin, end, multiply_by, s); \
-    } else {                                                     \
-      scan_strided<CODEC>(t, begin, end, s);                     \
-    }                                                            \
+#define NANSCAN_SCAN(CODEC, HALF)                                          \
+  if (dense) {                                                             \
+    scan_contiguous<CODEC, HALF>(dense, begin, end, multiply_by, s);       \
+  } else {                                                                 \
+    scan_strided<CODEC, HALF>(t, begin, end, s);                           \
+  }
+#define NANSCAN_CASE(TAG, CODEC) \
+  case DType::TAG:               \
+    if (half_range) {            \
+      NANSCAN_SCAN(CODEC, true)  \
+    } else {                     \
+      NANSCAN_SCAN(CODEC, false) \
+    }                            \
     break;
     NANSCAN_CASE(Float32, Float32Codec)
     NANSCAN_CASE(Float64, Float64Codec)
@@ -152,6 +172,7 @@ TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int6
     NANSCAN_CASE(Float8E4M3FN, Float8E4M3FNCodec)
     NANSCAN_CASE(Float8E5M2, Float8E5M2Codec)
 #undef NANSCAN_CASE
+#undef NANSCAN_SCAN
   }
   return s;
 }
@@ -194,7 +215,7 @@ void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const Result
       const int64_t num_chunks = static_cast<int64_t>(chunks.size());
       for (; c < num_chunks && chunk_start_byte[c] < byte_end; ++c) {
         const Chunk& ch = chunks[c];
-        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by);
+        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by, out.half_range);
       }
     });
   }

@@ -101,6 +101,8 @@ __device__ TensorStats warp_combine(TensorStats s) {
     other.min = shfl_xor(s.min, offset);
     other.max = shfl_xor(s.max, offset);
     other.sumsq = shfl_xor(s.sumsq, offset);
+    other.half_overflow = shfl_xor(static_cast<long long>(s.half_overflow), offset);
+    other.half_underflow = shfl_xor(static_cast<long long>(s.half_underflow), offset);
     s = combine(s, other);
   }
   return s;
@@ -133,14 +135,18 @@ __device__ __forceinline__ void for_each_lane_element(const Raw* p, int64_t n, i
 }
 
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane.
-template <class Codec>
+template <class Codec, bool kHalfRange>
 __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, int lane) {
   using Raw = typename Codec::Raw;
   const Raw* p = static_cast<const Raw*>(data) + begin;
   const int64_t n = end - begin;
 
   FastRun<Codec> run = empty_run<Codec>();
-  for_each_lane_element(p, n, lane, [&](Raw r) { accumulate_fast<Codec>(run.min, run.max, run.sumsq, r); });
+  long long over = 0, under = 0;
+  for_each_lane_element(p, n, lane, [&](Raw r) {
+    accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
+    if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
+  });
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = static_cast<double>(run.sumsq);
 #pragma unroll
@@ -152,21 +158,31 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   }
   TensorStats s = empty_stats();
   if (run_is_exact<Codec>(run_min, run_max, run_sumsq)) {
+    if constexpr (kHalfRange) {
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        over += shfl_xor(over, offset);
+        under += shfl_xor(under, offset);
+      }
+      s.half_overflow = over;
+      s.half_underflow = under;
+    }
     merge_run(s, run_min, run_max, run_sumsq);
     return s;
   }
-  for_each_lane_element(p, n, lane, [&](Raw r) { accumulate_exact<Codec>(s, r); });
+  for_each_lane_element(p, n, lane, [&](Raw r) { accumulate_exact<Codec>(s, r, kHalfRange); });
   return warp_combine(s);
 }
 
+template <bool kHalfRange>
 __device__ TensorStats scan_chunk_any(DType dtype, const void* data, int64_t begin, int64_t end, int lane) {
   switch (dtype) {
-    case DType::Float32: return scan_chunk<Float32Codec>(data, begin, end, lane);
-    case DType::Float64: return scan_chunk<Float64Codec>(data, begin, end, lane);
-    case DType::Float16: return scan_chunk<Float16Codec>(data, begin, end, lane);
-    case DType::BFloat16: return scan_chunk<BFloat16Codec>(data, begin, end, lane);
-    case DType::Float8E4M3FN: return scan_chunk<Float8E4M3FNCodec>(data, begin, end, lane);
-    case DType::Float8E5M2: return scan_chunk<Float8E5M2Codec>(data, begin, end, lane);
+    case DType::Float32: return scan_chunk<Float32Codec, kHalfRange>(data, begin, end, lane);
+    case DType::Float64: return scan_chunk<Float64Codec, kHalfRange>(data, begin, end, lane);
+    case DType::Float16: return scan_chunk<Float16Codec, kHalfRange>(data, begin, end, lane);
+    case DType::BFloat16: return scan_chunk<BFloat16Codec, kHalfRange>(data, begin, end, lane);
+    case DType::Float8E4M3FN: return scan_chunk<Float8E4M3FNCodec, kHalfRange>(data, begin, end, lane);
+    case DType::Float8E5M2: return scan_chunk<Float8E5M2Codec, kHalfRange>(data, begin, end, lane);
   }
   return empty_stats();
 }
@@ -176,6 +192,8 @@ __device__ TensorStats load_coherent(const TensorStats* p) {
   TensorStats s;
   s.nan_count = __ldcg(reinterpret_cast<const long long*>(&p->nan_count));
   s.inf_count = __ldcg(reinterpret_cast<const long long*>(&p->inf_count));
+  s.half_overflow = __ldcg(reinterpret_cast<const long long*>(&p->half_overflow));
+  s.half_underflow = __ldcg(reinterpret_cast<const long long*>(&p->half_underflow));
   s.min = __ldcg(&p->min);
   s.max = __ldcg(&p->max);
   s.sumsq = __ldcg(&p->sumsq);
@@ -227,6 +245,8 @@ __device__ void write_outputs(const ScanLaunch& launch, const Workspace& ws, con
   if (threadIdx.x == 0) write_totals(out, partial[0]);
 }
 
+// One instantiation per option, so the plain scan carries no register cost of the fp16-range counts.
+template <bool kHalfRange>
 __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanLaunch launch, Workspace ws,
                                                         ResultPointers out) {
   const TensorTable& table = launch.table;
@@ -236,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
     const int64_t per = chunk_elements(table.dtype_of(t));
     const int64_t begin = static_cast<int64_t>(c - table.chunk_begin[t]) * per;
     const int64_t end = begin + per < table.numel[t] ? begin + per : table.numel[t];
-    const TensorStats s = scan_chunk_any(table.dtype_of(t), table.data[t], begin, end, lane);
+    const TensorStats s = scan_chunk_any<kHalfRange>(table.dtype_of(t), table.data[t], begin, end, lane);
     if (lane == 0) {
       const bool only_chunk = table.chunk_begin[t + 1] - table.chunk_begin[t] == 1;
       if (only_chunk) {
@@ -384,7 +404,13 @@ cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPoin
     launch->is_last_launch = l == launches - 1;
     Workspace launch_ws = ws;
     launch_ws.tickets = ws.tickets + l;
-    scan_kernel<<<grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel)), kThreads, 0, stream>>>(*launch, launch_ws, out);
+    if (out.half_range) {
+      scan_kernel<true><<<grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel<true>)), kThreads, 0, stream>>>(
+          *launch, launch_ws, out);
+    } else {
+      scan_kernel<false><<<grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel<false>)), kThreads, 0, stream>>>(
+          *launch, launch_ws, out);
+    }
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     first_chunk += chunks;
