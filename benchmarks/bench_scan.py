@@ -21,9 +21,11 @@ instead of whichever method happened to run during it.
   ``min``/``max``/``norm`` ``.item()`` per gradient); ``foreach_norm+stack``: ``torch._foreach_norm``,
   ``torch.stack`` and ``torch.linalg.vector_norm`` of the stack.
 * On CUDA only: ``torch.compile(stats)``, the same statistics as the scan written in torch and
-  compiled (plain amin/amax rather than min/max of the finite values), and ``amp.unscale_+clip``,
-  ``GradScaler.unscale_`` followed by ``torch.nn.utils.clip_grad_norm_`` with nothing to clip
-  (not for float16 gradients, which GradScaler refuses to unscale).
+  compiled (plain amin/amax rather than min/max of the finite values).
+* On every device, for non-fp16 gradients: ``amp.unscale+clip`` (``GradScaler.unscale_`` then
+  ``clip_grad_norm_``: 3 reads + 2 writes) against ``nanscan.amp.unscale+clip`` (the fused unscale +
+  scan, then nanscan's clip reusing its statistics: 1 read + 1 write, 2 + 2 when clipping), each
+  with nothing to clip and with everything clipped. GradScaler refuses to unscale fp16 gradients.
 
 The flat buffer is filled first and the gradients are separately allocated copies of its slices, so
 the ceiling reads the same values and a method that rewrites the gradients (the clipping cases,
@@ -108,20 +110,22 @@ class Inputs:
     grads: list[torch.Tensor]
     params: list[torch.nn.Parameter]
     sources: list[torch.Tensor]  # views of ``flat``, one per gradient: what ``restore`` copies back
-    optimizer: torch.optim.Optimizer | None = None  # CUDA only: for GradScaler.unscale_
+    optimizer: torch.optim.Optimizer | None = None  # for GradScaler.unscale_
     scaler: torch.amp.GradScaler | None = None
+    nanscan_scaler: torch.amp.GradScaler | None = None
 
     def restore(self) -> None:
-        """Undoes a method that rewrote the gradients, and gives GradScaler a fresh unscale_ state."""
+        """Undoes a method that rewrote the gradients, and gives the GradScalers a fresh unscale_ state."""
         for grad, source in zip(self.grads, self.sources):
             grad.copy_(source)
         if self.optimizer is not None:
-            self.scaler = fresh_scaler(self.flat.device)
+            self.scaler = fresh_scaler(self.flat.device, torch.amp.GradScaler)
+            self.nanscan_scaler = fresh_scaler(self.flat.device, nanscan.amp.GradScaler)
 
 
-def fresh_scaler(device: torch.device) -> torch.amp.GradScaler:
+def fresh_scaler(device: torch.device, kind: type[torch.amp.GradScaler]) -> torch.amp.GradScaler:
     """A GradScaler whose scale is initialised (``unscale_`` needs a prior ``scale``) and not yet used."""
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16)
+    scaler = kind(device.type, init_scale=2.0**16)
     scaler.scale(torch.ones((), device=device))
     return scaler
 
@@ -136,9 +140,9 @@ def build_inputs(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: to
     for param, grad in zip(params, grads):
         param.grad = grad
     inputs = Inputs(flat, grads, params, sources)
-    if device.type == "cuda":
+    if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
         inputs.optimizer = torch.optim.SGD(params, lr=0.0)
-        inputs.scaler = fresh_scaler(device)
+        inputs.restore()
     return inputs
 
 
@@ -186,11 +190,28 @@ def torch_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return nans, infs, mins, maxs, norms, torch.linalg.vector_norm(norms)
 
 
-def amp_unscale_clip(inputs: Inputs) -> torch.Tensor:
-    """The AMP step's gradient handling: GradScaler.unscale_ (inf check + multiply), then torch's clip."""
-    assert inputs.scaler is not None and inputs.optimizer is not None
-    inputs.scaler.unscale_(inputs.optimizer)
-    return torch.nn.utils.clip_grad_norm_(inputs.params, NO_CLIP)
+def amp_unscale_clip(max_norm: float) -> Callable[[Inputs], torch.Tensor]:
+    """The AMP step's gradient handling: GradScaler.unscale_ (inf check + multiply), then torch's clip:
+    3 reads + 2 writes of the gradients."""
+
+    def run(inputs: Inputs) -> torch.Tensor:
+        assert inputs.scaler is not None and inputs.optimizer is not None
+        inputs.scaler.unscale_(inputs.optimizer)
+        return torch.nn.utils.clip_grad_norm_(inputs.params, max_norm)
+
+    return run
+
+
+def nanscan_unscale_clip(max_norm: float) -> Callable[[Inputs], torch.Tensor]:
+    """The same with nanscan.amp.GradScaler (unscale fused with the scan) and nanscan's clip, which
+    reuses the unscale's statistics: 1 read + 1 write without clipping, 2 + 2 with."""
+
+    def run(inputs: Inputs) -> torch.Tensor:
+        assert inputs.nanscan_scaler is not None and inputs.optimizer is not None
+        inputs.nanscan_scaler.unscale_(inputs.optimizer)
+        return nanscan.clip_grad_norm_(inputs.params, max_norm)
+
+    return run
 
 
 def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
@@ -211,11 +232,16 @@ def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
         Method("per_param_loop", lambda x: per_param_loop(x.grads), SCAN),
         Method("foreach_norm+stack", lambda x: foreach_total_norm(x.grads), SCAN),
     ]
+    if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
+        found += [
+            Method("nanscan.amp.unscale+clip(no-clip)", nanscan_unscale_clip(NO_CLIP), mutates=True),
+            Method("amp.unscale+clip(no-clip)", amp_unscale_clip(NO_CLIP), "nanscan.amp.unscale+clip(no-clip)", mutates=True),
+            Method("nanscan.amp.unscale+clip(clip)", nanscan_unscale_clip(CLIP), mutates=True),
+            Method("amp.unscale+clip(clip)", amp_unscale_clip(CLIP), "nanscan.amp.unscale+clip(clip)", mutates=True),
+        ]
     if device.type == "cuda":
         compiled = torch.compile(torch_stats)
         found.append(Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN))
-        if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
-            found.append(Method("amp.unscale_+clip", amp_unscale_clip, mutates=True))
     return found
 
 
