@@ -31,14 +31,22 @@ class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with a fused unscale + scan. Constructor and methods as torch's.
 
     Attributes:
-        last_report: the Report of the gradients as the last ``unscale_`` left them (names are the
-            parameters' positions in the optimizer, ``"group0.param3"``); None before the first one.
+        last_report: the Report of the gradients as the last ``unscale_`` left them (names from
+            ``watch(model)``, else the parameters' positions in the optimizer, ``"group0.param3"``);
+            None before the first one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.last_report: Report | None = None
         self._last_found_inf: list[torch.Tensor] = []
+        self._names: dict[int, str] = {}
+
+    def watch(self, model: torch.nn.Module) -> GradScaler:
+        """Names the reports' parameters after ``model.named_parameters()`` instead of their position in
+        the optimizer (``"group0.param3"``). Returns the scaler."""
+        self._names.update({id(p): name for name, p in model.named_parameters()})
+        return self
 
     @property
     def skipped(self) -> bool:
@@ -70,7 +78,7 @@ class GradScaler(torch.amp.GradScaler):
                     result = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
                     self._last_found_inf = list(result.values())
                     return result
-                names.append(f"group{g}.param{i}")
+                names.append(self._names.get(id(param), f"group{g}.param{i}"))
                 grads.append(param.grad)
 
         by_device: dict[torch.device, list[int]] = defaultdict(list)

@@ -161,3 +161,12 @@ def test_advisor_observe_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     assert advisor.advise().recommendation == "keep"
     with pytest.raises(RuntimeError, match="observe\\(\\) at least once"):
         nanscan.amp.Advisor().advise()
+
+
+def test_watch_names_parameters_in_reports() -> None:
+    model, opt = model_and_optimizer("cpu")
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0).watch(model)
+    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    model[2].bias.grad[0] = math.inf
+    scaler.unscale_(opt)
+    assert scaler.last_report.nonfinite == ["2.bias"]

@@ -86,6 +86,20 @@ __device__ int find_tensor(const TensorTable& table, int32_t c) {
   return lo;
 }
 
+// Chunk c of a launch: its tensor and element range.
+struct ChunkSpan {
+  int tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+__device__ ChunkSpan chunk_span(const TensorTable& table, int32_t c) {
+  const int t = find_tensor(table, c);
+  const int64_t per = chunk_elements(table.dtype_of(t));
+  const int64_t begin = static_cast<int64_t>(c - table.chunk_begin[t]) * per;
+  return ChunkSpan{t, begin, begin + per < table.numel[t] ? begin + per : table.numel[t]};
+}
+
 template <class T>
 __device__ T shfl_xor(T v, int offset) {
   return __shfl_xor_sync(0xffffffffu, v, offset);
@@ -252,11 +266,9 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
   const TensorTable& table = launch.table;
   const int lane = threadIdx.x % kWarpSize;
   for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < table.num_chunks; c += gridDim.x * kWarps) {
-    const int t = find_tensor(table, c);
-    const int64_t per = chunk_elements(table.dtype_of(t));
-    const int64_t begin = static_cast<int64_t>(c - table.chunk_begin[t]) * per;
-    const int64_t end = begin + per < table.numel[t] ? begin + per : table.numel[t];
-    const TensorStats s = scan_chunk_any<kHalfRange>(table.dtype_of(t), table.data[t], begin, end, lane);
+    const ChunkSpan span = chunk_span(table, c);
+    const int t = span.tensor;
+    const TensorStats s = scan_chunk_any<kHalfRange>(table.dtype_of(t), table.data[t], span.begin, span.end, lane);
     if (lane == 0) {
       const bool only_chunk = table.chunk_begin[t + 1] - table.chunk_begin[t] == 1;
       if (only_chunk) {
@@ -313,10 +325,9 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__
   const TensorTable& table = launch.table;
   const int lane = threadIdx.x % kWarpSize;
   for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < table.num_chunks; c += gridDim.x * kWarps) {
-    const int t = find_tensor(table, c);
-    const int64_t per = chunk_elements(table.dtype_of(t));
-    const int64_t begin = static_cast<int64_t>(c - table.chunk_begin[t]) * per;
-    const int64_t end = begin + per < table.numel[t] ? begin + per : table.numel[t];
+    const ChunkSpan span = chunk_span(table, c);
+    const int t = span.tensor;
+    const int64_t begin = span.begin, end = span.end;
     void* data = const_cast<void*>(table.data[t]);
     switch (table.dtype_of(t)) {
       case DType::Float32: scale_chunk<Float32Codec>(data, begin, end, coef, launch.rounding, lane); break;
