@@ -30,26 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nanscan  # noqa: E402
 
-
-class Decoder(torch.nn.Module):
-    """A GPT-2-shaped causal decoder built from torch's own layers."""
-
-    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, context: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d_model)
-        self.position = torch.nn.Embedding(context, d_model)
-        layer = torch.nn.TransformerEncoderLayer(
-            d_model, heads, 4 * d_model, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-        )
-        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = torch.nn.LayerNorm(d_model)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        x = self.embed(tokens) + self.position(torch.arange(t, device=tokens.device))
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
-        x = self.blocks(x, mask=mask, is_causal=True)
-        return self.norm(x) @ self.embed.weight.t()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import Decoder  # noqa: E402
 
 
 def time_steps(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:

@@ -8,10 +8,13 @@
 from . import amp
 from .clip import clip_grad_norm_, get_total_norm
 from .guard import NonFiniteGradientError, SkipGuard
+from .locate import Finding, Locator, locate
 from .report import Report, check
 from .scan import SUPPORTED_DTYPES, ScanResult, scan
 
 __all__ = [
+    "Finding",
+    "Locator",
     "NonFiniteGradientError",
     "Report",
     "SUPPORTED_DTYPES",
@@ -21,6 +24,7 @@ __all__ = [
     "check",
     "clip_grad_norm_",
     "get_total_norm",
+    "locate",
     "scan",
 ]
 __version__ = "0.1.0"

@@ -124,6 +124,98 @@ def run_demo(steps: int = 300, fault_step: int = 200, width: int = 384, depth: i
     return 0 if ok else 1
 
 
+def scenario_fp16_overflow(device: torch.device) -> bool:
+    """fp16 training with a loss scale that is too large at first: GradScaler skips steps, nanscan's
+    scaler says which parameters overflowed, and the Advisor explains what fp16 can hold."""
+    from .amp import Advisor, GradScaler
+
+    print("\n[fp16 overflow with GradScaler] init_scale 2^27: the first steps overflow fp16 and are skipped")
+    model = make_model(64, 2, device)
+    task = TeacherStudentTask(64, device, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = GradScaler(device.type, init_scale=2.0**27).watch(model)
+    advisor = Advisor()
+    skipped = []
+    for step in range(12):
+        x, y = task.batch(32)
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if scaler.skipped:
+            report = scaler.last_report
+            bad = report.nonfinite if report is not None else []
+            skipped.append(step)
+            print(f"  step {step}: scale {scaler.get_scale():.3g} overflowed in {len(bad)} gradients "
+                  f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); step skipped")
+        else:
+            advisor.observe(model)
+        scaler.step(optimizer)
+        scaler.update()
+    print(f"  scale settled at {scaler.get_scale():.3g} after {len(skipped)} skipped steps")
+    print("  " + str(advisor.advise()).replace("\n", "\n  "))
+    return len(skipped) > 0
+
+
+class LogFeatures(torch.nn.Module):
+    """log of a feature that should be positive; a dead input makes it log(0) = -inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def scenario_log_zero(device: torch.device) -> bool:
+    """A log(0) in one layer: the loss is NaN, and nanscan.locate names the layer that made it."""
+    from .locate import locate
+
+    print("\n[log(0) in one layer] a dead unit (softplus output 0) reaches torch.log inside `1.2`")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 16),
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Softplus(), LogFeatures(), torch.nn.Linear(16, 1)),
+    ).to(device)
+    x = torch.randn(8, 16, device=device)
+    with torch.no_grad():
+        model[1][0].weight[3].fill_(-1e4)  # one unit's pre-activation is hugely negative: softplus gives 0
+    with locate(model) as trace:
+        loss = model(x).square().mean()
+        loss.backward()
+    print(f"  loss = {loss.item()}; nanscan.locate says:")
+    print("  " + str(trace).replace("\n", "\n  "))
+    first = trace.first
+    return first is not None and first.module == "1.2" and first.phase == "forward"
+
+
+def scenario_eval_fp16(device: torch.device) -> bool:
+    """Fine in fp32 training, NaN at fp16 evaluation: a sum of squares that overflows fp16's 65504."""
+    from .locate import locate
+
+    print("\n[NaN only at fp16 evaluation] energies x^2 / sum(x^2): x^2 exceeds 65504 in fp16, inf / inf = NaN")
+
+    class Energy(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            e = x * x
+            return e / e.sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), Energy(), torch.nn.Linear(256, 4)).to(device)
+    with torch.no_grad():
+        model[0].weight.mul_(1000.0)
+    x = torch.randn(4, 32, device=device)
+    print(f"  fp32 evaluation finite: {bool(torch.isfinite(model(x)).all())}")
+    dtype = torch.float16
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype), locate(model) as trace:
+        out = model(x.to(dtype))
+    print(f"  fp16 evaluation finite: {bool(torch.isfinite(out).all())}; nanscan.locate says:")
+    print("  " + str(trace).replace("\n", "\n  "))
+    first = trace.first
+    return first is not None and first.module == "1"
+
+
+SCENARIOS = {"fp16-overflow": scenario_fp16_overflow, "log-zero": scenario_log_zero, "eval-fp16": scenario_eval_fp16}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -133,10 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--scenario", choices=["train", *SCENARIOS, "all"], default="all",
+                        help="train: the training run with an injected Inf; the others: AMP and localisation cases")
     args = parser.parse_args(argv)
     if args.steps <= 0:
         parser.error("--steps must be positive")
-    return run_demo(args.steps, args.fault_step, args.width, args.depth, args.device)
+    status = 0
+    if args.scenario in ("train", "all"):
+        status |= run_demo(args.steps, args.fault_step, args.width, args.depth, args.device)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    for name, scenario in SCENARIOS.items():
+        if args.scenario in (name, "all"):
+            ok = scenario(device)
+            print(f"  -> {'named the cause' if ok else 'UNEXPECTED result'}")
+            status |= 0 if ok else 1
+    return status
 
 
 if __name__ == "__main__":

@@ -1,0 +1,637 @@
+"""``locate(model)``: the first module, in execution order, whose output or gradient went non-finite.
+
+    with nanscan.locate(model) as trace:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+    if not trace.finite:
+        print(trace)          # "... first non-finite: forward output of `blocks.2.mlp.fc1` (Linear), call 1 ..."
+        trace.first.module    # "blocks.2.mlp.fc1"
+
+How it works. Every call of every hooked module gives events, recorded in the order they happen:
+
+* forward: when the call returns, its floating outputs are scanned (one ``nanscan.scan`` call). The
+  event is non-finite when an output is. Its inputs' statistics, taken before forward ran, say
+  whether the module received bad values or made them; an input is nearly always an earlier
+  module's output, already scanned and unchanged since (same object, same version counter), so
+  only inputs that no hooked module produced (the model's inputs, values made by a container's own
+  code) cost a second scan call.
+* backward: when the gradients with respect to the module's differentiable inputs are complete (what
+  the module's backward produced: its "input-gradients"), one scan covers them and the gradients the
+  module received for its outputs, except those already scanned as the next module's
+  input-gradients. A module without a differentiable input (the first layer, an embedding)
+  produces no input-gradient; its event is the gradient it received.
+
+Nothing syncs inside the hooks: each scan leaves its statistics on the device, and the first Python
+value read from the trace copies all of them to the host in one transfer (one per device).
+
+Which hooks, and why not ``register_full_backward_hook``: the full backward hook routes a module's
+inputs and outputs through a custom autograd Function that returns them as-is, and autograd forbids
+in-place changes to such outputs (a ``ReLU(inplace=True)`` after a hooked module raises); it also sees
+positional tensor arguments only. Instead a forward pre-hook hands the module a plain view
+(``view_as``) of each differentiable input (positional or keyword) and hooks the view's autograd node.
+The view is used only inside the module, so its gradient is exactly this module's input-gradient (not
+summed with the other consumers of the same tensor, such as a residual branch), and a regular view
+tolerates in-place ops. Identical arguments share one view, so identity checks inside the module
+(``query is key`` in attention) see what they saw before, and the outputs and gradients are bitwise
+those of the model without hooks. Output gradients are caught by a pre-hook on each output's autograd
+node, registered in the forward hook: registered before any later in-place change, it still receives
+the gradient of the value the module returned. A module that changes its input in place (through any
+view of its memory) re-routes autograd around the view's node; that is detected from the version
+counter when forward returns, and such a call's backward event is the gradient it received instead.
+
+Costs: a module call costs two Python hooks and a scan in forward, and two gradient hooks and a scan
+in backward (tens of microseconds of host time on a CPU, and one read of the activations and
+gradients); ``torch.autograd.detect_anomaly`` records a Python stack trace for every op instead, and
+checks every backward op's outputs with a host sync. Memory: the statistics of every event (a few
+hundred bytes on the device) until the locator is discarded, and at most two recent gradients held
+during backward. Activation checkpointing re-runs forward during backward: those calls are recorded
+as further forward events, with the next call numbers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils.hooks import RemovableHandle
+
+from ._ops import scan_op
+from .scan import SUPPORTED_DTYPES, scan
+
+Phase = Literal["forward", "backward"]
+Kind = Literal["output", "input-gradient", "output-gradient"]
+
+# How each kind of event labels its tensors: (what the module produced, what it consumed).
+_LABELS: dict[str, tuple[str, str]] = {
+    "output": ("output", "input"),
+    "input-gradient": ("grad input", "grad output"),
+    "output-gradient": ("grad output", ""),
+}
+_DESCRIBE: dict[str, str] = {
+    "output": "forward output",
+    "input-gradient": "input-gradient (backward)",
+    "output-gradient": "gradient received for the output (backward)",
+}
+_RECENT_GRADS = 2  # input-gradients held for _grad_ref: a chain needs one
+_SEEN_PRUNE = 4096  # entries in the table of scanned tensors before the dead ones are dropped
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Python values of one scanned tensor: its place in the event, shape, dtype and statistics."""
+
+    label: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nan_count: int
+    inf_count: int
+    min: float
+    max: float
+    norm: float
+
+    @property
+    def finite(self) -> bool:
+        """No NaN and no Inf."""
+        return self.nan_count == 0 and self.inf_count == 0
+
+    @property
+    def is_mask(self) -> bool:
+        """Looks like an additive attention mask: no NaN, and every finite element is 0 (the rest +-inf).
+
+        Such an input is non-finite by design, so it does not count against ``Finding.inputs_finite``.
+        """
+        return _is_mask(self.nan_count, self.inf_count, self.min, self.max)
+
+    @property
+    def absmax(self) -> float:
+        """Largest magnitude among the finite elements (0.0 when there is none)."""
+        if self.min > self.max:  # no finite element: min is +inf, max is -inf
+            return 0.0
+        return max(abs(self.min), abs(self.max))
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        head = f"{self.label} {dtype}{list(self.shape)}"
+        if self.finite:
+            return f"{head}: finite, max |x| {self.absmax:.3g}, norm {self.norm:.3g}"
+        counts = [f"{self.nan_count} NaN"] * bool(self.nan_count) + [f"{self.inf_count} Inf"] * bool(self.inf_count)
+        rest = f"finite range [{self.min:.3g}, {self.max:.3g}]" if self.min <= self.max else "no finite element"
+        mask = " (an additive mask)" if self.is_mask else ""
+        return f"{head}: {', '.join(counts)}, {rest}{mask}"
+
+
+def _is_mask(nan: float, inf: float, lo: float, hi: float) -> bool:
+    return nan == 0 and inf > 0 and lo == 0 and hi == 0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One event (a module call's forward output or backward gradients) with its statistics.
+
+    Attributes:
+        module: qualified name from ``model.named_modules()``; ``""`` is the model itself.
+        op: the module's class name (``"Linear"``, ``"MultiheadAttention"``).
+        phase: ``"forward"`` or ``"backward"``.
+        kind: ``"output"`` (forward), ``"input-gradient"`` (backward: the gradients the module's
+            backward produced for its inputs) or ``"output-gradient"`` (backward, for a module without
+            a differentiable input, or one that changed its input in place: the gradients it received
+            for its outputs).
+        call: which call of the module this was, counted from 1 by the locator (a module applied
+            twice per step has calls 1 and 2 in the first step, 3 and 4 in the next).
+        event: the event's position in execution order, from 0.
+        outputs: what the module produced: its outputs (forward) or its input-gradients (backward);
+            for an ``"output-gradient"`` event, the gradients it received.
+        inputs: what the module consumed: its floating inputs (forward) or, for an
+            ``"input-gradient"`` event, the gradients it received for its outputs. May be empty.
+    """
+
+    module: str
+    op: str
+    phase: Phase
+    kind: Kind
+    call: int
+    event: int
+    outputs: tuple[TensorStats, ...]
+    inputs: tuple[TensorStats, ...]
+
+    @property
+    def finite(self) -> bool:
+        """True when every tensor in ``outputs`` is finite."""
+        return all(t.finite for t in self.outputs)
+
+    @property
+    def inputs_finite(self) -> bool:
+        """True when every tensor in ``inputs`` is finite or an additive mask (also when there are none)."""
+        return all(t.finite or t.is_mask for t in self.inputs)
+
+    @property
+    def where(self) -> str:
+        """How a report names the module call, e.g. "`blocks.2.mlp` (MLP), call 1"."""
+        name = f"`{self.module}`" if self.module else "the model itself"
+        return f"{name} ({self.op}), call {self.call}"
+
+    def __str__(self) -> str:
+        lines = [f"{_DESCRIBE[self.kind]} of {self.where} (event {self.event})"]
+        lines += [f"  {t}" for t in self.outputs + self.inputs]
+        return "\n".join(lines)
+
+
+class _Scan:
+    """One scan call's raw results on the device, and the shape and dtype of each scanned tensor."""
+
+    __slots__ = ("counts", "stats", "metas")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        # Detached: the op has no autograd formula, and its outputs must not hold the model's graph.
+        # (Cheaper than switching grad mode off and on around the call.)
+        inputs = [t.detach() for t in tensors] if torch.is_grad_enabled() else tensors
+        try:
+            # The registered op directly: none of scan()'s per-call wrapping, which costs as much as
+            # the op on small activations. scan() is the fallback: it gathers a list that spans
+            # several devices, or raises naming the entry it cannot scan.
+            counts, stats, _, _ = scan_op(inputs)
+        except (RuntimeError, TypeError):
+            result = scan(inputs)
+            counts = torch.stack([result.nan_count, result.inf_count])
+            stats = torch.stack([result.min, result.max, result.norm])
+        self.counts = counts  # int64 [2, N]: NaN, Inf
+        self.stats = stats  # float64 [3, N]: min, max, L2 norm
+        self.metas = [(t.shape, t.dtype) for t in tensors]
+
+
+# A scanned tensor: the scan that covered it and its column there.
+_Ref = tuple[_Scan, int]
+
+
+class _Call:
+    """One call of one module: who it is, its inputs' statistics, and its state between hooks."""
+
+    __slots__ = ("who", "inputs", "views", "grad_inputs", "grad_outputs")
+
+    def __init__(self, name: str, op: str, call: int) -> None:
+        self.who = (name, op, call)  # what the events of this call keep: never its tensors
+        self.inputs: list[_Ref] = []  # the forward inputs, scanned (or found scanned) before forward ran
+        self.views: list[tuple[torch.Tensor, int]] | None = None  # (view, version) until forward returns
+        self.grad_inputs = False  # an input-gradient event will come (else: an output-gradient event)
+        # Held from the output hook to the input hook: the output gradients, and where each was
+        # already scanned (None: not yet).
+        self.grad_outputs: tuple[list[torch.Tensor], list[_Ref | None]] | None = None
+
+
+class _Event:
+    """A recorded event: references to the scanned tensors it produced and consumed."""
+
+    __slots__ = ("who", "kind", "outputs", "inputs", "context_known")
+
+    def __init__(self, call: _Call, kind: Kind, outputs: list[_Ref], inputs: list[_Ref], context_known: bool) -> None:
+        self.who = call.who  # (module name, class name, call number)
+        self.kind = kind
+        self.outputs = outputs
+        self.inputs = inputs
+        # False when what the module consumed is unknown (a module that returns its input unchanged
+        # sees its input-gradient before its output-gradient): such an event cannot show that the
+        # module made the bad values, only that it passed them on.
+        self.context_known = context_known
+
+
+def _scannable(t: object) -> bool:
+    """A dense floating tensor nanscan can scan; tensor subclasses (DTensor, fakes) are left alone."""
+    return (
+        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
+        and t.dtype in SUPPORTED_DTYPES  # type: ignore[union-attr]
+        and t.layout == torch.strided  # type: ignore[union-attr]
+        and not t.is_meta  # type: ignore[union-attr]
+    )
+
+
+def _flatten(obj: object, out: list[torch.Tensor]) -> None:
+    """Appends the scannable tensors in ``obj`` (nested tuples, lists, dict values), each object once."""
+    if isinstance(obj, torch.Tensor):
+        if not out:  # the usual case, a lone tensor: no duplicate to look for
+            if _scannable(obj):
+                out.append(obj)
+            return
+        if _scannable(obj) and not any(obj is seen for seen in out):
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _flatten(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _flatten(item, out)
+
+
+def _on_grads(tensors: Sequence[torch.Tensor], fn: Callable[[list[torch.Tensor | None]], None]) -> None:
+    """Calls ``fn(grads)`` once the gradient of every tensor of ``tensors`` that takes part is ready."""
+    if len(tensors) > 1:
+        register_multi_grad_hook(tensors, fn)
+        return
+    t = tensors[0]
+    node = t.grad_fn
+    if node is None:  # a leaf (a parameter returned as an output): no node to hook
+        t.register_hook(lambda grad: fn([grad]))
+    else:
+        # A node pre-hook gets the gradients of all of the node's outputs; this tensor is one of them.
+        index = t.output_nr
+        node.register_prehook(lambda grads: fn([grads[index]]))
+
+
+class Locator:
+    """A context manager that hooks every module of a model and records scan statistics per event.
+
+    Made by ``nanscan.locate(model)``. After (or inside) the ``with`` block, ``first`` is the first
+    non-finite event in execution order, ``origin`` the first event that turned finite inputs into
+    non-finite outputs, and ``finite`` whether every event was finite. Reading any of them copies all
+    statistics to the host once; recording never syncs.
+
+    The hooks are removed on exit, also when the block raises (the exception propagates unchanged).
+    Run the backward pass inside the block: gradient hooks record only while it is open. Events and
+    their device statistics (a few hundred bytes each) accumulate until the locator is discarded: wrap
+    one step, or a few, rather than a whole training run.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, backward: bool = True, leaf_only: bool = False) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"nanscan.locate: expected a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError("nanscan.locate: a TorchScript module runs no Python hooks; locate the eager model")
+        self.model = model
+        self.backward = backward
+        self.leaf_only = leaf_only
+        self._handles: list[RemovableHandle] = []
+        self._events: list[_Event] = []
+        self._calls: dict[str, int] = {}
+        # Tensors already scanned, by id: (weak reference, version when scanned, where). A module's
+        # input is nearly always an earlier module's output; found here, it is not scanned again.
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, _Scan, int]] = {}
+        self._seen_limit = _SEEN_PRUNE
+        # The last input-gradients scanned, held until the producer's output hook sees them again
+        # (through an alias); see _grad_ref.
+        self._recent: list[tuple[torch.Tensor, int, _Scan, int]] = []
+        self._active = False
+        self._host: tuple[int, dict[int, list[list[float]]]] | None = None
+
+    # -------------------------------------------------------------------------------- lifetime
+
+    def __enter__(self) -> Locator:
+        if self._active:
+            raise RuntimeError("nanscan.locate: this locator is already active; make a new one per with block")
+        self._active = True
+        try:
+            for name, module in self.model.named_modules():
+                if self.leaf_only and next(module.children(), None) is not None:
+                    continue
+                pre_hook, forward_hook = self._hooks(name, type(module).__name__)
+                self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        self.remove()
+        return False  # never swallow the block's exception
+
+    def remove(self) -> None:
+        """Removes every module hook this locator added; calling it again does nothing. Gradient hooks
+        still attached to a live autograd graph go with the graph, and record nothing from now on."""
+        self._active = False
+        self._seen.clear()
+        self._recent.clear()
+        while self._handles:
+            self._handles.pop().remove()
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    def _hooks(self, name: str, op: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The forward pre-hook and forward hook of one module; they share the stack of its open calls."""
+        open_calls: list[_Call] = []
+
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            n = self._calls[name] = self._calls.get(name, 0) + 1
+            call = _Call(name, op, n)
+            open_calls.append(call)
+            inputs: list[torch.Tensor] = []
+            _flatten(args, inputs)
+            if kwargs:
+                _flatten(kwargs, inputs)
+            # Before forward runs: a module that changes an input in place must not see it changed.
+            call.inputs = self._resolve(inputs, [self._lookup(t) for t in inputs])
+            if self.backward and torch.is_grad_enabled():
+                return self._wrap_inputs(call, args, kwargs)
+            return None
+
+        def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            # A call whose forward raised never reaches this hook and leaves its entry behind, below the
+            # entries of later calls, so the top of the stack is still this call.
+            call = open_calls.pop() if open_calls else _Call(name, op, self._calls.get(name, 0))
+            outputs: list[torch.Tensor] = []
+            _flatten(output, outputs)
+            # An output already scanned and unchanged (a module that returns its input, as dropout
+            # with p=0 and Identity do) keeps its scan.
+            refs = self._resolve(outputs, [self._lookup(t) for t in outputs])
+            self._events.append(_Event(call, "output", refs, call.inputs, True))
+            if call.views is not None:
+                # An in-place change of an input (through any view of its storage) re-routes autograd
+                # around the view's node, so the input-gradient hook would not fire, or would see part
+                # of the gradient. Fall back to the gradient the module receives for its outputs.
+                if any(view._version != version for view, version in call.views):
+                    call.grad_inputs = False
+                call.views = None
+            if self.backward and torch.is_grad_enabled():
+                differentiable = [t for t in outputs if t.requires_grad]
+                if differentiable:
+                    _on_grads(differentiable, lambda grads: self._on_grad_outputs(call, grads))
+
+        return pre_hook, forward_hook
+
+    def _resolve(self, tensors: list[torch.Tensor], refs: list[_Ref | None]) -> list[_Ref]:
+        """Where each tensor's statistics are: ``refs[i]`` when known, else in one scan made now."""
+        missing = [i for i, ref in enumerate(refs) if ref is None]
+        if missing:
+            scanned = _Scan([tensors[i] for i in missing])
+            for j, i in enumerate(missing):
+                refs[i] = (scanned, j)
+                self._remember(tensors[i], (scanned, j))
+        return refs  # type: ignore[return-value]
+
+    def _lookup(self, t: torch.Tensor) -> _Ref | None:
+        entry = self._seen.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return entry[2], entry[3]
+        return None
+
+    def _remember(self, t: torch.Tensor, ref: _Ref) -> None:
+        seen = self._seen
+        seen[id(t)] = (weakref.ref(t), t._version, ref[0], ref[1])
+        if len(seen) > self._seen_limit:  # drop the entries of freed tensors
+            self._seen = {k: v for k, v in seen.items() if v[0]() is not None}
+            self._seen_limit = max(_SEEN_PRUNE, 2 * len(self._seen))
+
+    def _wrap_inputs(self, call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Gives the module its own view of each differentiable input, and hooks the views' gradients."""
+        views: dict[int, torch.Tensor] = {}
+
+        def wrap(value: Any) -> Any:
+            # Only plain tensors: a view of a Parameter (or of a subclass) would not be one any more.
+            if type(value) is not torch.Tensor or not value.requires_grad or not _scannable(value):
+                return value
+            view = views.get(id(value))
+            if view is None:
+                view = views[id(value)] = value.view_as(value)
+                ref = self._lookup(value)
+                if ref is not None:  # the module's children see the view: let them find it scanned
+                    self._remember(view, ref)
+            return view
+
+        new_args = tuple([wrap(a) for a in args])
+        new_kwargs = {k: wrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if not views:
+            return None
+        call.grad_inputs = True
+        call.views = [(view, view._version) for view in views.values()]
+        _on_grads(list(views.values()), lambda grads: self._on_grad_inputs(call, grads))
+        return new_args, new_kwargs
+
+    def _grad_ref(self, grad: torch.Tensor) -> _Ref | None:
+        """The scan of ``grad`` if it is a recent input-gradient seen again.
+
+        In a chain, the gradient a module receives for its output is the input-gradient of the next
+        module, passed back through that module's input view as an alias of the same memory. Holding
+        the last few input-gradients keeps that memory from being reused in between, so the same
+        address, layout and version mean the same values, and the scan is not repeated."""
+        for t, version, scanned, j in self._recent:
+            if (
+                t.data_ptr() == grad.data_ptr()
+                and grad._version == version
+                and t.shape == grad.shape
+                and t.stride() == grad.stride()
+                and t.dtype == grad.dtype
+                and t.device == grad.device
+            ):
+                return scanned, j
+        return None
+
+    def _on_grad_outputs(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
+        if not self._active:
+            return
+        received = [g for g in grads if g is not None and _scannable(g)]
+        refs = [self._grad_ref(g) for g in received]
+        if call.grad_inputs:
+            call.grad_outputs = (received, refs)  # scanned (if need be) with the input-gradients
+        elif received:
+            self._events.append(_Event(call, "output-gradient", self._resolve(received, refs), [], False))
+
+    def _on_grad_inputs(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
+        if not self._active or not call.grad_inputs:
+            return
+        produced = [g for g in grads if g is not None and _scannable(g)]
+        context_known = call.grad_outputs is not None
+        received, received_refs = call.grad_outputs or ([], [])
+        call.grad_outputs = None  # drop the references
+        if not produced and not received:
+            return
+        # An input-gradient can itself be a recent one passed through (a module that returns its input).
+        refs = self._resolve(produced + received, [self._grad_ref(g) for g in produced] + received_refs)
+        k = len(produced)
+        for g, (scanned, j) in zip(produced, refs):
+            self._recent.append((g, g._version, scanned, j))
+        del self._recent[:-_RECENT_GRADS]
+        self._events.append(_Event(call, "input-gradient", refs[:k], refs[k:], context_known))
+
+    # --------------------------------------------------------------------------------- results
+
+    def _values(self) -> dict[int, list[list[float]]]:
+        """Host rows [nan, inf, min, max, norm] of every scan the events refer to, by id of the scan.
+
+        One device-to-host copy per device, made when the events changed since the last one."""
+        n = len(self._events)
+        if self._host is not None and self._host[0] == n:
+            return self._host[1]
+        scans: dict[int, _Scan] = {}
+        for event in self._events:
+            for scanned, _ in event.outputs + event.inputs:
+                scans.setdefault(id(scanned), scanned)
+        by_device: dict[torch.device, list[_Scan]] = {}
+        for scanned in scans.values():
+            by_device.setdefault(scanned.counts.device, []).append(scanned)
+        rows: dict[int, list[list[float]]] = {}
+        for group in by_device.values():
+            counts = torch.cat([s.counts for s in group], dim=1)
+            stats = torch.cat([s.stats for s in group], dim=1)
+            # fp64 holds counts exactly up to 2**53.
+            table = torch.cat([counts.double(), stats]).t().cpu().tolist()
+            offset = 0
+            for s in group:
+                k = len(s.metas)
+                rows[id(s)] = table[offset : offset + k]
+                offset += k
+        self._host = (n, rows)
+        return rows
+
+    def _flags(self) -> Iterator[tuple[int, bool, bool]]:
+        """(event, outputs finite, inputs finite or masks) for every event, in execution order."""
+        rows = self._values()
+        for i, event in enumerate(self._events):
+            outputs = [rows[id(s)][j] for s, j in event.outputs]
+            inputs = [rows[id(s)][j] for s, j in event.inputs]
+            outputs_finite = all(r[0] == 0 and r[1] == 0 for r in outputs)
+            inputs_finite = all((r[0] == 0 and r[1] == 0) or _is_mask(*r[:4]) for r in inputs)
+            yield i, outputs_finite, inputs_finite
+
+    def _finding(self, i: int) -> Finding:
+        event = self._events[i]
+        rows = self._values()
+        produced, consumed = _LABELS[event.kind]
+
+        def stats(refs: list[_Ref], label: str) -> tuple[TensorStats, ...]:
+            out = []
+            for k, (s, j) in enumerate(refs):
+                shape, dtype = s.metas[j]
+                nan, inf, lo, hi, norm = rows[id(s)][j]
+                out.append(TensorStats(f"{label}[{k}]", tuple(shape), dtype, int(nan), int(inf), lo, hi, norm))
+            return tuple(out)
+
+        phase: Phase = "forward" if event.kind == "output" else "backward"
+        name, op, call = event.who
+        outputs, inputs = stats(event.outputs, produced), stats(event.inputs, consumed)
+        return Finding(name, op, phase, event.kind, call, i, outputs, inputs)
+
+    @property
+    def events(self) -> int:
+        """How many events (forward outputs and backward gradients of module calls) were recorded."""
+        return len(self._events)
+
+    @property
+    def timeline(self) -> list[tuple[str, Kind, int]]:
+        """(module, kind, call) of every event in execution order; no statistics, so no sync."""
+        return [(e.who[0], e.kind, e.who[2]) for e in self._events]
+
+    @property
+    def finite(self) -> bool:
+        """True when no recorded module output or gradient held a NaN or an Inf."""
+        return self.first is None
+
+    @property
+    def first(self) -> Finding | None:
+        """The first event, in execution order, whose outputs (or input-gradients) are non-finite."""
+        for i, outputs_finite, _ in self._flags():
+            if not outputs_finite:
+                return self._finding(i)
+        return None
+
+    @property
+    def origin(self) -> Finding | None:
+        """The first event that turned finite inputs into non-finite outputs: the module that made the
+        bad values. Differs from ``first`` when the values went bad outside any hooked module (in a
+        container's own code between its children's calls: the origin is then the container); None when
+        they came from outside the model (its inputs, or the loss)."""
+        for i, outputs_finite, inputs_finite in self._flags():
+            if not outputs_finite and inputs_finite and self._events[i].context_known:
+                return self._finding(i)
+        return None
+
+    @property
+    def nonfinite(self) -> list[Finding]:
+        """Every non-finite event, in execution order."""
+        return [self._finding(i) for i, outputs_finite, _ in self._flags() if not outputs_finite]
+
+    def __str__(self) -> str:
+        title = f"nanscan.locate on {type(self.model).__name__}"
+        if not self._events:
+            return f"{title}: no events recorded (was the model called inside the with block?)"
+        first = self.first
+        if first is None:
+            return f"{title}: all {len(self._events)} events finite"
+        bad = sum(1 for _, outputs_finite, _ in self._flags() if not outputs_finite)
+        text = f"{title}: {bad} of {len(self._events)} events non-finite; the first: {first}"
+        origin = self.origin
+        consumed = "Its inputs" if first.phase == "forward" else "The gradients it received"
+        if origin is not None and origin.event == first.event:
+            return f"{text}\n  {consumed} were finite: this module made the non-finite values."
+        if origin is None:
+            source = "the model's inputs" if first.phase == "forward" else "the loss (the model output's gradient)"
+            return (
+                f"{text}\n  No hooked module made them from finite values: they came from {source}, "
+                "or from code outside the hooked modules."
+            )
+        made = f"{text}\n  They arrived non-finite; the first module that made them from finite values: {origin}"
+        module = dict(self.model.named_modules()).get(origin.module)
+        if module is not None and next(module.children(), None) is not None:
+            made += "\n  (a container: in its own code, since none of its hooked children made them)"
+        return made
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "closed"
+        return f"<nanscan.Locator on {type(self.model).__name__}, {state}, {len(self._events)} events>"
+
+
+def locate(model: torch.nn.Module, *, backward: bool = True, leaf_only: bool = False) -> Locator:
+    """Finds the first module whose forward output or backward gradient became non-finite.
+
+    Args:
+        model: the module to watch; every submodule, and the model itself, is hooked. A model without
+            parameters is fine: parameter-free modules (activations, norms without affine) are located
+            like any other.
+        backward: also scan gradients while grad mode is on (under ``torch.no_grad()`` there are none).
+        leaf_only: hook only modules without children: fewer events, but a fault in a container's own
+            code (between its children's calls) is then seen only at the next leaf.
+
+    Returns:
+        A ``Locator``: ``with nanscan.locate(model) as trace: ...``, then ``trace.first``. One
+        ``nanscan.scan`` call per module call and phase; no host sync until a result is read.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or is a TorchScript module (which runs no hooks).
+
+    Run the model eagerly inside the block (not through ``torch.compile``, which would trace the hooks).
+    """
+    return Locator(model, backward=backward, leaf_only=leaf_only)
