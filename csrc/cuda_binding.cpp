@@ -70,7 +70,9 @@ int sm_count() {
   return count;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors, bool fp16_range) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multiply(at::TensorList tensors,
+                                                                                   bool fp16_range,
+                                                                                   const float* multiply_by) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
   std::vector<at::Tensor> copies;
@@ -82,8 +84,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorL
   const size_t workspace_bytes = cuda::scan_workspace_bytes(args.data(), n);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, device.dtype(at::kByte));
   C10_CUDA_CHECK(cuda::scan(args.data(), n, result_pointers(out, n), workspace.data_ptr(), sm_count(),
-                            c10::cuda::getCurrentCUDAStream()));
+                            c10::cuda::getCurrentCUDAStream(), multiply_by));
   return {out.counts, out.stats, out.total_norm, out.finite};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors, bool fp16_range) {
+  return scan_and_maybe_multiply(tensors, fp16_range, nullptr);
 }
 
 void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
@@ -99,16 +105,25 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
   multiply_in_place(tensors, tags, coef, *coef_tag, cuda::CoefRounding::ToTensorDtype);
 }
 
-// GradScaler's unscale, then the scan. Two launches (one read-write pass, one read pass); fusing the
-// multiply into the scan kernel, as the CPU backend does, is the next step for the GPU.
+// GradScaler's unscale fused with the scan: one read and one write of every gradient. A list with a
+// non-dense tensor (the kernel reads those from a contiguous copy, which it must not write) takes two
+// steps instead: the multiply, then the scan.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cuda(at::TensorList tensors,
                                                                              const at::Tensor& inv_scale) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
   check_multipliable(tensors, tags, "nanscan.unscale_scan_");
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
-  multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None);
-  return scan_cuda(tensors, false);
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() > 0 && !t.is_non_overlapping_and_dense()) {
+      multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None);
+      return scan_cuda(tensors, false);
+    }
+  }
+  const at::Tensor factor = inv_scale.contiguous();
+  auto outputs = scan_and_maybe_multiply(tensors, false, factor.const_data_ptr<float>());
+  bump_versions_of_dense(tensors);  // whether the kernel wrote is decided on the device
+  return outputs;
 }
 
 }  // namespace

@@ -166,3 +166,19 @@ def test_scale_rejects_fp8() -> None:
     t = torch.zeros(4, device="cuda").to(torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="float8"):
         torch.ops.nanscan.scale_([t], torch.tensor(0.5, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_fused_unscale_matches_torch_bit_for_bit(dtype: torch.dtype) -> None:
+    grads = [random_tensor(n, dtype, "cuda", scale=1000.0) for n in (1, 555, 65537, 300_001)]
+    grads[2].view(-1)[17] = math.nan  # forces the exact re-read of that chunk, after the rewrite
+    grads.append(torch.randn(40, 30, device="cuda").to(dtype).t())  # not dense: the two-step path
+    expected = [g.clone() for g in grads]
+    found = torch.zeros((), device="cuda")
+    inv_scale = torch.tensor(1 / 1024.0, device="cuda")
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
+    counts, stats, total, finite = torch.ops.nanscan.unscale_scan_(grads, inv_scale)
+    for g, e in zip(grads, expected):
+        assert torch.equal(g.nan_to_num(), e.nan_to_num())
+    assert bool(found) and not bool(finite) and counts[0].tolist() == [0, 0, 1, 0, 0]
+    cuda_and_cpu_agree([g for i, g in enumerate(grads) if i != 2])

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define NANSCAN_HD __host__ __device__ __forceinline__
@@ -161,5 +162,11 @@ struct Float8E4M3FNCodec {
     return bits_to_float(sign | (mag == 0x7fu ? nan : (mag < 0x08u ? subnormal : normal)));
   }
 };
+
+// Formats torch can compute in have an encode(); float8 has none.
+template <class Codec, class = void>
+struct HasEncode : std::false_type {};
+template <class Codec>
+struct HasEncode<Codec, std::void_t<decltype(Codec::encode(typename Codec::Wide()))>> : std::true_type {};
 
 }  // namespace nanscan

@@ -70,12 +70,6 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   }
 }
 
-// Formats torch can compute in have an encode(); float8 has none.
-template <class Codec, class = void>
-struct HasEncode : std::false_type {};
-template <class Codec>
-struct HasEncode<Codec, std::void_t<decltype(Codec::encode(typename Codec::Wide()))>> : std::true_type {};
-
 // Replaces each element by round(x * factor) in place, computing in Wide exactly as torch's
 // _amp_foreach_non_finite_check_and_unscale_ does (a float factor, widened for fp64).
 template <class Codec>

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 
 namespace nanscan::cuda {
 namespace {
@@ -40,6 +41,7 @@ struct TensorTable {
 
 struct ScanLaunch {
   TensorTable table;
+  const float* multiply_by;  // device scalar, or null: see scan_chunk's kMultiply
   int32_t first_tensor;  // global index of this launch's tensor 0
   int32_t first_chunk;   // global index of this launch's chunk 0 in the workspace
   int32_t total_tensors;
@@ -122,18 +124,24 @@ __device__ TensorStats warp_combine(TensorStats s) {
   return s;
 }
 
-// Calls fn(raw) for every element of [p, p + n) that this lane owns: 16-byte loads when p is 16-byte
-// aligned (kUnroll of them issued before any is used), then the tail one element per lane.
-template <class Raw, class Fn>
-__device__ __forceinline__ void for_each_lane_element(const Raw* p, int64_t n, int lane, Fn&& fn) {
+// Visits every element of [p, p + n) that this lane owns: 16-byte loads when p is 16-byte aligned
+// (kUnroll of them issued before any is used), then the tail one element per lane.
+// Without kRewrite, fn(raw) observes each element, loaded through the read-only cache. With kRewrite,
+// fn(raw) returns the element's new value, stored back with the vector it came in; loads are then
+// plain, so that a later pass of the same thread over the same elements sees what it wrote (the
+// read-only path does not promise that).
+template <bool kRewrite, class Raw, class Fn>
+__device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn) {
   constexpr int kPerVector = 16 / sizeof(Raw);
   const int64_t num_vectors = (reinterpret_cast<uintptr_t>(p) % 16 == 0) ? n / kPerVector : 0;
-  const uint4* vectors = reinterpret_cast<const uint4*>(p);
+  uint4* vectors = reinterpret_cast<uint4*>(p);
   for (int64_t i = lane; i < num_vectors; i += kWarpSize * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      if (i + k * kWarpSize < num_vectors) v[k] = __ldg(vectors + i + k * kWarpSize);
+      if (i + k * kWarpSize < num_vectors) {
+        v[k] = kRewrite ? vectors[i + k * kWarpSize] : __ldg(vectors + i + k * kWarpSize);
+      }
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
@@ -141,26 +149,59 @@ __device__ __forceinline__ void for_each_lane_element(const Raw* p, int64_t n, i
         Raw r[kPerVector];
         memcpy(r, &v[k], sizeof r);
 #pragma unroll
-        for (int j = 0; j < kPerVector; ++j) fn(r[j]);
+        for (int j = 0; j < kPerVector; ++j) {
+          if constexpr (kRewrite) {
+            r[j] = fn(r[j]);
+          } else {
+            fn(r[j]);
+          }
+        }
+        if constexpr (kRewrite) {
+          memcpy(&v[k], r, sizeof r);
+          vectors[i + k * kWarpSize] = v[k];
+        }
       }
     }
   }
-  for (int64_t e = num_vectors * kPerVector + lane; e < n; e += kWarpSize) fn(p[e]);
+  for (int64_t e = num_vectors * kPerVector + lane; e < n; e += kWarpSize) {
+    if constexpr (kRewrite) {
+      p[e] = fn(p[e]);
+    } else {
+      fn(p[e]);
+    }
+  }
 }
 
-// One warp scans elements [begin, end) of a tensor; the result is valid in every lane.
-template <class Codec, bool kHalfRange>
-__device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, int lane) {
+// One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
+// kMultiply (GradScaler's unscale), each element is first replaced by round(x * factor), torch's
+// arithmetic, in the same pass; a factor of exactly 1 writes nothing, as in torch.
+template <class Codec, bool kHalfRange, bool kMultiply>
+__device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, int lane, float factor) {
   using Raw = typename Codec::Raw;
-  const Raw* p = static_cast<const Raw*>(data) + begin;
+  using Wide = typename Codec::Wide;
+  Raw* p = static_cast<Raw*>(const_cast<void*>(data)) + begin;
   const int64_t n = end - begin;
 
   FastRun<Codec> run = empty_run<Codec>();
   long long over = 0, under = 0;
-  for_each_lane_element(p, n, lane, [&](Raw r) {
+  auto observe = [&](Raw r) {
     accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
     if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
-  });
+  };
+  bool rewritten = false;
+  if constexpr (kMultiply && HasEncode<Codec>::value) {
+    if (factor != 1.0f) {
+      const Wide f = static_cast<Wide>(factor);
+      for_each_lane_element<true>(p, n, lane, [&](Raw r) {
+        const Raw product = Codec::encode(Codec::decode(r) * f);
+        observe(product);
+        return product;
+      });
+      rewritten = true;
+    }
+  }
+  if (!rewritten) for_each_lane_element<false>(p, n, lane, observe);
+
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = static_cast<double>(run.sumsq);
 #pragma unroll
@@ -184,19 +225,30 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     merge_run(s, run_min, run_max, run_sumsq);
     return s;
   }
-  for_each_lane_element(p, n, lane, [&](Raw r) { accumulate_exact<Codec>(s, r, kHalfRange); });
+  // The exact rule re-reads what the first pass left (the products, when it rewrote): with plain
+  // loads after a rewrite, through the read-only cache otherwise.
+  auto exact = [&](Raw r) { accumulate_exact<Codec>(s, r, kHalfRange); };
+  if (rewritten) {
+    for_each_lane_element<true>(p, n, lane, [&](Raw r) {
+      exact(r);
+      return r;
+    });
+  } else {
+    for_each_lane_element<false>(p, n, lane, exact);
+  }
   return warp_combine(s);
 }
 
-template <bool kHalfRange>
-__device__ TensorStats scan_chunk_any(DType dtype, const void* data, int64_t begin, int64_t end, int lane) {
+template <bool kHalfRange, bool kMultiply>
+__device__ TensorStats scan_chunk_any(DType dtype, const void* data, int64_t begin, int64_t end, int lane, float factor) {
   switch (dtype) {
-    case DType::Float32: return scan_chunk<Float32Codec, kHalfRange>(data, begin, end, lane);
-    case DType::Float64: return scan_chunk<Float64Codec, kHalfRange>(data, begin, end, lane);
-    case DType::Float16: return scan_chunk<Float16Codec, kHalfRange>(data, begin, end, lane);
-    case DType::BFloat16: return scan_chunk<BFloat16Codec, kHalfRange>(data, begin, end, lane);
-    case DType::Float8E4M3FN: return scan_chunk<Float8E4M3FNCodec, kHalfRange>(data, begin, end, lane);
-    case DType::Float8E5M2: return scan_chunk<Float8E5M2Codec, kHalfRange>(data, begin, end, lane);
+    case DType::Float32: return scan_chunk<Float32Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
+    case DType::Float64: return scan_chunk<Float64Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
+    case DType::Float16: return scan_chunk<Float16Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
+    case DType::BFloat16: return scan_chunk<BFloat16Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
+    case DType::Float8E4M3FN:
+      return scan_chunk<Float8E4M3FNCodec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
+    case DType::Float8E5M2: return scan_chunk<Float8E5M2Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
   }
   return empty_stats();
 }
@@ -259,16 +311,18 @@ __device__ void write_outputs(const ScanLaunch& launch, const Workspace& ws, con
   if (threadIdx.x == 0) write_totals(out, partial[0]);
 }
 
-// One instantiation per option, so the plain scan carries no register cost of the fp16-range counts.
-template <bool kHalfRange>
+// One instantiation per option, so the plain scan carries no register cost of the options.
+template <bool kHalfRange, bool kMultiply>
 __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanLaunch launch, Workspace ws,
                                                         ResultPointers out) {
   const TensorTable& table = launch.table;
   const int lane = threadIdx.x % kWarpSize;
+  const float factor = kMultiply ? __ldg(launch.multiply_by) : 1.0f;
   for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < table.num_chunks; c += gridDim.x * kWarps) {
     const ChunkSpan span = chunk_span(table, c);
     const int t = span.tensor;
-    const TensorStats s = scan_chunk_any<kHalfRange>(table.dtype_of(t), table.data[t], span.begin, span.end, lane);
+    const TensorStats s =
+        scan_chunk_any<kHalfRange, kMultiply>(table.dtype_of(t), table.data[t], span.begin, span.end, lane, factor);
     if (lane == 0) {
       const bool only_chunk = table.chunk_begin[t + 1] - table.chunk_begin[t] == 1;
       if (only_chunk) {
@@ -377,6 +431,13 @@ int grid_for(int32_t chunks, int num_sms, int blocks_per_sm) {
 
 size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+template <bool kHalfRange, bool kMultiply>
+void launch_scan(int32_t chunks, int num_sms, cudaStream_t stream, const ScanLaunch& launch, const Workspace& ws,
+                 const ResultPointers& out) {
+  const int grid = grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel<kHalfRange, kMultiply>));
+  scan_kernel<kHalfRange, kMultiply><<<grid, kThreads, 0, stream>>>(launch, ws, out);
+}
+
 }  // namespace
 
 size_t scan_workspace_bytes(const TensorArg* tensors, int64_t num_tensors) {
@@ -387,7 +448,8 @@ size_t scan_workspace_bytes(const TensorArg* tensors, int64_t num_tensors) {
 }
 
 cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPointers& out, void* workspace, int num_sms,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const float* multiply_by) {
+  if (multiply_by != nullptr && out.half_range) return cudaErrorInvalidValue;
   if (num_tensors <= 0) return cudaErrorInvalidValue;
   int64_t total_chunks = 0;
   for (int64_t i = 0; i < num_tensors; ++i) total_chunks += num_chunks(tensors[i].numel, tensors[i].dtype);
@@ -415,12 +477,13 @@ cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPoin
     launch->is_last_launch = l == launches - 1;
     Workspace launch_ws = ws;
     launch_ws.tickets = ws.tickets + l;
-    if (out.half_range) {
-      scan_kernel<true><<<grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel<true>)), kThreads, 0, stream>>>(
-          *launch, launch_ws, out);
+    launch->multiply_by = multiply_by;
+    if (multiply_by != nullptr) {
+      launch_scan<false, true>(chunks, num_sms, stream, *launch, launch_ws, out);
+    } else if (out.half_range) {
+      launch_scan<true, false>(chunks, num_sms, stream, *launch, launch_ws, out);
     } else {
-      scan_kernel<false><<<grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel<false>)), kThreads, 0, stream>>>(
-          *launch, launch_ws, out);
+      launch_scan<false, false>(chunks, num_sms, stream, *launch, launch_ws, out);
     }
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;

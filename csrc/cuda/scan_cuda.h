@@ -27,8 +27,11 @@ size_t scan_workspace_bytes(const TensorArg* tensors, int64_t num_tensors);
 // tensors in its last block, the last launch also writing the totals. Graph-capturable: no host sync,
 // no allocation, and the only state carried between blocks (a ticket per launch) is reset by a memset
 // node in the same call.
+// With `multiply_by` (a device float; not with the fp16-range option, and not for float8), every
+// element is first replaced in place by round(x * *multiply_by) as GradScaler's unscale does, in the
+// same pass, and the statistics are of the products.
 cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPointers& out, void* workspace,
-                 int num_sms, cudaStream_t stream);
+                 int num_sms, cudaStream_t stream, const float* multiply_by = nullptr);
 
 // How scale() treats its coefficient, mirroring the torch op it stands in for.
 enum class CoefRounding {
