@@ -8,9 +8,9 @@ statistics of the unscaled gradients; ``found_inf`` comes from them. The statist
 right after reuses them instead of reading the gradients again (tensor version counters tell when a
 gradient was modified in between).
 
-Gradient traffic of unscale + check + clip, with nothing to clip: one read and one write on the CPU
-backend (torch: three reads and two writes). The CUDA backend still runs the multiply and the scan as
-two launches (two reads and one write).
+Gradient traffic of unscale + check + clip, with nothing to clip: one read and one write (torch:
+three reads and two writes). Both backends fuse the multiply into the scan (the CUDA one is not yet
+verified on a GPU).
 """
 
 from __future__ import annotations
