@@ -14,19 +14,27 @@ from nanscan.locate import Locator, TensorStats, locate
 # ------------------------------------------------------------------------------- planted faults
 
 
-class ForwardFault(torch.nn.Module):
-    """Passes its input through, except at call ``on_call``, where it returns log of negatives: NaN."""
+class FaultOnCall(torch.nn.Module):
+    """Passes its input through, except at call ``on_call``, where ``faulty(x)`` runs instead."""
 
     def __init__(self, on_call: int | None = 1) -> None:
         super().__init__()
         self.on_call = on_call
         self.calls = 0
 
+    def faulty(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls == self.on_call:
-            return (x.abs() + 1).neg().log()
-        return x * 1.0
+        return self.faulty(x) if self.calls == self.on_call else x * 1.0
+
+
+class ForwardFault(FaultOnCall):
+    """At call ``on_call``, returns log of negatives: NaN in the forward output."""
+
+    def faulty(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.abs() + 1).neg().log()
 
 
 class NaNGrad(torch.autograd.Function):
@@ -41,17 +49,11 @@ class NaNGrad(torch.autograd.Function):
         return grad * math.nan
 
 
-class BackwardFault(torch.nn.Module):
+class BackwardFault(FaultOnCall):
     """Identity forward; at call ``on_call`` its backward produces NaN gradients for its input."""
 
-    def __init__(self, on_call: int | None = 1) -> None:
-        super().__init__()
-        self.on_call = on_call
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return NaNGrad.apply(x) if self.calls == self.on_call else x * 1.0
+    def faulty(self, x: torch.Tensor) -> torch.Tensor:
+        return NaNGrad.apply(x)
 
 
 class Overflow(torch.nn.Module):
