@@ -47,8 +47,13 @@ void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, c
     if (t.numel() == 0) continue;
     if (t.is_non_overlapping_and_dense()) {
       dense.push_back(cuda::TensorArg{t.const_data_ptr(), t.numel(), tags[i]});
+    } else if (rounding == cuda::CoefRounding::ToTensorDtype) {
+      const_cast<at::Tensor&>(t).mul_(coef.to(t.scalar_type()));
     } else {
-      const_cast<at::Tensor&>(t).mul_(rounding == cuda::CoefRounding::ToTensorDtype ? coef.to(t.scalar_type()) : coef);
+      // torch's own unscale for the rare strided gradient: its arithmetic (an fp32 factor) exactly.
+      at::Tensor unused_found_inf = at::zeros({}, coef.options().dtype(at::kFloat));
+      std::vector<at::Tensor> one{t};
+      at::_amp_foreach_non_finite_check_and_unscale_(one, unused_found_inf, coef);
     }
   }
   if (dense.empty()) return;

@@ -11,6 +11,12 @@ gradient was modified in between).
 Gradient traffic of unscale + check + clip, with nothing to clip: one read and one write (torch:
 three reads and two writes). Both backends fuse the multiply into the scan (the CUDA one is not yet
 verified on a GPU).
+
+Two deliberate differences from torch's GradScaler, both rare: ``found_inf`` is decided on the
+unscaled values, so when the scale has fallen below 1 and the unscale itself overflows a finite
+gradient, the step is skipped (torch would step with an Inf gradient). And the kept statistics are
+offered for reuse only until the scaler's ``step``/``update``; a write through ``.grad.data`` (which
+bypasses the version counter) between ``unscale_`` and the next check is not noticed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 
 from ._ops import unscale_scan_op
 from .report import Report, named_gradients
-from .scan import ScanResult, remember_for_reuse, scan
+from .scan import ScanResult, forget_reusable, remember_for_reuse, scan
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -47,6 +53,14 @@ class GradScaler(torch.amp.GradScaler):
         the optimizer (``"group0.param3"``). Returns the scaler."""
         self._names.update({id(p): name for name, p in model.named_parameters()})
         return self
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        forget_reusable()  # the kept statistics describe this step only
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        forget_reusable()
+        super().update(new_scale)
 
     @property
     def skipped(self) -> bool:

@@ -75,12 +75,24 @@ class SkipGuard:
         if finite is None:  # not armed by a check this step: an ordinary step
             return original(*args, **kwargs)
         if self._device_side:
-            self.optimizer.found_inf = (~finite).to(torch.float32)  # type: ignore[attr-defined]
-            self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+            # A GradScaler may have set found_inf / grad_scale for this step already: combine with its
+            # found_inf, keep its grad_scale, and put back whatever was there.
+            missing = object()
+            saved = {name: getattr(self.optimizer, name, missing) for name in ("found_inf", "grad_scale")}
+            ours = (~finite).to(torch.float32)
+            if saved["found_inf"] is not missing and saved["found_inf"] is not None:
+                ours = torch.maximum(ours, saved["found_inf"].to(ours.device, torch.float32))
+            self.optimizer.found_inf = ours  # type: ignore[attr-defined]
+            if saved["grad_scale"] is missing:
+                self.optimizer.grad_scale = None  # type: ignore[attr-defined]
             try:
                 return original(*args, **kwargs)
             finally:
-                del self.optimizer.found_inf, self.optimizer.grad_scale  # type: ignore[attr-defined]
+                for name, value in saved.items():
+                    if value is missing:
+                        delattr(self.optimizer, name)
+                    else:
+                        setattr(self.optimizer, name, value)
         if bool(finite):
             return original(*args, **kwargs)
         self._raise_past_limit()

@@ -66,6 +66,12 @@ def remember_for_reuse(tensors: Sequence[torch.Tensor], result: ScanResult) -> N
     _reusable = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], result)
 
 
+def forget_reusable() -> None:
+    """Drops the remembered statistics (their step is over)."""
+    global _reusable
+    _reusable = None
+
+
 def recall(tensors: Sequence[torch.Tensor]) -> ScanResult | None:
     """The remembered statistics of ``tensors`` if they are the same, unmodified tensors; else None."""
     if _reusable is None or len(_reusable[0]) != len(tensors):

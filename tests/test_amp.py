@@ -170,3 +170,13 @@ def test_watch_names_parameters_in_reports() -> None:
     model[2].bias.grad[0] = math.inf
     scaler.unscale_(opt)
     assert scaler.last_report.nonfinite == ["2.bias"]
+
+
+def test_kept_statistics_are_forgotten_after_the_step() -> None:
+    model, opt = model_and_optimizer("cpu")
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+    scaler.unscale_(opt)
+    assert nanscan.scan.__globals__["_reusable"] is not None
+    scaler.step(opt)
+    assert nanscan.scan.__globals__["_reusable"] is None

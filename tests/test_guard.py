@@ -96,3 +96,28 @@ def test_unarmed_step_is_an_ordinary_step() -> None:
     before = params(model)
     opt.step()  # no check this step: runs normally
     assert any(not torch.equal(a, b) for a, b in zip(before, params(model)))
+
+
+@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, nanscan.amp.GradScaler])
+@pytest.mark.parametrize("poison", [False, True])
+def test_skip_guard_composes_with_grad_scaler(scaler_cls: type, poison: bool) -> None:
+    """GradScaler hands fused optimizers their own found_inf/grad_scale; the guard must keep both."""
+    model, opt = setup(fused=True)
+    scaler = scaler_cls("cpu", init_scale=1024.0)
+    model.zero_grad()
+    scaler.scale(model(torch.randn(4, 6)).sum()).backward()
+    if poison:
+        model[2].weight.grad[0, 0] = math.nan
+    before = params(model)
+    nanscan.check(model, on_nonfinite="skip", optimizer=opt)  # scaled gradients, no unscale_: grad_scale is used
+    scaler.step(opt)
+    scaler.update()
+    after = params(model)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after)) == (not poison)
+    assert all(torch.isfinite(p).all() for p in after)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    # With grad_scale kept, AdamW's first step moves each weight by about lr (0.1); with the scale
+    # lost it would still be ~lr, so check the momentum instead: it must hold unscaled gradients.
+    if not poison:
+        state = opt.state[next(iter(model.parameters()))]
+        assert state["exp_avg"].abs().max().item() < 10.0, "the fused step saw still-scaled gradients"

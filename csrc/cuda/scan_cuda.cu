@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <type_traits>
 
@@ -412,15 +413,18 @@ int32_t fill_table(TensorTable& table, const TensorArg* tensors, int64_t first, 
 
 int64_t num_launches(int64_t num_tensors) { return (num_tensors + kMaxTensorsPerLaunch - 1) / kMaxTensorsPerLaunch; }
 
-// Resident blocks per multiprocessor of a kernel (its register use decides), asked once per kernel.
-template <class Kernel>
-int resident_blocks_per_sm(Kernel kernel) {
-  static const int blocks = [kernel] {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0) != cudaSuccess || n < 1) n = 1;
-    return n;
-  }();
-  return blocks;
+// Resident blocks per multiprocessor of a kernel (its register use decides), asked once per kernel
+// and device.
+template <auto Kernel>
+int resident_blocks_per_sm() {
+  static std::array<int, 64> cached{};  // racing writers store the same value
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (device < static_cast<int>(cached.size()) && cached[device] != 0) return cached[device];
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0) != cudaSuccess || n < 1) n = 1;
+  if (device < static_cast<int>(cached.size())) cached[device] = n;
+  return n;
 }
 
 // A persistent grid: one wave of resident blocks, fewer when there are not enough chunks to share.
@@ -434,7 +438,7 @@ size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 template <bool kHalfRange, bool kMultiply>
 void launch_scan(int32_t chunks, int num_sms, cudaStream_t stream, const ScanLaunch& launch, const Workspace& ws,
                  const ResultPointers& out) {
-  const int grid = grid_for(chunks, num_sms, resident_blocks_per_sm(scan_kernel<kHalfRange, kMultiply>));
+  const int grid = grid_for(chunks, num_sms, resident_blocks_per_sm<scan_kernel<kHalfRange, kMultiply>>());
   scan_kernel<kHalfRange, kMultiply><<<grid, kThreads, 0, stream>>>(launch, ws, out);
 }
 
@@ -505,7 +509,7 @@ cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coe
     const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, num_tensors - first);
     const int32_t chunks = fill_table(launch->table, tensors, first, count);
     if (chunks == 0) continue;
-    scale_kernel<<<grid_for(chunks, num_sms, resident_blocks_per_sm(scale_kernel)), kThreads, 0, stream>>>(*launch);
+    scale_kernel<<<grid_for(chunks, num_sms, resident_blocks_per_sm<scale_kernel>()), kThreads, 0, stream>>>(*launch);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
