@@ -125,3 +125,11 @@ def test_multi_device_lists_group_by_device(device: str) -> None:
     r = nanscan.scan(tensors)
     assert r.norm.device.type == device
     assert r.norm[:2].tolist() == [2.0, 4.0] and r.nan_count.tolist() == [0, 0, 1] and not bool(r.finite)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_unscale_scan_and_fp16_range(device: str) -> None:
+    for sample in finite_samples(device):
+        torch.library.opcheck(torch.ops.nanscan.scan.default, (sample,), {"fp16_range": True})
+        grads = [t for t in sample if t.dtype not in FP8_DTYPES]
+        torch.library.opcheck(torch.ops.nanscan.unscale_scan_.default, (grads, torch.tensor(0.5, device=device)))
