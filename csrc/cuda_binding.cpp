@@ -2,12 +2,17 @@
 // allocation through the caching allocator. Registers the CUDA kernels of the schemas in ops.cpp.
 // Built only when torch has CUDA (see setup.py).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "cuda/scan_cuda.h"
@@ -34,7 +39,101 @@ std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vect
 }
 
 // Multiprocessor count of the current device, queried once per device (no CUDA call on later steps).
-int sm_count();
+int sm_count() {
+  static std::array<int, 64> cached{};  // racing writers store the same value
+  const int device = c10::cuda::current_device();
+  const bool cacheable = device < static_cast<int>(cached.size());
+  if (cacheable && cached[device] != 0) return cached[device];
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (cacheable) cached[device] = count;
+  return count;
+}
+
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Device copies of list blobs too long for the kernel parameters. A training loop scans the same
+// gradients on the same stream step after step, so from the second step on its blob is found here
+// and a scan of 10,000 tensors is one launch with no upload. An entry serves only the stream it was
+// uploaded on (so no cross-stream ordering is needed, and freeing it on eviction is stream-ordered
+// like any caching-allocator block); the least recently used of kMaxEntries is evicted.
+class DeviceListCache {
+ public:
+  // The device copy of plan's blob for `stream`: found, or uploaded and kept. The handle keeps the
+  // copy alive until the caller has enqueued its kernels, even if another thread evicts it.
+  std::shared_ptr<const c10::DataPtr> find_or_upload(const cuda::ListPlan& plan, const c10::cuda::CUDAStream& stream) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ++clock_;
+    for (Entry& e : entries_) {
+      if (e.stream == stream && e.blob.size() == plan.bytes() && memcmp(e.blob.data(), plan.blob(), plan.bytes()) == 0) {
+        e.last_use = clock_;
+        return e.device;
+      }
+    }
+    auto device = std::make_shared<const c10::DataPtr>(c10::cuda::CUDACachingAllocator::get()->allocate(plan.bytes()));
+    C10_CUDA_CHECK(cuda::upload_list(plan, device->get(), stream.stream()));
+    if (entries_.size() == kMaxEntries) {
+      entries_.erase(std::min_element(entries_.begin(), entries_.end(),
+                                      [](const Entry& a, const Entry& b) { return a.last_use < b.last_use; }));
+    }
+    entries_.push_back(Entry{stream, std::vector<unsigned char>(plan.blob(), plan.blob() + plan.bytes()), device, clock_});
+    return device;
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 8;
+  struct Entry {
+    c10::cuda::CUDAStream stream;
+    std::vector<unsigned char> blob;
+    std::shared_ptr<const c10::DataPtr> device;
+    uint64_t last_use;
+  };
+  std::mutex mutex_;
+  std::vector<Entry> entries_;
+  uint64_t clock_ = 0;
+};
+
+// Never destroyed: its blocks would otherwise be freed after the CUDA context at process exit.
+DeviceListCache& device_list_cache() {
+  static auto* cache = new DeviceListCache();
+  return *cache;
+}
+
+// Where the kernels read a plan from: the parameters (blob null), the cache, or, while a CUDA graph
+// is being captured, a fresh copy from the graph's memory pool, which the graph keeps for as long as
+// it lives and whose upload every replay repeats (a cached copy could be evicted under a live graph).
+struct DeviceList {
+  const void* blob = nullptr;
+  std::shared_ptr<const c10::DataPtr> cached;
+  at::Tensor captured;
+};
+
+DeviceList device_list(const cuda::ListPlan& plan, const at::Device& device) {
+  DeviceList list;
+  if (cuda::fits_in_parameters(plan)) return list;
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+  if (is_capturing(stream.stream())) {
+    list.captured = at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
+    C10_CUDA_CHECK(cuda::upload_list(plan, list.captured.data_ptr(), stream.stream()));
+    list.blob = list.captured.const_data_ptr();
+  } else {
+    list.cached = device_list_cache().find_or_upload(plan, stream);
+    list.blob = list.cached->get();
+  }
+  return list;
+}
+
+// The plan of a list; the blob buffer is reused from call to call on a thread.
+const cuda::ListPlan& plan_of(const std::vector<cuda::TensorArg>& args) {
+  thread_local cuda::ListPlan plan;
+  TORCH_CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())),
+              "nanscan: the tensor list is too large for one scan (over 2^31 chunks of 32 KiB)");
+  return plan;
+}
 
 // Multiplies dense tensors with the CUDA kernel (it exits at once when *coef is 1) and non-dense ones
 // with ATen (rare for gradients).
@@ -57,22 +156,13 @@ void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, c
     }
   }
   if (dense.empty()) return;
-  C10_CUDA_CHECK(cuda::scale(dense.data(), static_cast<int64_t>(dense.size()), coef.const_data_ptr(), coef_tag, rounding,
-                             sm_count(), c10::cuda::getCurrentCUDAStream()));
+  const cuda::ListPlan& plan = plan_of(dense);
+  const DeviceList list = device_list(plan, tensors[0].device());
+  C10_CUDA_CHECK(cuda::scale(plan, list.blob, coef.const_data_ptr(), coef_tag, rounding, sm_count(),
+                             c10::cuda::getCurrentCUDAStream()));
   // Whether the kernel writes is decided on the device (coef == 1 writes nothing); the host cannot
   // know without a sync, so it assumes a write.
   bump_versions_of_dense(tensors);
-}
-
-int sm_count() {
-  static std::array<int, 64> cached{};  // racing writers store the same value
-  const int device = c10::cuda::current_device();
-  const bool cacheable = device < static_cast<int>(cached.size());
-  if (cacheable && cached[device] != 0) return cached[device];
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  if (cacheable) cached[device] = count;
-  return count;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multiply(at::TensorList tensors,
@@ -82,13 +172,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multip
   const c10::cuda::CUDAGuard guard(tensors[0].device());
   std::vector<at::Tensor> copies;
   copies.reserve(tensors.size());
-  const std::vector<cuda::TensorArg> args = tensor_args(tensors, tags, copies);
+  const cuda::ListPlan& plan = plan_of(tensor_args(tensors, tags, copies));
+  const cuda::ScanKind kind = multiply_by != nullptr ? cuda::ScanKind::Unscale
+                              : fp16_range           ? cuda::ScanKind::HalfRange
+                                                     : cuda::ScanKind::Plain;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto device = at::TensorOptions().device(tensors[0].device());
   ScanOutputs out = allocate_scan_outputs(n, device, fp16_range);
-  const size_t workspace_bytes = cuda::scan_workspace_bytes(args.data(), n);
-  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, device.dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::scan(args.data(), n, result_pointers(out, n), workspace.data_ptr(), sm_count(),
+  const DeviceList list = device_list(plan, tensors[0].device());
+  const int num_sms = sm_count();
+  at::Tensor workspace =
+      at::empty({static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms))}, device.dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n), workspace.data_ptr(), num_sms,
                             c10::cuda::getCurrentCUDAStream(), multiply_by));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }

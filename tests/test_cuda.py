@@ -1,6 +1,8 @@
-"""CUDA-only behaviour: CPU parity, launch splitting, > 2^31 elements, CUDA graphs, no host syncs,
-torch.compile with CUDA graphs. Every test here is skipped without a GPU; the device-generic tests in
-the other files also run on CUDA."""
+"""CUDA-only behaviour: CPU parity, lists longer than the kernel parameters hold (device copies of
+their metadata, cached per stream), the fold tree's edges, > 2^31 elements, determinism, CUDA graphs,
+no host syncs, torch.compile with CUDA graphs. Every test here is skipped without a GPU; the
+device-generic tests in the other files also run on CUDA, and tests/test_list_plan.py checks the
+kernel's index arithmetic on the CPU."""
 
 from __future__ import annotations
 
@@ -39,12 +41,114 @@ def test_cpu_parity_mixed_list() -> None:
     cuda_and_cpu_agree(tensors)
 
 
-def test_list_longer_than_one_launch() -> None:
+# torch.ops.nanscan lists longer than this read their metadata from device memory.
+PARAMETER_CAPACITY = 1500
+
+
+def test_list_longer_than_the_parameters() -> None:
     tensors = [random_tensor(1 + (i * 37) % 3000, torch.float32, "cuda") for i in range(5000)]
     tensors[4321].view(-1)[0] = math.inf
-    tensors[1536].view(-1)[-1] = math.nan  # first tensor of the second launch
+    tensors[PARAMETER_CAPACITY].view(-1)[-1] = math.nan
     assert_matches_reference(nanscan.scan(tensors), tensors)
     cuda_and_cpu_agree(tensors)
+    # The second call finds the list's device copy in the cache: new values, same metadata.
+    for t in tensors:
+        t.normal_()
+    tensors[17].view(-1)[0] = -math.inf
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+
+
+def test_device_list_cache_eviction_and_streams() -> None:
+    lists = [[random_tensor(100 + k, torch.float32, "cuda") for _ in range(PARAMETER_CAPACITY + 1)] for k in range(10)]
+    for tensors in lists + lists[:2]:  # more lists than the cache holds, then the evicted ones again
+        assert_matches_reference(nanscan.scan(tensors), tensors)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = nanscan.scan(lists[0])  # the same list on another stream gets its own copy
+    torch.cuda.current_stream().wait_stream(side)
+    assert_matches_reference(result, lists[0])
+
+
+def test_long_list_clip_and_unscale() -> None:
+    grads = [random_tensor(257, torch.float32, "cuda", scale=10.0) for _ in range(3000)]
+    expected = [g.clone() for g in grads]
+    torch.nn.utils.clip_grad_norm_(expected, 1.0)
+    nanscan.clip_grad_norm_(grads, 1.0)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+    found = torch.zeros((), device="cuda")
+    inv_scale = torch.tensor(1 / 64.0, device="cuda")
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
+    torch.ops.nanscan.unscale_scan_(grads, inv_scale)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 32, 33, 1024, 1025, 1057])
+def test_fold_tree_edges(chunks: int) -> None:
+    """A tensor of `chunks` 32 KiB chunks, with values at its first and last chunk: the edges of the
+    two-level fold (groups of 32 chunks, then the groups)."""
+    per_chunk = 32 * 1024 // 4
+    t = random_tensor(chunks * per_chunk, torch.float32, "cuda")
+    t[0] = -1e30  # its square overflows fp32: that chunk takes the exact path
+    t[-1] = 1e30
+    one_more = random_tensor(chunks * per_chunk + 1, torch.float32, "cuda")
+    tensors = [torch.empty(0, device="cuda"), t, one_more, random_tensor(5, torch.bfloat16, "cuda")]
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+    t[per_chunk * (chunks - 1)] = math.nan
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+
+
+def test_results_are_bit_identical_across_runs() -> None:
+    tensors = [random_tensor(n, torch.float32, "cuda") for n in (3, 1 << 20, 70_001, 5 << 20)]
+    first = nanscan.scan(tensors)
+    for _ in range(5):
+        again = nanscan.scan(tensors)
+        assert torch.equal(again.norm, first.norm) and torch.equal(again.total_norm, first.total_norm)
+
+
+def test_empty_tensors_between_others() -> None:
+    tensors = []
+    for i in range(300):
+        tensors.append(torch.empty(0, device="cuda", dtype=FLOAT_DTYPES[i % len(FLOAT_DTYPES)]))
+        tensors.append(random_tensor(1 + i, torch.float16, "cuda"))
+    assert_matches_reference(nanscan.scan(tensors), tensors)
+
+
+def test_scale_of_unaligned_views() -> None:
+    base = torch.randn(100_003, device="cuda")
+    views = [
+        base[1:],  # 4 bytes past a 16-byte boundary
+        torch.randn(100_003, device="cuda", dtype=torch.bfloat16)[5:],
+        torch.randn(33, device="cuda", dtype=torch.float16)[3:],
+    ]
+    expected = [v.clone() * 0.5 for v in views]
+    torch.ops.nanscan.scale_(views, torch.tensor(0.5, device="cuda"))
+    for v, e in zip(views, expected):
+        assert torch.equal(v, e)
+
+
+def test_cuda_graph_of_a_long_list() -> None:
+    tensors = [random_tensor(64, torch.float32, "cuda") for _ in range(PARAMETER_CAPACITY + 500)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        nanscan.scan(tensors)  # warm-up: puts the list in the eager cache, which the graph must not use
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = nanscan.scan(tensors)
+    others = [[random_tensor(64, torch.float32, "cuda") for _ in range(PARAMETER_CAPACITY + 1)] for _ in range(9)]
+    for tensors_ in others:
+        nanscan.scan(tensors_)  # evicts the cached copy of the captured list
+    for i in range(10):
+        for t in tensors:
+            t.normal_()
+        if i % 3 == 1:
+            tensors[-1][7] = math.nan
+        graph.replay()
+        assert_matches_reference(captured, tensors)
 
 
 def test_many_tiny_tensors() -> None:

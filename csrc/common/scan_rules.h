@@ -180,7 +180,7 @@ NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const 
   out.stats[2 * n + i] = l2_norm(s);
 }
 
-// The totals are the combine of every tensor's stats in tensor order.
+// The totals: a combine of every element's contribution in an order fixed per backend and input.
 NANSCAN_HD void write_totals(const ResultPointers& out, const TensorStats& total) {
   *out.total_norm = l2_norm(total);
   *out.finite = all_finite(total);

@@ -1,12 +1,22 @@
-// CUDA backend: the fused scan and the clip multiply over a whole tensor list.
+// CUDA backend: the fused scan and the clip multiply over a whole tensor list, in one launch.
 //
-// Work is cut into chunks of kChunkBytes of one tensor; one warp scans one chunk with 16-byte loads
-// (kUnroll in flight per lane) into a FastRun per lane, reduces across the warp in a fixed butterfly
-// order and applies the shared exactness rule (re-reading the chunk with the exact rule if needed).
-// Chunks are dealt to a persistent grid, so 10,000 tiny tensors are 10,000 warp-sized jobs, not
-// 10,000 blocks. The last block to finish (threadfence + ticket) folds multi-chunk tensors and, in
-// the last launch, writes every per-tensor result and the totals: one launch per kMaxTensorsPerLaunch
-// tensors, no host sync, nothing allocated, deterministic (every combine has a fixed order).
+// Work is cut into chunks of at most kChunkBytes of one tensor (list_plan.h); one warp scans one
+// chunk with 16-byte loads (kUnroll in flight per lane) into a FastRun per lane, reduces across the
+// warp in a fixed butterfly order and applies the shared exactness rule (re-reading the chunk with
+// the exact rule if needed). Chunks are dealt to a persistent grid, so 10,000 tiny tensors are 10,000
+// warp-sized jobs, not 10,000 blocks.
+//
+// Finishing is spread over the grid instead of left to one last block: the warp that scans a tensor's
+// only chunk writes that tensor's result at once; a tensor of several chunks is folded by the warp
+// whose chunk arrives last, through a two-level tree of 32-way folds (FoldTree), while other warps go
+// on scanning. The totals are combined from every chunk in a fixed order (per warp in chunk order, per
+// block in warp order, then the blocks in block order by the last block to finish), so results are
+// bit-identical from run to run on a device. Nothing is allocated, nothing syncs with the host, and
+// the only state (arrival counters) is zeroed by a memset in the same call, which a CUDA graph replays.
+//
+// The list's metadata travels in the kernel parameters when it fits (two sizes, so that a 150-tensor
+// model does not pay for copying 32 KB of parameters per launch); longer lists are read from a device
+// copy of the same blob (upload_list; the binding keeps such copies across calls).
 #include "scan_cuda.h"
 
 #include <cuda_bf16.h>
@@ -23,85 +33,68 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarpSize;
-constexpr int64_t kChunkBytes = 32 * 1024;
 constexpr int kUnroll = 4;
-// Tensor metadata travels by value in the kernel parameters (up to 32764 bytes since CUDA 12.1 on
-// sm_70+); this many tensors fit with the header.
-constexpr int kMaxTensorsPerLaunch = 1536;
+static_assert(kFoldFanIn == kWarpSize, "a fold reads one partial per lane");
 
-struct TensorTable {
+// Kernel parameters may take 32764 bytes (CUDA 12.1+, sm_70+). Lists travel inline in one of two
+// capacities; 0 stands for "in device memory".
+constexpr size_t kParameterBytes = 32764;
+constexpr int32_t kSmallInlineTensors = 256;
+constexpr int32_t kLargeInlineTensors = 1500;
+constexpr int32_t kDeviceList = 0;
+
+// The list as a kernel receives it: the blob inline, or a pointer to its device copy.
+template <int32_t kCapacity>
+struct ListArgs {
   int32_t num_tensors;
   int32_t num_chunks;
-  const void* data[kMaxTensorsPerLaunch];
-  int64_t numel[kMaxTensorsPerLaunch];
-  int32_t chunk_begin[kMaxTensorsPerLaunch + 1];  // chunk index of each tensor's first chunk, in this launch
-  uint8_t dtype[kMaxTensorsPerLaunch];  // DType, one byte each to fit the parameter space
-
-  __host__ __device__ DType dtype_of(int i) const { return static_cast<DType>(dtype[i]); }
+  alignas(16) unsigned char blob[blob_bytes(kCapacity)];
+  __device__ ListView view() const { return ListView::over(blob, num_tensors); }
 };
 
-struct ScanLaunch {
-  TensorTable table;
+template <>
+struct ListArgs<kDeviceList> {
+  int32_t num_tensors;
+  int32_t num_chunks;
+  const unsigned char* blob;
+  __device__ ListView view() const { return ListView::over(blob, num_tensors); }
+};
+
+template <int32_t kCapacity>
+void fill_list_args(ListArgs<kCapacity>& args, const ListPlan& plan, const void* device_blob) {
+  args.num_tensors = plan.num_tensors();
+  args.num_chunks = plan.num_chunks();
+  if constexpr (kCapacity == kDeviceList) {
+    args.blob = static_cast<const unsigned char*>(device_blob);
+  } else {
+    memcpy(args.blob, plan.blob(), plan.bytes());
+  }
+}
+
+struct Workspace {
+  TensorStats* partials;      // [chunks]: fold-tree slots (see FoldTree)
+  TensorStats* block_totals;  // [grid]: each block's total, in block order
+  unsigned int* counters;     // [chunks + 1]: fold-tree arrivals, then the blocks' ticket
+};
+
+template <int32_t kCapacity>
+struct ScanParams {
+  ListArgs<kCapacity> list;
   const float* multiply_by;  // device scalar, or null: see scan_chunk's kMultiply
-  int32_t first_tensor;  // global index of this launch's tensor 0
-  int32_t first_chunk;   // global index of this launch's chunk 0 in the workspace
-  int32_t total_tensors;
-  bool is_last_launch;
+  Workspace ws;
+  ResultPointers out;
 };
 
-
-struct ScaleLaunch {
-  TensorTable table;
+template <int32_t kCapacity>
+struct ScaleParams {
+  ListArgs<kCapacity> list;
   const void* coef;
   DType coef_dtype;
   CoefRounding rounding;
 };
 
-
-struct Workspace {
-  TensorStats* chunk_partials;  // [total chunks]
-  TensorStats* tensor_stats;    // [total tensors]
-  unsigned int* tickets;        // [launches]
-};
-
-static_assert(sizeof(ScanLaunch) + sizeof(Workspace) + sizeof(ResultPointers) <= 32764,
-              "scan_kernel's parameters exceed the 32764 bytes CUDA 12.1+ allows");
-static_assert(sizeof(ScaleLaunch) <= 32764, "scale_kernel's parameters exceed the 32764 bytes CUDA 12.1+ allows");
-
-__host__ __device__ inline int64_t chunk_elements(DType d) { return kChunkBytes / element_size(d); }
-
-__host__ __device__ inline int64_t num_chunks(int64_t numel, DType d) {
-  const int64_t per = chunk_elements(d);
-  return (numel + per - 1) / per;
-}
-
-// Index of the tensor that owns chunk c (the last tensor whose first chunk is <= c). Warp-uniform.
-__device__ int find_tensor(const TensorTable& table, int32_t c) {
-  int lo = 0, hi = table.num_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table.chunk_begin[mid] <= c) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
-// Chunk c of a launch: its tensor and element range.
-struct ChunkSpan {
-  int tensor;
-  int64_t begin;
-  int64_t end;
-};
-
-__device__ ChunkSpan chunk_span(const TensorTable& table, int32_t c) {
-  const int t = find_tensor(table, c);
-  const int64_t per = chunk_elements(table.dtype_of(t));
-  const int64_t begin = static_cast<int64_t>(c - table.chunk_begin[t]) * per;
-  return ChunkSpan{t, begin, begin + per < table.numel[t] ? begin + per : table.numel[t]};
-}
+static_assert(sizeof(ScanParams<kLargeInlineTensors>) <= kParameterBytes, "scan parameters exceed 32764 bytes");
+static_assert(sizeof(ScaleParams<kLargeInlineTensors>) <= kParameterBytes, "scale parameters exceed 32764 bytes");
 
 template <class T>
 __device__ T shfl_xor(T v, int offset) {
@@ -254,7 +247,7 @@ __device__ TensorStats scan_chunk_any(DType dtype, const void* data, int64_t beg
   return empty_stats();
 }
 
-// Reads what other blocks of this launch wrote: through L2, never a possibly stale L1 line.
+// Reads what other warps of this launch wrote: through L2, never a possibly stale L1 line.
 __device__ TensorStats load_coherent(const TensorStats* p) {
   TensorStats s;
   s.nan_count = __ldcg(reinterpret_cast<const long long*>(&p->nan_count));
@@ -267,42 +260,51 @@ __device__ TensorStats load_coherent(const TensorStats* p) {
   return s;
 }
 
-// Last block of a launch: fold the chunk partials of this launch's tensors that have != 1 chunk
-// (tensors with one chunk were written directly; empty ones get empty stats). A warp takes 32 tensors
-// at a time and visits only those that need folding; lanes stride over the chunks.
-__device__ void fold_multi_chunk_tensors(const ScanLaunch& launch, const Workspace& ws) {
-  const TensorTable& table = launch.table;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  for (int base = warp * kWarpSize; base < table.num_tensors; base += kThreads) {
-    const int mine = base + lane;
-    const bool needs_fold = mine < table.num_tensors && table.chunk_begin[mine + 1] - table.chunk_begin[mine] != 1;
-    unsigned int pending = __ballot_sync(0xffffffffu, needs_fold);
-    while (pending) {
-      const int t = base + __ffs(pending) - 1;
-      pending &= pending - 1;
-      TensorStats s = empty_stats();
-      for (int32_t c = table.chunk_begin[t] + lane; c < table.chunk_begin[t + 1]; c += kWarpSize) {
-        s = combine(s, load_coherent(ws.chunk_partials + launch.first_chunk + c));
-      }
-      s = warp_combine(s);
-      if (lane == 0) ws.tensor_stats[launch.first_tensor + t] = s;
-    }
-  }
-}
+// finish_chunk's synchronisation (list_plan.h) for one warp: partial slots and arrival counters in
+// the workspace, results straight to the outputs. Every lane calls every method; lane 0 writes.
+struct WarpSync {
+  const Workspace& ws;
+  const ResultPointers& out;
+  int lane;
 
-// Last block of the last launch: per-tensor outputs and the totals. Each thread combines a fixed
-// contiguous range of tensors, then a fixed shared-memory tree combines the threads.
-__device__ void write_outputs(const ScanLaunch& launch, const Workspace& ws, const ResultPointers& out) {
-  __shared__ TensorStats partial[kThreads];
-  const int64_t n = launch.total_tensors;
-  const int64_t per_thread = (n + kThreads - 1) / kThreads;
-  const int64_t begin = threadIdx.x * per_thread, end = begin + per_thread < n ? begin + per_thread : n;
-  TensorStats mine = empty_stats();
-  for (int64_t t = begin; t < end; ++t) {
-    const TensorStats s = load_coherent(ws.tensor_stats + t);
-    write_tensor_result(out, t, s);
-    mine = combine(mine, s);
+  __device__ void write_result(int32_t t, const TensorStats& s) const {
+    if (lane == 0) write_tensor_result(out, t, s);
   }
+
+  // True, in every lane, for the warp whose arrival is the `expected`-th: that warp then reads every
+  // partial of the set.
+  __device__ bool arrive_last(int32_t slot, const TensorStats& partial, int32_t counter, int32_t expected) const {
+    bool last = false;
+    if (lane == 0) {
+      ws.partials[slot] = partial;
+      __threadfence();  // the partial is visible device-wide before the arrival is counted
+      last = atomicAdd(ws.counters + counter, 1u) == static_cast<unsigned int>(expected - 1);
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (last) __threadfence();  // and the other warps' partials are read after their arrivals
+    return last;
+  }
+
+  // Lane k takes items k, k + 32, ... in turn, then the warp butterfly: a fixed order. The result is
+  // valid in every lane.
+  __device__ TensorStats fold(int32_t first, int32_t count, int32_t stride) const {
+    TensorStats s = empty_stats();
+#pragma unroll 4
+    for (int32_t k = lane; k < count; k += kWarpSize) {
+      s = combine(s, load_coherent(ws.partials + first + static_cast<int64_t>(k) * stride));
+    }
+    return warp_combine(s);
+  }
+};
+
+// Last block: the totals, from the blocks' totals in block order (each thread a fixed contiguous
+// range, then a fixed shared-memory tree).
+__device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t blocks, const ResultPointers& out) {
+  __shared__ TensorStats partial[kThreads];
+  const int32_t per_thread = (blocks + kThreads - 1) / kThreads;
+  const int32_t begin = threadIdx.x * per_thread, end = begin + per_thread < blocks ? begin + per_thread : blocks;
+  TensorStats mine = empty_stats();
+  for (int32_t b = begin; b < end; ++b) mine = combine(mine, load_coherent(block_totals + b));
   partial[threadIdx.x] = mine;
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride /= 2) {
@@ -313,42 +315,38 @@ __device__ void write_outputs(const ScanLaunch& launch, const Workspace& ws, con
 }
 
 // One instantiation per option, so the plain scan carries no register cost of the options.
-template <bool kHalfRange, bool kMultiply>
-__global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanLaunch launch, Workspace ws,
-                                                        ResultPointers out) {
-  const TensorTable& table = launch.table;
-  const int lane = threadIdx.x % kWarpSize;
-  const float factor = kMultiply ? __ldg(launch.multiply_by) : 1.0f;
-  for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < table.num_chunks; c += gridDim.x * kWarps) {
-    const ChunkSpan span = chunk_span(table, c);
-    const int t = span.tensor;
+template <bool kHalfRange, bool kMultiply, int32_t kCapacity>
+__global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
+  const ListView list = p.list.view();
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const float factor = kMultiply ? __ldg(p.multiply_by) : 1.0f;
+  // Each warp's running total over its chunks, kept in shared memory to spare registers.
+  __shared__ TensorStats warp_totals[kWarps];
+  if (lane == 0) warp_totals[warp] = empty_stats();
+  for (int32_t c = blockIdx.x * kWarps + warp; c < p.list.num_chunks; c += gridDim.x * kWarps) {
+    const ChunkSpan span = list.span(c);
+    const int32_t t = span.tensor;
     const TensorStats s =
-        scan_chunk_any<kHalfRange, kMultiply>(table.dtype_of(t), table.data[t], span.begin, span.end, lane, factor);
-    if (lane == 0) {
-      const bool only_chunk = table.chunk_begin[t + 1] - table.chunk_begin[t] == 1;
-      if (only_chunk) {
-        ws.tensor_stats[launch.first_tensor + t] = s;
-      } else {
-        ws.chunk_partials[launch.first_chunk + c] = s;
-      }
-    }
+        scan_chunk_any<kHalfRange, kMultiply>(list.dtype_of(t), list.data[t], span.begin, span.end, lane, factor);
+    if (lane == 0) warp_totals[warp] = combine(warp_totals[warp], s);
+    WarpSync sync{p.ws, p.out, lane};
+    finish_chunk(list, t, c, s, sync);
   }
-
-  // Last-block-done: make this block's writes visible device-wide, then take a ticket.
-  __shared__ bool is_last_block;
-  __threadfence();
   __syncthreads();
+
+  // Last-block-done: the block's total is visible device-wide before the block takes its ticket.
+  __shared__ bool is_last_block;
   if (threadIdx.x == 0) {
-    const unsigned int ticket = atomicAdd(ws.tickets, 1u);
-    is_last_block = ticket == gridDim.x - 1;
+    TensorStats block_total = empty_stats();
+    for (int w = 0; w < kWarps; ++w) block_total = combine(block_total, warp_totals[w]);
+    p.ws.block_totals[blockIdx.x] = block_total;
+    __threadfence();
+    is_last_block = atomicAdd(p.ws.counters + p.list.num_chunks, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
-  fold_multi_chunk_tensors(launch, ws);
-  __syncthreads();
-  if (launch.is_last_launch) write_outputs(launch, ws, out);
-  if (threadIdx.x == 0) *ws.tickets = 0;  // self-reset: a graph replay starts from zero even without the memset
+  write_totals_of_blocks(p.ws.block_totals, static_cast<int32_t>(gridDim.x), p.out);
 }
 
 __device__ double load_scalar(const void* p, DType dtype) {
@@ -368,50 +366,44 @@ template <class Codec>
 __device__ void scale_chunk(void* data, int64_t begin, int64_t end, double coef, CoefRounding rounding, int lane) {
   using Raw = typename Codec::Raw;
   using Wide = typename Codec::Wide;
-  Raw* p = static_cast<Raw*>(data) + begin;
   const Wide c = rounding == CoefRounding::ToTensorDtype ? Codec::decode(Codec::encode(static_cast<Wide>(coef)))
                                                          : static_cast<Wide>(static_cast<float>(coef));
-  for (int64_t e = lane; e < end - begin; e += kWarpSize) p[e] = Codec::encode(Codec::decode(p[e]) * c);
+  for_each_lane_element<true>(static_cast<Raw*>(data) + begin, end - begin, lane,
+                              [c](Raw r) { return Codec::encode(Codec::decode(r) * c); });
 }
 
-__global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__ ScaleLaunch launch) {
-  const double coef = load_scalar(launch.coef, launch.coef_dtype);
+template <int32_t kCapacity>
+__global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__ ScaleParams<kCapacity> p) {
+  const double coef = load_scalar(p.coef, p.coef_dtype);
   if (coef == 1.0) return;  // nothing to clip: no gradient byte is written
-  const TensorTable& table = launch.table;
+  const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize;
-  for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < table.num_chunks; c += gridDim.x * kWarps) {
-    const ChunkSpan span = chunk_span(table, c);
-    const int t = span.tensor;
-    const int64_t begin = span.begin, end = span.end;
-    void* data = const_cast<void*>(table.data[t]);
-    switch (table.dtype_of(t)) {
-      case DType::Float32: scale_chunk<Float32Codec>(data, begin, end, coef, launch.rounding, lane); break;
-      case DType::Float64: scale_chunk<Float64Codec>(data, begin, end, coef, launch.rounding, lane); break;
-      case DType::Float16: scale_chunk<Float16Codec>(data, begin, end, coef, launch.rounding, lane); break;
-      case DType::BFloat16: scale_chunk<BFloat16Codec>(data, begin, end, coef, launch.rounding, lane); break;
+  for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < p.list.num_chunks; c += gridDim.x * kWarps) {
+    const ChunkSpan span = list.span(c);
+    void* data = const_cast<void*>(list.data[span.tensor]);
+    switch (list.dtype_of(span.tensor)) {
+      case DType::Float32: scale_chunk<Float32Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
+      case DType::Float64: scale_chunk<Float64Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
+      case DType::Float16: scale_chunk<Float16Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
+      case DType::BFloat16: scale_chunk<BFloat16Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
       default: break;  // rejected on the host
     }
   }
 }
 
-// Fills `table` with tensors [first, first + count) and returns the number of chunks.
-int32_t fill_table(TensorTable& table, const TensorArg* tensors, int64_t first, int64_t count) {
-  table.num_tensors = static_cast<int32_t>(count);
-  int32_t chunks = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const TensorArg& t = tensors[first + i];
-    table.data[i] = t.data;
-    table.numel[i] = t.numel;
-    table.dtype[i] = static_cast<uint8_t>(t.dtype);
-    table.chunk_begin[i] = chunks;
-    chunks += static_cast<int32_t>(num_chunks(t.numel, t.dtype));
-  }
-  table.chunk_begin[count] = chunks;
-  table.num_chunks = chunks;
-  return chunks;
-}
+// A blob slice in the parameters of upload_kernel; the whole struct stays under kParameterBytes.
+constexpr size_t kUploadBytes = 32 * 1024 - 64;
+struct UploadParams {
+  uint4* dst;
+  uint32_t vectors;
+  alignas(16) unsigned char bytes[kUploadBytes];
+};
+static_assert(sizeof(UploadParams) <= kParameterBytes && kUploadBytes % 16 == 0, "upload slice too large");
 
-int64_t num_launches(int64_t num_tensors) { return (num_tensors + kMaxTensorsPerLaunch - 1) / kMaxTensorsPerLaunch; }
+__global__ void __launch_bounds__(kThreads) upload_kernel(const __grid_constant__ UploadParams p) {
+  const uint4* src = reinterpret_cast<const uint4*>(p.bytes);
+  for (uint32_t i = threadIdx.x; i < p.vectors; i += kThreads) p.dst[i] = src[i];
+}
 
 // Resident blocks per multiprocessor of a kernel (its register use decides), asked once per kernel
 // and device.
@@ -433,87 +425,149 @@ int grid_for(int32_t chunks, int num_sms, int blocks_per_sm) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * blocks_per_sm)));
 }
 
+// The kernels of one capacity, and how many blocks of each fit on a multiprocessor.
+template <int32_t kCapacity>
+struct Kernels {
+  template <bool kHalfRange, bool kMultiply>
+  static constexpr auto scan = scan_kernel<kHalfRange, kMultiply, kCapacity>;
+
+  static int scan_blocks_per_sm(ScanKind kind) {
+    switch (kind) {
+      case ScanKind::HalfRange: return resident_blocks_per_sm<scan<true, false>>();
+      case ScanKind::Unscale: return resident_blocks_per_sm<scan<false, true>>();
+      case ScanKind::Plain: break;
+    }
+    return resident_blocks_per_sm<scan<false, false>>();
+  }
+};
+
+// Calls fn with the ListArgs capacity a plan travels in (a std::integral_constant).
+template <class Fn>
+auto with_capacity(const ListPlan& plan, Fn&& fn) {
+  if (!fits_in_parameters(plan)) return fn(std::integral_constant<int32_t, kDeviceList>{});
+  if (plan.num_tensors() <= kSmallInlineTensors) return fn(std::integral_constant<int32_t, kSmallInlineTensors>{});
+  return fn(std::integral_constant<int32_t, kLargeInlineTensors>{});
+}
+
 size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-template <bool kHalfRange, bool kMultiply>
-void launch_scan(int32_t chunks, int num_sms, cudaStream_t stream, const ScanLaunch& launch, const Workspace& ws,
-                 const ResultPointers& out) {
-  const int grid = grid_for(chunks, num_sms, resident_blocks_per_sm<scan_kernel<kHalfRange, kMultiply>>());
-  scan_kernel<kHalfRange, kMultiply><<<grid, kThreads, 0, stream>>>(launch, ws, out);
+// Host staging for a kernel's parameters (up to 32 KB), made once per thread: parameters are copied
+// at launch, so the buffer is free again as soon as the launch call returns.
+template <class Params>
+Params& parameter_buffer() {
+  thread_local std::unique_ptr<Params> buffer(new Params());
+  return *buffer;
+}
+
+// Where each part of a scan's workspace starts, for a grid of `grid` blocks.
+struct WorkspaceLayout {
+  int grid;
+  size_t partial_bytes, block_total_bytes, counter_bytes;
+
+  WorkspaceLayout(const ListPlan& plan, int grid_)
+      : grid(grid_),
+        partial_bytes(align_up(static_cast<size_t>(plan.num_chunks()) * sizeof(TensorStats))),
+        block_total_bytes(align_up(static_cast<size_t>(grid_) * sizeof(TensorStats))),
+        counter_bytes(align_up((static_cast<size_t>(plan.num_chunks()) + 1) * sizeof(unsigned int))) {}
+
+  size_t bytes() const { return partial_bytes + block_total_bytes + counter_bytes; }
+
+  Workspace at(void* base) const {
+    char* p = static_cast<char*>(base);
+    return Workspace{reinterpret_cast<TensorStats*>(p), reinterpret_cast<TensorStats*>(p + partial_bytes),
+                     reinterpret_cast<unsigned int*>(p + partial_bytes + block_total_bytes)};
+  }
+};
+
+// The grid of a scan: the same for a plan, kind and device on every call, which is what keeps the
+// totals' combine order (and so their bits) fixed.
+int scan_grid(const ListPlan& plan, ScanKind kind, int num_sms) {
+  return with_capacity(plan, [&](auto capacity) {
+    return grid_for(plan.num_chunks(), num_sms, Kernels<decltype(capacity)::value>::scan_blocks_per_sm(kind));
+  });
 }
 
 }  // namespace
 
-size_t scan_workspace_bytes(const TensorArg* tensors, int64_t num_tensors) {
-  int64_t chunks = 0;
-  for (int64_t i = 0; i < num_tensors; ++i) chunks += num_chunks(tensors[i].numel, tensors[i].dtype);
-  return align_up(chunks * sizeof(TensorStats)) + align_up(num_tensors * sizeof(TensorStats)) +
-         align_up(num_launches(num_tensors) * sizeof(unsigned int));
-}
+int32_t max_tensors_in_parameters() { return kLargeInlineTensors; }
 
-cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPointers& out, void* workspace, int num_sms,
-                 cudaStream_t stream, const float* multiply_by) {
-  if (multiply_by != nullptr && out.half_range) return cudaErrorInvalidValue;
-  if (num_tensors <= 0) return cudaErrorInvalidValue;
-  int64_t total_chunks = 0;
-  for (int64_t i = 0; i < num_tensors; ++i) total_chunks += num_chunks(tensors[i].numel, tensors[i].dtype);
-  if (total_chunks > INT32_MAX) return cudaErrorInvalidValue;
-  char* base = static_cast<char*>(workspace);
-  Workspace ws;
-  ws.chunk_partials = reinterpret_cast<TensorStats*>(base);
-  ws.tensor_stats = reinterpret_cast<TensorStats*>(base + align_up(total_chunks * sizeof(TensorStats)));
-  ws.tickets = reinterpret_cast<unsigned int*>(base + align_up(total_chunks * sizeof(TensorStats)) +
-                                               align_up(num_tensors * sizeof(TensorStats)));
-  const int64_t launches = num_launches(num_tensors);
-  cudaError_t err = cudaMemsetAsync(ws.tickets, 0, launches * sizeof(unsigned int), stream);
-  if (err != cudaSuccess) return err;
-
-  // Parameters are copied at launch, so one host buffer serves every launch of the call.
-  auto launch = std::make_unique<ScanLaunch>();
-  int32_t first_chunk = 0;
-  for (int64_t l = 0; l < launches; ++l) {
-    const int64_t first = l * kMaxTensorsPerLaunch;
-    const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, num_tensors - first);
-    const int32_t chunks = fill_table(launch->table, tensors, first, count);
-    launch->first_tensor = static_cast<int32_t>(first);
-    launch->first_chunk = first_chunk;
-    launch->total_tensors = static_cast<int32_t>(num_tensors);
-    launch->is_last_launch = l == launches - 1;
-    Workspace launch_ws = ws;
-    launch_ws.tickets = ws.tickets + l;
-    launch->multiply_by = multiply_by;
-    if (multiply_by != nullptr) {
-      launch_scan<false, true>(chunks, num_sms, stream, *launch, launch_ws, out);
-    } else if (out.half_range) {
-      launch_scan<true, false>(chunks, num_sms, stream, *launch, launch_ws, out);
-    } else {
-      launch_scan<false, false>(chunks, num_sms, stream, *launch, launch_ws, out);
-    }
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    first_chunk += chunks;
-  }
-  return cudaSuccess;
-}
-
-cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coef, DType coef_dtype,
-                  CoefRounding rounding, int num_sms, cudaStream_t stream) {
-  for (int64_t i = 0; i < num_tensors; ++i) {
-    if (tensors[i].dtype == DType::Float8E4M3FN || tensors[i].dtype == DType::Float8E5M2) return cudaErrorInvalidValue;
-  }
-  auto launch = std::make_unique<ScaleLaunch>();
-  launch->coef = coef;
-  launch->coef_dtype = coef_dtype;
-  launch->rounding = rounding;
-  for (int64_t first = 0; first < num_tensors; first += kMaxTensorsPerLaunch) {
-    const int64_t count = std::min<int64_t>(kMaxTensorsPerLaunch, num_tensors - first);
-    const int32_t chunks = fill_table(launch->table, tensors, first, count);
-    if (chunks == 0) continue;
-    scale_kernel<<<grid_for(chunks, num_sms, resident_blocks_per_sm<scale_kernel>()), kThreads, 0, stream>>>(*launch);
+cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream) {
+  if (reinterpret_cast<uintptr_t>(device_blob) % 16 != 0) return cudaErrorInvalidValue;
+  UploadParams& params = parameter_buffer<UploadParams>();
+  for (size_t offset = 0; offset < plan.bytes(); offset += kUploadBytes) {
+    const size_t bytes = std::min(kUploadBytes, plan.bytes() - offset);  // a multiple of 16, as the blob is
+    params.dst = reinterpret_cast<uint4*>(static_cast<char*>(device_blob) + offset);
+    params.vectors = static_cast<uint32_t>(bytes / 16);
+    memcpy(params.bytes, plan.blob() + offset, bytes);
+    upload_kernel<<<1, kThreads, 0, stream>>>(params);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+size_t scan_workspace_bytes(const ListPlan& plan, ScanKind kind, int num_sms) {
+  return WorkspaceLayout(plan, scan_grid(plan, kind, num_sms)).bytes();
+}
+
+namespace {
+// A device copy is given exactly when the plan does not fit in the parameters.
+bool blob_matches_plan(const ListPlan& plan, const void* device_blob) {
+  return fits_in_parameters(plan) == (device_blob == nullptr);
+}
+}  // namespace
+
+cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, const ResultPointers& out,
+                 void* workspace, int num_sms, cudaStream_t stream, const float* multiply_by) {
+  if (plan.num_tensors() <= 0 || out.num_tensors != plan.num_tensors()) return cudaErrorInvalidValue;
+  if ((kind == ScanKind::Unscale) != (multiply_by != nullptr)) return cudaErrorInvalidValue;
+  if ((kind == ScanKind::HalfRange) != out.half_range) return cudaErrorInvalidValue;
+  if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
+  const WorkspaceLayout layout(plan, scan_grid(plan, kind, num_sms));
+  const Workspace ws = layout.at(workspace);
+  cudaError_t err = cudaMemsetAsync(ws.counters, 0, layout.counter_bytes, stream);
+  if (err != cudaSuccess) return err;
+  return with_capacity(plan, [&](auto capacity) {
+    constexpr int32_t kCapacity = decltype(capacity)::value;
+    ScanParams<kCapacity>& params = parameter_buffer<ScanParams<kCapacity>>();
+    fill_list_args(params.list, plan, device_blob);
+    params.multiply_by = multiply_by;
+    params.ws = ws;
+    params.out = out;
+    switch (kind) {
+      case ScanKind::Plain:
+        Kernels<kCapacity>::template scan<false, false><<<layout.grid, kThreads, 0, stream>>>(params);
+        break;
+      case ScanKind::HalfRange:
+        Kernels<kCapacity>::template scan<true, false><<<layout.grid, kThreads, 0, stream>>>(params);
+        break;
+      case ScanKind::Unscale:
+        Kernels<kCapacity>::template scan<false, true><<<layout.grid, kThreads, 0, stream>>>(params);
+        break;
+    }
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t scale(const ListPlan& plan, const void* device_blob, const void* coef, DType coef_dtype,
+                  CoefRounding rounding, int num_sms, cudaStream_t stream) {
+  const ListView list = plan.view();
+  for (int32_t i = 0; i < list.num_tensors; ++i) {
+    const DType d = list.dtype_of(i);
+    if (d == DType::Float8E4M3FN || d == DType::Float8E5M2) return cudaErrorInvalidValue;
+  }
+  if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
+  return with_capacity(plan, [&](auto capacity) {
+    constexpr int32_t kCapacity = decltype(capacity)::value;
+    ScaleParams<kCapacity>& params = parameter_buffer<ScaleParams<kCapacity>>();
+    fill_list_args(params.list, plan, device_blob);
+    params.coef = coef;
+    params.coef_dtype = coef_dtype;
+    params.rounding = rounding;
+    const int grid = grid_for(plan.num_chunks(), num_sms, resident_blocks_per_sm<scale_kernel<kCapacity>>());
+    scale_kernel<kCapacity><<<grid, kThreads, 0, stream>>>(params);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace nanscan::cuda

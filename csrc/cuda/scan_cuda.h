@@ -8,30 +8,37 @@
 #include <cstdint>
 
 #include "../common/scan_rules.h"
+#include "list_plan.h"
 
 namespace nanscan::cuda {
 
-// One tensor as the kernels see it: a dense span of `numel` elements of `dtype` starting at `data`.
-struct TensorArg {
-  const void* data;
-  int64_t numel;
-  DType dtype;
-};
+// Lists of up to this many tensors travel inside the kernel parameters (32 KB since CUDA 12.1 on
+// sm_70+). Longer lists are read from a device copy of their blob (see upload_list).
+int32_t max_tensors_in_parameters();
 
-// Device memory the caller provides for one scan call (from the caching allocator; contents need not
-// be initialised). Its size depends only on the tensor sizes.
-size_t scan_workspace_bytes(const TensorArg* tensors, int64_t num_tensors);
+inline bool fits_in_parameters(const ListPlan& plan) { return plan.num_tensors() <= max_tensors_in_parameters(); }
 
-// Scans `tensors` (a host array) into `out` (device pointers) on `stream`: one launch per
-// kMaxTensorsPerLaunch tensors (one launch for any list of up to that many), each finishing its own
-// tensors in its last block, the last launch also writing the totals. Graph-capturable: no host sync,
-// no allocation, and the only state carried between blocks (a ticket per launch) is reset by a memset
-// node in the same call.
-// With `multiply_by` (a device float; not with the fp16-range option, and not for float8), every
-// element is first replaced in place by round(x * *multiply_by) as GradScaler's unscale does, in the
-// same pass, and the statistics are of the products.
-cudaError_t scan(const TensorArg* tensors, int64_t num_tensors, const ResultPointers& out, void* workspace,
-                 int num_sms, cudaStream_t stream, const float* multiply_by = nullptr);
+// Copies a plan's blob into `device_blob` (device memory of plan.bytes(), 16-byte aligned) on
+// `stream` with small kernels that carry the bytes in their parameters: no pinned host buffer, so a
+// CUDA graph that captures the copy replays it correctly for as long as it lives.
+cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream);
+
+// Which scan: the plain one, with the fp16-range counts, or fused with GradScaler's unscale.
+enum class ScanKind { Plain, HalfRange, Unscale };
+
+// Device memory a scan needs (from the caching allocator; its contents need not be initialised):
+// a partial result per chunk, a total per block and the arrival counters.
+size_t scan_workspace_bytes(const ListPlan& plan, ScanKind kind, int num_sms);
+
+// One launch (after one memset of its counters) scans every tensor of the plan into `out`: each
+// tensor's result is written by the warp that finishes it, and the last block writes the totals.
+// `device_blob` is the plan's device copy when it does not fit in the kernel parameters, else null.
+// Graph-capturable: no host sync, no allocation, and the counters are zeroed by the captured memset.
+// With ScanKind::Unscale, every element is first replaced in place by round(x * *multiply_by) as
+// GradScaler's unscale does (not for float8), in the same pass, and the statistics are of the
+// products.
+cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, const ResultPointers& out,
+                 void* workspace, int num_sms, cudaStream_t stream, const float* multiply_by = nullptr);
 
 // How scale() treats its coefficient, mirroring the torch op it stands in for.
 enum class CoefRounding {
@@ -39,11 +46,11 @@ enum class CoefRounding {
   None,           // GradScaler's unscale: the float coefficient multiplies in float (double for fp64)
 };
 
-// Multiplies every tensor in place by *coef (a device scalar of dtype coef_dtype), computing in the
-// tensor's Wide type and rounding once, as torch does. Blocks read the coefficient first and return at
-// once when it is exactly 1, so a step that needs no clipping writes nothing.
+// Multiplies every tensor of the plan in place by *coef (a device scalar of dtype coef_dtype),
+// computing in the tensor's Wide type and rounding once, as torch does. Blocks read the coefficient
+// first and return at once when it is exactly 1, so a step that needs no clipping writes nothing.
 // Float8 tensors are rejected (cudaErrorInvalidValue), as torch's mul_ rejects them.
-cudaError_t scale(const TensorArg* tensors, int64_t num_tensors, const void* coef, DType coef_dtype,
+cudaError_t scale(const ListPlan& plan, const void* device_blob, const void* coef, DType coef_dtype,
                   CoefRounding rounding, int num_sms, cudaStream_t stream);
 
 }  // namespace nanscan::cuda
