@@ -122,8 +122,16 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     equal torch's; a coefficient of exactly 1 leaves the gradients unwritten.
     """
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for device, indices in group_by_device(grads).items():
-        scale_op([grads[i] for i in indices], clip_coef.to(device))
+    # One op call for the usual single-device list: it validates every entry (before writing any) in
+    # C++, so Python does no per-tensor work here. A list that spans devices is split on its error.
+    try:
+        scale_op(grads, clip_coef)
+    except RuntimeError:
+        groups = group_by_device(grads)
+        if len(groups) == 1 and next(iter(groups)) == clip_coef.device:
+            raise
+        for device, indices in groups.items():
+            scale_op([grads[i] for i in indices], clip_coef.to(device))
     return clip_coef
 
 
@@ -136,10 +144,16 @@ def gradients(parameters: TensorOrTensors) -> tuple[list[torch.Tensor], list[tor
         parameters = list(parameters)
         if is_generator and not parameters:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
-    for i, p in enumerate(parameters):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"nanscan: {describe(None, i)} of parameters is a {type(p).__name__}, not a torch.Tensor")
-    return parameters, [p.grad for p in parameters if p.grad is not None]
+    try:
+        # One attribute read per parameter: a list of 10,000 costs ~0.05 us each (an isinstance test
+        # against torch.Tensor alone costs as much), and the ops reject anything that is not a tensor.
+        grads = [p.grad for p in parameters]
+    except AttributeError:
+        for i, p in enumerate(parameters):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"nanscan: {describe(None, i)} of parameters is a {type(p).__name__}, not a torch.Tensor") from None
+        raise
+    return parameters, [g for g in grads if g is not None]
 
 
 def clip_grad_norm_(
