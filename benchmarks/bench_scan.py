@@ -45,6 +45,9 @@ note (in the table and the JSON) rather than crashing. Tensors are freed between
 
 Timing: host timers around each call; on CUDA with ``torch.cuda.synchronize()`` before and after, so a
 time includes launch overhead and any host syncs the method makes, as a training step would see.
+On CUDA, every method that makes no host sync is also timed split in two (``gpu_and_host_times``):
+its GPU time (CUDA events, with the host's enqueueing hidden behind a sleep kernel) and its host time
+per call and per tensor. "many_small_10000x1024" is the case for those: 10,000 tensors of 4 KB.
 Ratios use medians; the table also gives the fastest call.
 
 Stalls: on a small VM the second vCPU is at times descheduled by the host, and every parallel region
@@ -79,7 +82,8 @@ import nanscan
 
 DEFAULT_ZOO = Path(__file__).resolve().parents[1].parent / "shared" / "zoo.json"
 MANY_SMALL = "many_small_2000x512"
-SYNTHETIC: dict[str, list[list[int]]] = {MANY_SMALL: [[512]] * 2000}
+TEN_THOUSAND = "many_small_10000x1024"
+SYNTHETIC: dict[str, list[list[int]]] = {MANY_SMALL: [[512]] * 2000, TEN_THOUSAND: [[1024]] * 10_000}
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -157,6 +161,7 @@ class Method:
     run: Callable[[Inputs], object]
     counterpart: str | None = None
     mutates: bool = False  # changes gradient values: restore the inputs after every call
+    sync_free: bool = True  # makes no host sync: its GPU and host time can be told apart (CUDA)
 
 
 def per_param_loop(grads: list[torch.Tensor]) -> list[tuple[bool, bool, float, float, float]]:
@@ -219,7 +224,7 @@ def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
     torch_clip = torch.nn.utils.clip_grad_norm_
     probe_buffer = torch.ones(1 << 18, device=device)
     found = [
-        Method(PROBE, lambda _: torch.sum(probe_buffer)),
+        Method(PROBE, lambda _: torch.sum(probe_buffer), sync_free=False),
         Method(CEILING, lambda x: torch.sum(x.flat)),
         Method(SCAN, lambda x: nanscan.scan(x.grads)),
         # The registered op alone, without the Python wrapper's checks: the wrapper's share of the time.
@@ -229,7 +234,7 @@ def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
         # torch multiplies by exactly 1.0 when nothing is clipped: it writes, but the values stay.
         Method("torch.clip(no-clip)", lambda x: torch_clip(x.params, NO_CLIP), "nanscan.clip(no-clip)"),
         Method("torch.clip(clip)", lambda x: torch_clip(x.params, CLIP), "nanscan.clip(clip)", mutates=True),
-        Method("per_param_loop", lambda x: per_param_loop(x.grads), SCAN),
+        Method("per_param_loop", lambda x: per_param_loop(x.grads), SCAN, sync_free=False),
         Method("foreach_norm+stack", lambda x: foreach_total_norm(x.grads), SCAN),
     ]
     if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
@@ -292,6 +297,53 @@ def time_methods(
     return times
 
 
+def gpu_and_host_times(
+    found: list[Method], inputs: Inputs, repeats: int
+) -> dict[str, tuple[list[float], list[float], bool]]:
+    """Per sync-free method: (GPU seconds, host seconds) of each of ``repeats`` calls, and whether the
+    GPU ever caught up with the host.
+
+    The GPU is first held busy by a sleep kernel longer than the call takes to enqueue, so the host
+    issues the whole call before any of it runs: CUDA events recorded around the call then time only
+    the GPU's work (kernels back to back, launch gaps included), and a host timer around the same call
+    times only the host's work (the cost per call that a training loop's CPU pays).
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_second = 10_000_000 / (start.elapsed_time(end) / 1e3)
+    results: dict[str, tuple[list[float], list[float], bool]] = {}
+    for method in found:
+        if not method.sync_free:
+            continue
+        gpu: list[float] = []
+        host: list[float] = []
+        overtaken = False
+        wall = 0.01
+        for i in range(repeats + 1):  # the first call sizes the sleep and is not kept
+            sleep = max(0.002, 3 * wall)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(sleep * cycles_per_second))
+            start.record()
+            t0 = time.perf_counter()
+            method.run(inputs)
+            t1 = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            if method.mutates:
+                inputs.restore()
+            wall = t1 - t0
+            if i > 0:
+                gpu.append(start.elapsed_time(end) / 1e3)
+                host.append(wall)
+                overtaken |= wall > sleep
+        results[method.name] = (gpu, host, overtaken)
+    return results
+
+
 # ------------------------------------------------------------------------------------------ cases
 
 
@@ -307,6 +359,7 @@ class Case:
     times: dict[str, list[float]] = field(default_factory=dict)
     counterparts: dict[str, str | None] = field(default_factory=dict)
     probe: list[float] = field(default_factory=list)  # stall probe times, interleaved with the methods
+    split: dict[str, tuple[list[float], list[float], bool]] = field(default_factory=dict)  # CUDA: GPU/host
 
     @property
     def numel(self) -> int:
@@ -368,6 +421,14 @@ class Case:
                 "counterpart": counterpart,
                 "counterpart_speedup": median / self.median(counterpart) if counterpart else None,
             }
+            if name in self.split:
+                gpu, host, overtaken = self.split[name]
+                out["methods"][name] |= {
+                    "gpu_ms": statistics.median(gpu) * 1e3,
+                    "host_ms": statistics.median(host) * 1e3,
+                    "host_us_per_tensor": statistics.median(host) * 1e6 / len(self.shapes),
+                    "gpu_time_includes_idle": overtaken,
+                }
         return out
 
 
@@ -434,6 +495,8 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
         case.times = time_methods(found, copies, args, sync)
         case.probe = case.times.pop(PROBE)
         case.counterparts = {method.name: method.counterpart for method in found}
+        if device.type == "cuda":
+            case.split = gpu_and_host_times(found, copies[0], args.repeats)
         for name in case.times:
             log(f"    median  {name:<24} {case.median(name) * 1e3:10.3f} ms")
     finally:
@@ -503,7 +566,7 @@ def case_table(case: Case) -> str:
         return f"skipped: {case.skipped}"
     rows = []
     for method, entry in case.to_json()["methods"].items():
-        rows.append([
+        row = [
             method,
             f"{entry['median_ms']:.3f}",
             f"{entry['min_ms']:.3f}",
@@ -511,9 +574,18 @@ def case_table(case: Case) -> str:
             ratio(entry["ratio_vs_ceiling"]),
             ratio(entry["scan_speedup"]),
             ratio(entry["counterpart_speedup"]),
-        ])
+        ]
+        if case.split:
+            gpu = f"{entry['gpu_ms']:.4f}" + ("*" if entry["gpu_time_includes_idle"] else "") if "gpu_ms" in entry else ""
+            host = f"{entry['host_ms']:.4f}" if "host_ms" in entry else ""
+            per_tensor = f"{entry['host_us_per_tensor'] * 1e3:.0f}" if "host_ms" in entry else ""
+            row += [gpu, host, per_tensor]
+        rows.append(row)
     headers = ["method", "median ms", "min ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"]
-    return format_table(headers, rows) + "\n" + case.probe_summary
+    if case.split:
+        headers += ["GPU ms", "host ms", "host ns/tensor"]
+    notes = "\n(GPU/host: medians with the GPU held busy while the host enqueues; * the GPU caught up)" if case.split else ""
+    return format_table(headers, rows) + "\n" + case.probe_summary + notes
 
 
 def summary_table(cases: Sequence[Case]) -> str:
@@ -534,8 +606,13 @@ def summary_table(cases: Sequence[Case]) -> str:
             f"{case.slow_probes}/{len(case.probe)}",
             "STALLED" if case.stalled else "",
         ])
+        if any(c.split for c in cases):
+            scan = case.to_json()["methods"][SCAN]
+            rows[-1] += [f"{scan['gpu_ms'] * 1e3:.1f}", f"{scan['host_us_per_tensor'] * 1e3:.0f}"] if "gpu_ms" in scan else ["", ""]
     headers = ["case", "scan/ceiling", "loop/scan", "foreach/scan", "torch/nanscan no-clip", "torch/nanscan clip"]
     headers += [f"probe >{STALL_PROBE_MS:g}ms", "stalled"]
+    if any(c.split for c in cases):
+        headers += ["scan GPU us", "scan host ns/tensor"]
     return format_table(headers, rows)
 
 
