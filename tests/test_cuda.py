@@ -226,11 +226,15 @@ def test_no_host_sync() -> None:
     model = make_model()
     model(torch.randn(8, 64, device="cuda")).sum().backward()
     grads = [p.grad for p in model.parameters()]
+    long_list = [random_tensor(33, torch.float32, "cuda") for _ in range(PARAMETER_CAPACITY + 100)]
+    nanscan.scan(long_list)  # the first call uploads its metadata; later ones find it cached
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         nanscan.scan(grads)
+        nanscan.scan(long_list)
+        nanscan.scan(long_list[1:])  # a new list: an upload, still without a sync
         nanscan.clip_grad_norm_(model.parameters(), 1.0)
         nanscan.clip_grad_norm_(model.parameters(), 1e-3)
         report = nanscan.check(model, max_norm=1.0)

@@ -260,6 +260,21 @@ __device__ TensorStats load_coherent(const TensorStats* p) {
   return s;
 }
 
+// The tensor that owns chunk c. A table in the kernel parameters is searched one warp-uniform probe
+// at a time (constant-cache broadcasts); one in device memory 32 probes at a time, a lane each.
+template <int32_t kCapacity>
+__device__ int32_t find_tensor(const ListView& list, int32_t c, int lane) {
+  if constexpr (kCapacity == kDeviceList) {
+    return list.find_tensor_wide([&](int32_t lo, int32_t step, int32_t hi) {
+      const int32_t probe = lo + lane * step;
+      const bool at_or_below = probe <= hi && list.chunk_begin[probe] <= c;
+      return __popc(__ballot_sync(0xffffffffu, at_or_below));
+    });
+  } else {
+    return list.find_tensor(c);
+  }
+}
+
 // finish_chunk's synchronisation (list_plan.h) for one warp: partial slots and arrival counters in
 // the workspace, results straight to the outputs. Every lane calls every method; lane 0 writes.
 struct WarpSync {
@@ -281,7 +296,10 @@ struct WarpSync {
       last = atomicAdd(ws.counters + counter, 1u) == static_cast<unsigned int>(expected - 1);
     }
     last = __shfl_sync(0xffffffffu, last, 0);
-    if (last) __threadfence();  // and the other warps' partials are read after their arrivals
+    if (last) {
+      __threadfence();  // and the other warps' partials are read after their arrivals
+      __syncwarp();     // (every lane's reads, not only lane 0's: the shuffle alone does not order memory)
+    }
     return last;
   }
 
@@ -324,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
   __shared__ TensorStats warp_totals[kWarps];
   if (lane == 0) warp_totals[warp] = empty_stats();
   for (int32_t c = blockIdx.x * kWarps + warp; c < p.list.num_chunks; c += gridDim.x * kWarps) {
-    const ChunkSpan span = list.span(c);
+    const ChunkSpan span = list.span_in(c, find_tensor<kCapacity>(list, c, lane));
     const int32_t t = span.tensor;
     const TensorStats s =
         scan_chunk_any<kHalfRange, kMultiply>(list.dtype_of(t), list.data[t], span.begin, span.end, lane, factor);
@@ -342,6 +360,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
     p.ws.block_totals[blockIdx.x] = block_total;
     __threadfence();
     is_last_block = atomicAdd(p.ws.counters + p.list.num_chunks, 1u) == gridDim.x - 1;
+    __threadfence();  // the other blocks' totals are read after this block's ticket
   }
   __syncthreads();
   if (!is_last_block) return;
@@ -379,7 +398,7 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize;
   for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < p.list.num_chunks; c += gridDim.x * kWarps) {
-    const ChunkSpan span = list.span(c);
+    const ChunkSpan span = list.span_in(c, find_tensor<kCapacity>(list, c, lane));
     void* data = const_cast<void*>(list.data[span.tensor]);
     switch (list.dtype_of(span.tensor)) {
       case DType::Float32: scale_chunk<Float32Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
@@ -414,7 +433,10 @@ int resident_blocks_per_sm() {
   if (cudaGetDevice(&device) != cudaSuccess) return 1;
   if (device < static_cast<int>(cached.size()) && cached[device] != 0) return cached[device];
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0) != cudaSuccess || n < 1) n = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0) != cudaSuccess || n < 1) {
+    (void)cudaGetLastError();  // not left pending for the launch's own error check; not cached either
+    return 1;
+  }
   if (device < static_cast<int>(cached.size())) cached[device] = n;
   return n;
 }

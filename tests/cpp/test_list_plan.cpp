@@ -1,5 +1,6 @@
 // CPU checks of the CUDA backend's list arithmetic (csrc/cuda/list_plan.h), which CI cannot run on a
-// GPU: chunk spans cover every element exactly once, empty tensors get one empty chunk, and the fold
+// GPU: chunk spans cover every element exactly once, empty tensors get one empty chunk, the 32-probe
+// search finds the same tensor as the binary search, and the fold
 // tree, driven by the same finish_chunk() as the kernel with a sequential stand-in for the warps'
 // atomics, gives every tensor exactly one result, equal to the combine of its chunks, bit-identical
 // whatever the order in which chunks arrive. Built and run by tests/test_list_plan.py.
@@ -65,6 +66,16 @@ void check_spans(const std::vector<TensorArg>& list) {
   std::vector<int32_t> visits(list.size(), 0);
   for (int32_t c = 0; c < view.num_chunks(); ++c) {
     const ChunkSpan s = view.span(c);
+    // The kernel's 32-probe search for device-memory tables, its warp emulated lane by lane.
+    const int32_t wide = view.find_tensor_wide([&](int32_t lo, int32_t step, int32_t hi) {
+      int32_t count = 0;
+      for (int32_t lane = 0; lane < kFoldFanIn; ++lane) {
+        const int64_t probe = lo + static_cast<int64_t>(lane) * step;
+        count += probe <= hi && view.chunk_begin[probe] <= c;
+      }
+      return count;
+    });
+    CHECK(wide == s.tensor, "chunk %d: 32-way search found tensor %d, binary search %d", c, wide, s.tensor);
     const TensorArg& t = list[s.tensor];
     CHECK(view.data[s.tensor] == t.data && view.numel[s.tensor] == t.numel && view.dtype_of(s.tensor) == t.dtype,
           "blob round trip for tensor %d", s.tensor);
@@ -185,6 +196,10 @@ int main() {
     check_spans(list);
     check_fold_tree(list, rng);
   }
+  // 10,000 tensors (three rounds of the 32-probe search), empty ones among them.
+  std::vector<TensorArg> many = random_list(rng, 10'000, 2);
+  check_spans(many);
+  check_fold_tree(many, rng);
   // A tensor over 2^31 elements: spans are 64-bit.
   const std::vector<TensorArg> huge{{nullptr, (int64_t{1} << 31) + 1000, DType::Float8E4M3FN}};
   check_spans(huge);
