@@ -80,7 +80,13 @@ import torch
 
 import nanscan
 
-DEFAULT_ZOO = Path(__file__).resolve().parents[1].parent / "shared" / "zoo.json"
+# ../shared/zoo.json beside the checkout; on a GPU machine, where only the checkout travels, a copy in
+# the checkout's own (git-ignored) shared/ folder.
+_REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ZOO = next(
+    (p for p in (_REPO.parent / "shared" / "zoo.json", _REPO / "shared" / "zoo.json") if p.is_file()),
+    _REPO.parent / "shared" / "zoo.json",
+)
 MANY_SMALL = "many_small_2000x512"
 TEN_THOUSAND = "many_small_10000x1024"
 SYNTHETIC: dict[str, list[list[int]]] = {MANY_SMALL: [[512]] * 2000, TEN_THOUSAND: [[1024]] * 10_000}
