@@ -71,8 +71,21 @@ void fill_list_args(ListArgs<kCapacity>& args, const ListPlan& plan, const void*
   }
 }
 
+// A fold-tree slot: the statistics of one chunk or of one group of kFoldFanIn chunks, so at most
+// 32 x 32 KiB = 2^20 elements: its counts fit 32 bits, which keeps the workspace at 44 bytes per chunk.
+struct PartialSlot {
+  uint32_t nan_count;
+  uint32_t inf_count;
+  uint32_t half_overflow;
+  uint32_t half_underflow;
+  double min;
+  double max;
+  double sumsq;
+};
+static_assert(kFoldFanIn * kChunkBytes <= (int64_t{1} << 32), "a group's counts must fit a PartialSlot");
+
 struct Workspace {
-  TensorStats* partials;      // [chunks]: fold-tree slots (see FoldTree)
+  PartialSlot* partials;      // [chunks]: fold-tree slots (see FoldTree)
   TensorStats* block_totals;  // [grid]: each block's total, in block order
   unsigned int* counters;     // [chunks + 1]: fold-tree arrivals, then the blocks' ticket
 };
@@ -275,6 +288,18 @@ __device__ int32_t find_tensor(const ListView& list, int32_t c, int lane) {
   }
 }
 
+__device__ TensorStats load_coherent(const PartialSlot* p) {
+  TensorStats s;
+  s.nan_count = __ldcg(&p->nan_count);
+  s.inf_count = __ldcg(&p->inf_count);
+  s.half_overflow = __ldcg(&p->half_overflow);
+  s.half_underflow = __ldcg(&p->half_underflow);
+  s.min = __ldcg(&p->min);
+  s.max = __ldcg(&p->max);
+  s.sumsq = __ldcg(&p->sumsq);
+  return s;
+}
+
 // finish_chunk's synchronisation (list_plan.h) for one warp: partial slots and arrival counters in
 // the workspace, results straight to the outputs. Every lane calls every method; lane 0 writes.
 struct WarpSync {
@@ -291,7 +316,10 @@ struct WarpSync {
   __device__ bool arrive_last(int32_t slot, const TensorStats& partial, int32_t counter, int32_t expected) const {
     bool last = false;
     if (lane == 0) {
-      ws.partials[slot] = partial;
+      ws.partials[slot] = PartialSlot{static_cast<uint32_t>(partial.nan_count), static_cast<uint32_t>(partial.inf_count),
+                                      static_cast<uint32_t>(partial.half_overflow),
+                                      static_cast<uint32_t>(partial.half_underflow), partial.min, partial.max,
+                                      partial.sumsq};
       __threadfence();  // the partial is visible device-wide before the arrival is counted
       last = atomicAdd(ws.counters + counter, 1u) == static_cast<unsigned int>(expected - 1);
     }
@@ -488,7 +516,7 @@ struct WorkspaceLayout {
 
   WorkspaceLayout(const ListPlan& plan, int grid_)
       : grid(grid_),
-        partial_bytes(align_up(static_cast<size_t>(plan.num_chunks()) * sizeof(TensorStats))),
+        partial_bytes(align_up(static_cast<size_t>(plan.num_chunks()) * sizeof(PartialSlot))),
         block_total_bytes(align_up(static_cast<size_t>(grid_) * sizeof(TensorStats))),
         counter_bytes(align_up((static_cast<size_t>(plan.num_chunks()) + 1) * sizeof(unsigned int))) {}
 
@@ -496,7 +524,7 @@ struct WorkspaceLayout {
 
   Workspace at(void* base) const {
     char* p = static_cast<char*>(base);
-    return Workspace{reinterpret_cast<TensorStats*>(p), reinterpret_cast<TensorStats*>(p + partial_bytes),
+    return Workspace{reinterpret_cast<PartialSlot*>(p), reinterpret_cast<TensorStats*>(p + partial_bytes),
                      reinterpret_cast<unsigned int*>(p + partial_bytes + block_total_bytes)};
   }
 };
