@@ -27,6 +27,12 @@
 #include <memory>
 #include <type_traits>
 
+// A kernel launch. tests/cuda_emulator defines it (in its stand-in cuda_runtime.h) to run the same
+// kernel on CPU threads, a warp's lanes in lockstep at every shuffle, so CI executes this file.
+#ifndef NANSCAN_LAUNCH
+#define NANSCAN_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
+
 namespace nanscan::cuda {
 namespace {
 
@@ -353,7 +359,7 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
   for (int32_t b = begin; b < end; ++b) mine = combine(mine, load_coherent(block_totals + b));
   partial[threadIdx.x] = mine;
   __syncthreads();
-  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+  for (unsigned int stride = kThreads / 2; stride > 0; stride /= 2) {
     if (threadIdx.x < stride) partial[threadIdx.x] = combine(partial[threadIdx.x], partial[threadIdx.x + stride]);
     __syncthreads();
   }
@@ -481,6 +487,15 @@ struct Kernels {
   template <bool kHalfRange, bool kMultiply>
   static constexpr auto scan = scan_kernel<kHalfRange, kMultiply, kCapacity>;
 
+  static auto scan_for(ScanKind kind) {
+    switch (kind) {
+      case ScanKind::HalfRange: return scan<true, false>;
+      case ScanKind::Unscale: return scan<false, true>;
+      case ScanKind::Plain: break;
+    }
+    return scan<false, false>;
+  }
+
   static int scan_blocks_per_sm(ScanKind kind) {
     switch (kind) {
       case ScanKind::HalfRange: return resident_blocks_per_sm<scan<true, false>>();
@@ -549,7 +564,7 @@ cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t st
     params.dst = reinterpret_cast<uint4*>(static_cast<char*>(device_blob) + offset);
     params.vectors = static_cast<uint32_t>(bytes / 16);
     memcpy(params.bytes, plan.blob() + offset, bytes);
-    upload_kernel<<<1, kThreads, 0, stream>>>(params);
+    NANSCAN_LAUNCH(upload_kernel, 1, kThreads, stream, params);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -584,17 +599,7 @@ cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, c
     params.multiply_by = multiply_by;
     params.ws = ws;
     params.out = out;
-    switch (kind) {
-      case ScanKind::Plain:
-        Kernels<kCapacity>::template scan<false, false><<<layout.grid, kThreads, 0, stream>>>(params);
-        break;
-      case ScanKind::HalfRange:
-        Kernels<kCapacity>::template scan<true, false><<<layout.grid, kThreads, 0, stream>>>(params);
-        break;
-      case ScanKind::Unscale:
-        Kernels<kCapacity>::template scan<false, true><<<layout.grid, kThreads, 0, stream>>>(params);
-        break;
-    }
+    NANSCAN_LAUNCH(Kernels<kCapacity>::scan_for(kind), layout.grid, kThreads, stream, params);
     return cudaGetLastError();
   });
 }
@@ -615,7 +620,7 @@ cudaError_t scale(const ListPlan& plan, const void* device_blob, const void* coe
     params.coef_dtype = coef_dtype;
     params.rounding = rounding;
     const int grid = grid_for(plan.num_chunks(), num_sms, resident_blocks_per_sm<scale_kernel<kCapacity>>());
-    scale_kernel<kCapacity><<<grid, kThreads, 0, stream>>>(params);
+    NANSCAN_LAUNCH(scale_kernel<kCapacity>, grid, kThreads, stream, params);
     return cudaGetLastError();
   });
 }

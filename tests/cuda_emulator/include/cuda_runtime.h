@@ -1,0 +1,153 @@
+// Stand-in for <cuda_runtime.h> that lets g++ compile csrc/cuda/scan_cuda.cu and run its kernels on CPU
+// threads (tests/cuda_emulator/test_kernels.cpp). A launch runs the grid's blocks one after another;
+// a block's threads run concurrently, one std::thread each. A warp's lanes meet at a barrier in every
+// shuffle, ballot and __syncwarp, so a warp-divergent shuffle deadlocks here as it would misbehave on
+// a GPU (the test runner's timeout reports it); __syncthreads is a block-wide barrier; atomics and
+// fences are C++ atomics. __shared__ variables become function statics, which is sound because blocks
+// never overlap. __CUDA_ARCH__ stays undefined, so the decode is the CPU's (same values).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __grid_constant__
+#define __shared__ static
+#define __launch_bounds__(...)
+
+using cudaError_t = int;
+using cudaStream_t = void*;
+constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidValue = 1;
+
+struct uint4 {
+  unsigned int x, y, z, w;
+};
+struct dim3 {
+  unsigned int x = 0, y = 0, z = 0;
+};
+
+namespace cuda_emulator {
+
+struct Warp {
+  explicit Warp() : barrier(32) {}
+  std::barrier<> barrier;
+  uint64_t slots[32] = {};
+};
+
+struct Block {
+  explicit Block(int threads) : barrier(threads), warps(threads / 32) {
+    for (auto& w : warps) w = std::make_unique<Warp>();
+  }
+  std::barrier<> barrier;
+  std::vector<std::unique_ptr<Warp>> warps;
+};
+
+inline thread_local Block* block = nullptr;
+inline thread_local int lane = 0;
+inline thread_local dim3 thread_idx, block_idx, grid_dim, block_dim;
+inline Warp& warp() { return *block->warps[thread_idx.x / 32]; }
+
+// Every lane posts a value, then reads the one `pick(lane)` names.
+template <class T, class Pick>
+T exchange(T value, Pick pick) {
+  static_assert(sizeof(T) <= sizeof(uint64_t));
+  Warp& w = warp();
+  uint64_t bits = 0;
+  memcpy(&bits, &value, sizeof(T));
+  w.slots[lane] = bits;
+  w.barrier.arrive_and_wait();
+  const uint64_t got = w.slots[pick(lane) & 31];
+  w.barrier.arrive_and_wait();
+  T out;
+  memcpy(&out, &got, sizeof(T));
+  return out;
+}
+
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), int grid, int threads, Args&... args) {
+  for (int b = 0; b < grid; ++b) {
+    Block blk(threads);
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        block = &blk;
+        lane = t % 32;
+        thread_idx = dim3{static_cast<unsigned>(t), 0, 0};
+        block_idx = dim3{static_cast<unsigned>(b), 0, 0};
+        grid_dim = dim3{static_cast<unsigned>(grid), 1, 1};
+        block_dim = dim3{static_cast<unsigned>(threads), 1, 1};
+        kernel(args...);
+      });
+    }
+    for (auto& th : pool) th.join();
+  }
+}
+
+}  // namespace cuda_emulator
+
+#define threadIdx (cuda_emulator::thread_idx)
+#define blockIdx (cuda_emulator::block_idx)
+#define gridDim (cuda_emulator::grid_dim)
+#define blockDim (cuda_emulator::block_dim)
+
+#define NANSCAN_LAUNCH(kernel, grid, block, stream, ...) cuda_emulator::launch(kernel, (grid), (block), __VA_ARGS__)
+
+inline void __syncthreads() { cuda_emulator::block->barrier.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulator::warp().barrier.arrive_and_wait(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+template <class T>
+T __shfl_xor_sync(unsigned, T value, int offset) {
+  return cuda_emulator::exchange(value, [offset](int lane) { return lane ^ offset; });
+}
+template <class T>
+T __shfl_sync(unsigned, T value, int source) {
+  return cuda_emulator::exchange(value, [source](int) { return source; });
+}
+inline unsigned __ballot_sync(unsigned, bool predicate) {
+  cuda_emulator::Warp& w = cuda_emulator::warp();
+  w.slots[cuda_emulator::lane] = predicate ? 1 : 0;
+  w.barrier.arrive_and_wait();
+  unsigned mask = 0;
+  for (int i = 0; i < 32; ++i) mask |= static_cast<unsigned>(w.slots[i] != 0) << i;
+  w.barrier.arrive_and_wait();
+  return mask;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
+template <class T>
+T __ldg(const T* p) {
+  return *p;
+}
+template <class T>
+T __ldcg(const T* p) {
+  return std::atomic_ref<T>(*const_cast<T*>(p)).load(std::memory_order_relaxed);
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  memset(p, value, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+// One resident block per multiprocessor: the tests choose the multiprocessor count, so the grid.
+template <class Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
+  *blocks = 1;
+  return cudaSuccess;
+}

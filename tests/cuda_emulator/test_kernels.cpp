@@ -1,0 +1,297 @@
+// Runs the CUDA kernels of csrc/cuda/scan_cuda.cu on CPU threads (see include/cuda_runtime.h) and
+// checks every result against the exact rule applied element by element in fp64. CI has no GPU; this
+// executes the kernels' own code: chunk dealing, 16-byte vector loads and tails, the fast rule with
+// its exact re-read, warp reductions, the fold tree, the last-block totals, the three list
+// placements (small and large parameter blobs, a device blob written by the upload kernel), the
+// fp16-range counts, the fused unscale and the clip multiply. Built and run by
+// tests/test_cuda_emulated.py.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "../../csrc/cuda/scan_cuda.h"
+
+using namespace nanscan;
+using namespace nanscan::cuda;
+
+namespace {
+
+int failures = 0;
+
+#define CHECK(cond, ...)                                                           \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      ++failures;                                                                  \
+      std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                                           \
+      std::fprintf(stderr, "\n");                                                  \
+      if (failures > 20) std::exit(1);                                             \
+    }                                                                              \
+  } while (0)
+
+// One tensor's storage: raw bytes, 16-byte aligned unless an offset is asked for.
+struct HostTensor {
+  DType dtype;
+  int64_t numel;
+  std::vector<unsigned char> storage;
+  size_t offset = 0;  // bytes, to test unaligned starts
+
+  unsigned char* data() { return storage.data() + offset; }
+  const unsigned char* data() const { return storage.data() + offset; }
+};
+
+template <class Codec>
+typename Codec::Raw raw_at(const HostTensor& t, int64_t i) {
+  typename Codec::Raw r;
+  memcpy(&r, t.data() + i * sizeof r, sizeof r);
+  return r;
+}
+
+// Random finite values of each format (normal, subnormal and huge ones), then NaN/Inf where asked.
+HostTensor make_tensor(std::mt19937_64& rng, DType dtype, int64_t numel, size_t offset) {
+  HostTensor t{dtype, numel, std::vector<unsigned char>(static_cast<size_t>(numel) * element_size(dtype) + 32), offset};
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (int64_t i = 0; i < numel; ++i) {
+    const double v = normal(rng) * ((rng() % 97 == 0) ? 1e-6 : 1.0);
+    unsigned char* p = t.data() + i * element_size(dtype);
+    switch (dtype) {
+      case DType::Float32: { const uint32_t r = Float32Codec::encode(static_cast<float>(v)); memcpy(p, &r, 4); break; }
+      case DType::Float64: { const uint64_t r = Float64Codec::encode(v); memcpy(p, &r, 8); break; }
+      case DType::Float16: { const uint16_t r = Float16Codec::encode(static_cast<float>(v)); memcpy(p, &r, 2); break; }
+      case DType::BFloat16: { const uint16_t r = BFloat16Codec::encode(static_cast<float>(v)); memcpy(p, &r, 2); break; }
+      case DType::Float8E4M3FN: { uint8_t r = static_cast<uint8_t>(rng() % 256); if ((r & 0x7f) == 0x7f) r ^= 1; *p = r; break; }
+      case DType::Float8E5M2: { uint8_t r = static_cast<uint8_t>(rng() % 256); if ((r & 0x7c) == 0x7c) r ^= 0x04; *p = r; break; }
+    }
+  }
+  return t;
+}
+
+void plant(HostTensor& t, int64_t i, bool nan) {
+  unsigned char* p = t.data() + i * element_size(t.dtype);
+  switch (t.dtype) {
+    case DType::Float32: { const uint32_t r = nan ? 0x7fc00000u : 0xff800000u; memcpy(p, &r, 4); break; }
+    case DType::Float64: { const uint64_t r = nan ? 0x7ff8000000000000ull : 0x7ff0000000000000ull; memcpy(p, &r, 8); break; }
+    case DType::Float16: { const uint16_t r = nan ? 0x7e00 : 0x7c00; memcpy(p, &r, 2); break; }
+    case DType::BFloat16: { const uint16_t r = nan ? 0x7fc0 : 0xff80; memcpy(p, &r, 2); break; }
+    case DType::Float8E4M3FN: *p = 0xff; break;  // NaN: e4m3fn has no Inf
+    case DType::Float8E5M2: *p = nan ? 0x7f : 0xfc; break;
+  }
+}
+
+template <class Codec>
+TensorStats reference_as(const HostTensor& t, bool half_range) {
+  TensorStats s = empty_stats();
+  for (int64_t i = 0; i < t.numel; ++i) accumulate_exact<Codec>(s, raw_at<Codec>(t, i), half_range);
+  return s;
+}
+
+TensorStats reference(const HostTensor& t, bool half_range) {
+  switch (t.dtype) {
+    case DType::Float32: return reference_as<Float32Codec>(t, half_range);
+    case DType::Float64: return reference_as<Float64Codec>(t, half_range);
+    case DType::Float16: return reference_as<Float16Codec>(t, half_range);
+    case DType::BFloat16: return reference_as<BFloat16Codec>(t, half_range);
+    case DType::Float8E4M3FN: return reference_as<Float8E4M3FNCodec>(t, half_range);
+    case DType::Float8E5M2: return reference_as<Float8E5M2Codec>(t, half_range);
+  }
+  return empty_stats();
+}
+
+bool close(double got, double want, double rtol) {
+  if (std::isnan(want)) return std::isnan(got);
+  if (std::isinf(want)) return got == want;
+  return std::fabs(got - want) <= rtol * std::fabs(want);
+}
+
+// Allocations the kernels treat as device memory: host memory, 256-byte aligned like the allocator's.
+struct Buffer {
+  explicit Buffer(size_t bytes) : bytes_((bytes + 255) / 256 * 256 + 256), p(std::aligned_alloc(256, bytes_)) {
+    memset(p, 0xAB, bytes_);  // garbage, as fresh allocator memory would be
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  size_t bytes_;
+  void* p;
+};
+
+struct ScanOutput {
+  std::vector<int64_t> counts;
+  std::vector<double> stats;
+  double total_norm = -1;
+  bool finite = false;
+};
+
+// The launcher's own sequence, as the binding drives it: plan, device blob when needed, workspace.
+ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int num_sms, const float* multiply_by = nullptr) {
+  std::vector<TensorArg> args;
+  for (const HostTensor& t : tensors) args.push_back(TensorArg{t.data(), t.numel, t.dtype});
+  ListPlan plan;
+  CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())), "plan");
+  std::unique_ptr<Buffer> device_blob;
+  if (!fits_in_parameters(plan)) {
+    device_blob = std::make_unique<Buffer>(plan.bytes());
+    CHECK(upload_list(plan, device_blob->p, nullptr) == cudaSuccess, "upload");
+    CHECK(memcmp(device_blob->p, plan.blob(), plan.bytes()) == 0, "the upload kernel copied the blob wrongly");
+  }
+  Buffer workspace(scan_workspace_bytes(plan, kind, num_sms));
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const bool half_range = kind == ScanKind::HalfRange;
+  ScanOutput out;
+  out.counts.assign((half_range ? 4 : 2) * n, -1);
+  out.stats.assign(3 * n, -7.0);
+  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range};
+  const cudaError_t err = scan(plan, device_blob ? device_blob->p : nullptr, kind, ptrs, workspace.p, num_sms, nullptr, multiply_by);
+  CHECK(err == cudaSuccess, "scan returned %d", err);
+  return out;
+}
+
+void expect_matches(const char* what, const std::vector<HostTensor>& tensors, const ScanOutput& out, bool half_range) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  TensorStats total = empty_stats();
+  for (int64_t i = 0; i < n; ++i) {
+    const TensorStats want = reference(tensors[i], half_range);
+    total = combine(total, want);
+    CHECK(out.counts[i] == want.nan_count, "%s: tensor %lld nan %lld, want %lld", what, (long long)i, (long long)out.counts[i], (long long)want.nan_count);
+    CHECK(out.counts[n + i] == want.inf_count, "%s: tensor %lld inf %lld, want %lld", what, (long long)i, (long long)out.counts[n + i], (long long)want.inf_count);
+    if (half_range) {
+      CHECK(out.counts[2 * n + i] == want.half_overflow, "%s: tensor %lld fp16 overflow", what, (long long)i);
+      CHECK(out.counts[3 * n + i] == want.half_underflow, "%s: tensor %lld fp16 underflow", what, (long long)i);
+    }
+    CHECK(out.stats[i] == want.min, "%s: tensor %lld min %g, want %g", what, (long long)i, out.stats[i], want.min);
+    CHECK(out.stats[n + i] == want.max, "%s: tensor %lld max %g, want %g", what, (long long)i, out.stats[n + i], want.max);
+    CHECK(close(out.stats[2 * n + i], l2_norm(want), 1e-6), "%s: tensor %lld norm %.17g, want %.17g", what, (long long)i, out.stats[2 * n + i], l2_norm(want));
+  }
+  CHECK(close(out.total_norm, l2_norm(total), 1e-6), "%s: total norm %.17g, want %.17g", what, out.total_norm, l2_norm(total));
+  CHECK(out.finite == all_finite(total), "%s: finite flag", what);
+}
+
+std::vector<HostTensor> random_list(std::mt19937_64& rng, int n, int64_t max_numel, bool with_fp8) {
+  const DType all[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16, DType::Float8E4M3FN, DType::Float8E5M2};
+  std::vector<HostTensor> list;
+  for (int i = 0; i < n; ++i) {
+    const DType d = all[rng() % (with_fp8 ? 6 : 4)];
+    const int64_t numel = (rng() % 7 == 0) ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(max_numel)) + 1;
+    const size_t offset = (rng() % 5 == 0) ? element_size(d) * (1 + rng() % 3) : 0;  // some unaligned starts
+    list.push_back(make_tensor(rng, d, numel, offset));
+    if (numel > 0 && rng() % 4 == 0) plant(list.back(), static_cast<int64_t>(rng() % static_cast<uint64_t>(numel)), rng() % 2 == 0);
+  }
+  return list;
+}
+
+void check_scan(const char* what, const std::vector<HostTensor>& list, int num_sms) {
+  const ScanOutput first = run_scan(list, ScanKind::Plain, num_sms);
+  expect_matches(what, list, first, false);
+  const ScanOutput again = run_scan(list, ScanKind::Plain, num_sms);
+  CHECK(memcmp(first.stats.data(), again.stats.data(), first.stats.size() * sizeof(double)) == 0 &&
+            memcmp(&first.total_norm, &again.total_norm, sizeof(double)) == 0,
+        "%s: a second run differs in its bits", what);
+  expect_matches(what, list, run_scan(list, ScanKind::HalfRange, num_sms), true);
+}
+
+// GradScaler's unscale fused with the scan: each element becomes encode(decode(x) * f), as torch does.
+template <class Codec>
+void unscale_reference(HostTensor& t, float factor) {
+  using Raw = typename Codec::Raw;
+  for (int64_t i = 0; i < t.numel; ++i) {
+    const Raw r = Codec::encode(Codec::decode(raw_at<Codec>(t, i)) * static_cast<typename Codec::Wide>(factor));
+    memcpy(t.data() + i * sizeof(Raw), &r, sizeof(Raw));
+  }
+}
+
+void check_unscale(std::mt19937_64& rng, int num_sms) {
+  std::vector<HostTensor> list;
+  const DType dtypes[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+  for (int i = 0; i < 40; ++i) list.push_back(make_tensor(rng, dtypes[i % 4], static_cast<int64_t>(rng() % 30000), 0));
+  list.push_back(make_tensor(rng, DType::Float32, 9 * 8192 + 3, 0));
+  plant(list.back(), 8192 * 4 + 1, true);  // a chunk re-read exactly after its rewrite
+  std::vector<HostTensor> expected = list;
+  const float factor = 1.0f / 1024.0f;
+  for (HostTensor& t : expected) {
+    switch (t.dtype) {
+      case DType::Float32: unscale_reference<Float32Codec>(t, factor); break;
+      case DType::Float64: unscale_reference<Float64Codec>(t, factor); break;
+      case DType::Float16: unscale_reference<Float16Codec>(t, factor); break;
+      case DType::BFloat16: unscale_reference<BFloat16Codec>(t, factor); break;
+      default: break;
+    }
+  }
+  const ScanOutput out = run_scan(list, ScanKind::Unscale, num_sms, &factor);
+  for (size_t i = 0; i < list.size(); ++i) {
+    CHECK(memcmp(list[i].data(), expected[i].data(), list[i].numel * element_size(list[i].dtype)) == 0,
+          "unscale: tensor %zu differs from encode(decode(x) * f)", i);
+  }
+  expect_matches("unscale", expected, out, false);
+}
+
+void check_scale(std::mt19937_64& rng, int num_sms, int count) {
+  std::vector<HostTensor> list;
+  const DType dtypes[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+  for (int i = 0; i < count; ++i) {
+    list.push_back(make_tensor(rng, dtypes[i % 4], 1 + static_cast<int64_t>(rng() % 20000), (i % 3 == 0) ? element_size(dtypes[i % 4]) : 0));
+  }
+  std::vector<TensorArg> args;
+  for (const HostTensor& t : list) args.push_back(TensorArg{t.data(), t.numel, t.dtype});
+  ListPlan plan;
+  CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())), "plan");
+  std::unique_ptr<Buffer> device_blob;
+  if (!fits_in_parameters(plan)) {
+    device_blob = std::make_unique<Buffer>(plan.bytes());
+    CHECK(upload_list(plan, device_blob->p, nullptr) == cudaSuccess, "upload");
+  }
+  const std::vector<HostTensor> before = list;
+  const float one = 1.0f;
+  CHECK(scale(plan, device_blob ? device_blob->p : nullptr, &one, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
+  for (size_t i = 0; i < list.size(); ++i) {
+    CHECK(memcmp(list[i].data(), before[i].data(), list[i].numel * element_size(list[i].dtype)) == 0, "scale by 1 wrote tensor %zu", i);
+  }
+  const float coef = 0.3f;
+  CHECK(scale(plan, device_blob ? device_blob->p : nullptr, &coef, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
+  for (size_t i = 0; i < list.size(); ++i) {
+    HostTensor want = before[i];
+    // tensor.mul_(coef_tensor): the coefficient is first cast to the tensor's dtype.
+    switch (want.dtype) {
+      case DType::Float32: unscale_reference<Float32Codec>(want, coef); break;
+      case DType::Float64: {
+        for (int64_t k = 0; k < want.numel; ++k) {
+          const uint64_t r = Float64Codec::encode(Float64Codec::decode(raw_at<Float64Codec>(want, k)) * static_cast<double>(coef));
+          memcpy(want.data() + k * 8, &r, 8);
+        }
+        break;
+      }
+      case DType::Float16: unscale_reference<Float16Codec>(want, Float16Codec::decode(Float16Codec::encode(coef))); break;
+      case DType::BFloat16: unscale_reference<BFloat16Codec>(want, BFloat16Codec::decode(BFloat16Codec::encode(coef))); break;
+      default: break;
+    }
+    CHECK(memcmp(list[i].data(), want.data(), want.numel * element_size(want.dtype)) == 0, "scale by %g: tensor %zu", coef, i);
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937_64 rng(1122);
+  // Parameter blob, small capacity (<= 256 tensors), two and five "multiprocessors".
+  check_scan("small list", random_list(rng, 60, 20000, true), 2);
+  check_scan("small list, 5 SMs", random_list(rng, 200, 5000, true), 5);
+  // Parameter blob, large capacity.
+  check_scan("large list", random_list(rng, 700, 3000, true), 3);
+  // Device blob (over 1500 tensors), written by the upload kernel.
+  check_scan("device list", random_list(rng, 1700, 400, true), 4);
+  // Fold tree: one group (<= 32 chunks), two levels (33+ chunks), and over 32 groups (1025+ chunks).
+  for (int64_t chunks : {2, 32, 33, 70, 1100}) {
+    std::vector<HostTensor> list;
+    list.push_back(make_tensor(rng, DType::Float8E4M3FN, 0, 0));
+    list.push_back(make_tensor(rng, DType::Float8E4M3FN, chunks * 32768 - 5, 0));
+    plant(list.back(), (chunks - 1) * 32768 + 3, true);
+    list.push_back(make_tensor(rng, DType::Float32, 2 * 8192 + 1, 0));
+    check_scan(chunks == 1100 ? "fold tree, 35 groups" : "fold tree", list, 3);
+  }
+  check_unscale(rng, 3);
+  check_scale(rng, 3, 50);
+  check_scale(rng, 2, 1600);  // device blob
+  if (failures == 0) std::printf("emulated kernels: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
