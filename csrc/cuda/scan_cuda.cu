@@ -137,13 +137,17 @@ __device__ TensorStats warp_combine(TensorStats s) {
   return s;
 }
 
+// How for_each_lane_element reaches memory.
+enum class Access {
+  ReadOnly,  // fn(raw) observes each element, loaded through the read-only cache
+  Reread,    // the same with plain loads: for elements this thread wrote earlier in the kernel, which
+             // the read-only path does not promise to see
+  Rewrite,   // fn(raw) returns the element's new value, stored back with the vector it came in
+};
+
 // Visits every element of [p, p + n) that this lane owns: 16-byte loads when p is 16-byte aligned
 // (kUnroll of them issued before any is used), then the tail one element per lane.
-// Without kRewrite, fn(raw) observes each element, loaded through the read-only cache. With kRewrite,
-// fn(raw) returns the element's new value, stored back with the vector it came in; loads are then
-// plain, so that a later pass of the same thread over the same elements sees what it wrote (the
-// read-only path does not promise that).
-template <bool kRewrite, class Raw, class Fn>
+template <Access kAccess, class Raw, class Fn>
 __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn) {
   constexpr int kPerVector = 16 / sizeof(Raw);
   const int64_t num_vectors = (reinterpret_cast<uintptr_t>(p) % 16 == 0) ? n / kPerVector : 0;
@@ -153,7 +157,7 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (i + k * kWarpSize < num_vectors) {
-        v[k] = kRewrite ? vectors[i + k * kWarpSize] : __ldg(vectors + i + k * kWarpSize);
+        v[k] = kAccess == Access::ReadOnly ? __ldg(vectors + i + k * kWarpSize) : vectors[i + k * kWarpSize];
       }
     }
 #pragma unroll
@@ -163,13 +167,13 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
         memcpy(r, &v[k], sizeof r);
 #pragma unroll
         for (int j = 0; j < kPerVector; ++j) {
-          if constexpr (kRewrite) {
+          if constexpr (kAccess == Access::Rewrite) {
             r[j] = fn(r[j]);
           } else {
             fn(r[j]);
           }
         }
-        if constexpr (kRewrite) {
+        if constexpr (kAccess == Access::Rewrite) {
           memcpy(&v[k], r, sizeof r);
           vectors[i + k * kWarpSize] = v[k];
         }
@@ -177,7 +181,7 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
     }
   }
   for (int64_t e = num_vectors * kPerVector + lane; e < n; e += kWarpSize) {
-    if constexpr (kRewrite) {
+    if constexpr (kAccess == Access::Rewrite) {
       p[e] = fn(p[e]);
     } else {
       fn(p[e]);
@@ -205,7 +209,7 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   if constexpr (kMultiply && HasEncode<Codec>::value) {
     if (factor != 1.0f) {
       const Wide f = static_cast<Wide>(factor);
-      for_each_lane_element<true>(p, n, lane, [&](Raw r) {
+      for_each_lane_element<Access::Rewrite>(p, n, lane, [&](Raw r) {
         const Raw product = Codec::encode(Codec::decode(r) * f);
         observe(product);
         return product;
@@ -213,7 +217,7 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
       rewritten = true;
     }
   }
-  if (!rewritten) for_each_lane_element<false>(p, n, lane, observe);
+  if (!rewritten) for_each_lane_element<Access::ReadOnly>(p, n, lane, observe);
 
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = static_cast<double>(run.sumsq);
@@ -242,12 +246,9 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   // loads after a rewrite, through the read-only cache otherwise.
   auto exact = [&](Raw r) { accumulate_exact<Codec>(s, r, kHalfRange); };
   if (rewritten) {
-    for_each_lane_element<true>(p, n, lane, [&](Raw r) {
-      exact(r);
-      return r;
-    });
+    for_each_lane_element<Access::Reread>(p, n, lane, exact);
   } else {
-    for_each_lane_element<false>(p, n, lane, exact);
+    for_each_lane_element<Access::ReadOnly>(p, n, lane, exact);
   }
   return warp_combine(s);
 }
@@ -421,7 +422,7 @@ __device__ void scale_chunk(void* data, int64_t begin, int64_t end, double coef,
   using Wide = typename Codec::Wide;
   const Wide c = rounding == CoefRounding::ToTensorDtype ? Codec::decode(Codec::encode(static_cast<Wide>(coef)))
                                                          : static_cast<Wide>(static_cast<float>(coef));
-  for_each_lane_element<true>(static_cast<Raw*>(data) + begin, end - begin, lane,
+  for_each_lane_element<Access::Rewrite>(static_cast<Raw*>(data) + begin, end - begin, lane,
                               [c](Raw r) { return Codec::encode(Codec::decode(r) * c); });
 }
 
