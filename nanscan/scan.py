@@ -60,9 +60,19 @@ class ScanResult:
 _reusable: tuple[list[weakref.ref[torch.Tensor]], list[int], ScanResult] | None = None
 
 
+def _capturing(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a CUDA graph is being captured on the current stream. Kept statistics never cross a
+    capture's edge: an eager result recalled inside a capture would leave the graph without a scan
+    (its replays would report stale values), and a captured result is refreshed only by replays."""
+    return bool(tensors) and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def remember_for_reuse(tensors: Sequence[torch.Tensor], result: ScanResult) -> None:
     """Offers ``result`` to the next scan of exactly these tensors, if none is modified before it."""
     global _reusable
+    if _capturing(tensors):
+        _reusable = None
+        return
     _reusable = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], result)
 
 
@@ -80,7 +90,7 @@ def recall(tensors: Sequence[torch.Tensor]) -> ScanResult | None:
     for ref, version, t in zip(refs, versions, tensors):
         if ref() is not t or t._version != version:
             return None
-    return result
+    return None if _capturing(tensors) else result
 
 
 def describe(names: Sequence[str] | None, index: int) -> str:

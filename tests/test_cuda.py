@@ -70,11 +70,21 @@ def test_device_list_cache_eviction_and_streams() -> None:
     assert_matches_reference(result, lists[0])
 
 
+def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Parameters whose .grad are ``grads`` (the drop-ins clip parameters' gradients)."""
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return params
+
+
 def test_long_list_clip_and_unscale() -> None:
     grads = [random_tensor(257, torch.float32, "cuda", scale=10.0) for _ in range(3000)]
     expected = [g.clone() for g in grads]
-    torch.nn.utils.clip_grad_norm_(expected, 1.0)
-    nanscan.clip_grad_norm_(grads, 1.0)
+    want = torch.nn.utils.clip_grad_norm_(with_grads(expected), 1.0)
+    got = nanscan.clip_grad_norm_(with_grads(grads), 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert float(want) > 10  # so the gradients were scaled down
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
     found = torch.zeros((), device="cuda")
@@ -145,6 +155,27 @@ def test_scale_of_unaligned_views() -> None:
     torch.ops.nanscan.scale_(views, torch.tensor(0.5, device="cuda"))
     for v, e in zip(views, expected):
         assert torch.equal(v, e)
+
+
+def test_statistics_kept_from_eager_are_not_recalled_in_a_capture() -> None:
+    model = make_model()
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    scaler = nanscan.amp.GradScaler("cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.scale(torch.ones((), device="cuda"))
+    scaler.unscale_(optimizer)  # eager: its statistics are kept for the next scan of these grads
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        nanscan.scan([g.clone() for g in grads])  # warm-up of the plain scan, outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = nanscan.scan(grads)  # must be a captured scan, not the eager result
+    torch.cuda.current_stream().wait_stream(stream)
+    grads[0].view(-1)[0] = math.nan
+    graph.replay()
+    assert captured.nan_count[0].item() == 1
 
 
 def test_cuda_graph_of_a_long_list() -> None:

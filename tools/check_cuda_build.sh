@@ -29,6 +29,23 @@ for src in csrc/cuda/*.cu; do
   done
 done
 
+# Flush-to-zero would turn subnormal gradients into zeros in min/max and the norm (-use_fast_math or
+# -ftz=true do that); the PTX the build makes must have no .ftz instruction.
+if "$NVCC" -ptx csrc/cuda/scan_cuda.cu -o "$out/scan_cuda.ptx" -std=c++17 -O3 -arch=compute_90 \
+    --expt-relaxed-constexpr >"$out/ptx.log" 2>&1; then
+  if grep -q "\.ftz" "$out/scan_cuda.ptx"; then
+    echo "check_cuda_build: FAILED: the PTX flushes subnormals (.ftz):" >&2
+    grep -m5 "\.ftz" "$out/scan_cuda.ptx" >&2
+    status=1
+  else
+    echo "check_cuda_build: ok no flush-to-zero in the PTX"
+  fi
+else
+  echo "check_cuda_build: FAILED to make PTX" >&2
+  cat "$out/ptx.log" >&2
+  status=1
+fi
+
 # The binding needs torch's CUDA headers. A CPU build of torch ships them except one header that its
 # CMake generates; an empty stand-in for it is enough to syntax-check the binding against the real API.
 if python -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then

@@ -1,6 +1,6 @@
 """A short workload that reaches every CUDA kernel path, for compute-sanitizer (memcheck, racecheck,
-synccheck, initcheck) on a GPU machine; it also checks each result against the CPU backend, so a run
-that the sanitizer passes is also a correct one.
+synccheck, initcheck: tools/gpu_session.sh sanitize runs them all) on a GPU machine; it also checks
+each result against the CPU backend, so a run that the sanitizer passes is also a correct one.
 
     compute-sanitizer --tool memcheck python3 tools/sanitize_workload.py
     python3 tools/sanitize_workload.py --device cpu      # smoke test without a GPU
@@ -28,6 +28,14 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 def tensor(n: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
     x = torch.randn(n, generator=gen, dtype=torch.float64).clamp(-400, 400).to(dtype)
     return x.to(device)
+
+
+def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Parameters whose .grad are ``grads``: what the clip drop-ins take."""
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return params
 
 
 def agree(tensors: list[torch.Tensor], fp16_range: bool = False) -> None:
@@ -71,12 +79,13 @@ def main() -> None:
     for g, e in zip(grads, expected):
         assert torch.equal(g.nan_to_num(), e.nan_to_num())
 
-    clip_me = [tensor(n, torch.float32, device, gen) for n in (10, 100_000)] + [t.float() for t in long_list[:1600]]
+    clip_me = [tensor(n, torch.float32, device, gen) for n in (10, 100_000)] + [t.float() * 10 for t in long_list[:1600]]
     before = [t.clone() for t in clip_me]
-    nanscan.clip_grad_norm_(clip_me, 1e30)  # coefficient 1: nothing written
+    nanscan.clip_grad_norm_(with_grads(clip_me), 1e30)  # coefficient 1: nothing written
     assert all(torch.equal(a, b) for a, b in zip(clip_me, before))
-    nanscan.clip_grad_norm_(clip_me, 1.0)
-    torch.nn.utils.clip_grad_norm_(before, 1.0)
+    total = nanscan.clip_grad_norm_(with_grads(clip_me), 1.0)
+    torch.nn.utils.clip_grad_norm_(with_grads(before), 1.0)
+    assert float(total) > 10  # so the multiply really scaled
     for a, b in zip(clip_me, before):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if device == "cuda":

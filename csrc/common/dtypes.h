@@ -172,13 +172,14 @@ struct Float8E4M3FNCodec {
     uint32_t pair;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"(static_cast<uint16_t>(r * 0x0101u)));
     return half_bits_to_float(static_cast<uint16_t>(pair));
-#endif
+#else
     const uint32_t mag = r & 0x7fu;
     const uint32_t sign = (static_cast<uint32_t>(r) & 0x80u) << 24;
     const uint32_t normal = (mag << 20) + ((127u - 7u) << 23);
     const uint32_t subnormal = float_to_bits(static_cast<float>(static_cast<int32_t>(mag)) * 0.001953125f);  // 2^-9
     const uint32_t nan = 0x7fc00000u;
     return bits_to_float(sign | (mag == 0x7fu ? nan : (mag < 0x08u ? subnormal : normal)));
+#endif
   }
 };
 

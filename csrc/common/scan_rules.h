@@ -104,10 +104,10 @@ NANSCAN_HD FastRun<Codec> empty_run() {
 // Branch-free (selects, not jumps) so that compilers vectorise it across lanes. With a NaN or Inf in
 // the run, min/max here are meaningless; the sum of squares then is NaN or +Inf and run_is_exact()
 // rejects the run.
-// On the GPU, fmin/fmax are one instruction against a compare and a select. They return the same
-// value here: `min` is never NaN (it starts at +inf and only ever takes a v below it), fmin(NaN, min)
-// is min like the select, and the runs where a NaN could matter are discarded anyway; only the sign
-// of a zero minimum can differ, which no statistic tells apart (-0.0 == 0.0).
+// On the GPU, fmin/fmax on floats are one instruction (FMNMX) against a compare and a select. They
+// return the same value here: `min` is never NaN (it starts at +inf and only ever takes a v below
+// it), fmin(NaN, min) is min like the select, and the runs where a NaN could matter are discarded
+// anyway; only the sign of a zero minimum can differ, which no statistic tells apart (-0.0 == 0.0).
 template <class Codec>
 NANSCAN_HD void accumulate_fast(typename Codec::Wide& min, typename Codec::Wide& max, typename Codec::Wide& sumsq,
                                 typename Codec::Raw raw) {

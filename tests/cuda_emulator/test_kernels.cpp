@@ -31,15 +31,29 @@ int failures = 0;
     }                                                                              \
   } while (0)
 
+// Storage 16-byte aligned like a CUDA allocation, of exactly the bytes asked for (rounded up to 16),
+// so that the sanitizers this test can be built with see an overrun.
+struct AlignedBytes {
+  explicit AlignedBytes(size_t bytes = 0)
+      : size((bytes + 15) / 16 * 16), p(size ? static_cast<unsigned char*>(std::aligned_alloc(16, size)) : nullptr) {}
+  AlignedBytes(const AlignedBytes& o) : AlignedBytes(o.size) {
+    if (size) memcpy(p, o.p, size);
+  }
+  AlignedBytes& operator=(const AlignedBytes&) = delete;
+  ~AlignedBytes() { std::free(p); }
+  size_t size;
+  unsigned char* p;
+};
+
 // One tensor's storage: raw bytes, 16-byte aligned unless an offset is asked for.
 struct HostTensor {
   DType dtype;
   int64_t numel;
-  std::vector<unsigned char> storage;
+  AlignedBytes storage;
   size_t offset = 0;  // bytes, to test unaligned starts
 
-  unsigned char* data() { return storage.data() + offset; }
-  const unsigned char* data() const { return storage.data() + offset; }
+  unsigned char* data() { return storage.p + offset; }
+  const unsigned char* data() const { return storage.p + offset; }
 };
 
 template <class Codec>
@@ -51,7 +65,7 @@ typename Codec::Raw raw_at(const HostTensor& t, int64_t i) {
 
 // Random finite values of each format (normal, subnormal and huge ones), then NaN/Inf where asked.
 HostTensor make_tensor(std::mt19937_64& rng, DType dtype, int64_t numel, size_t offset) {
-  HostTensor t{dtype, numel, std::vector<unsigned char>(static_cast<size_t>(numel) * element_size(dtype) + 32), offset};
+  HostTensor t{dtype, numel, AlignedBytes(offset + static_cast<size_t>(numel) * element_size(dtype)), offset};
   std::normal_distribution<double> normal(0.0, 1.0);
   for (int64_t i = 0; i < numel; ++i) {
     const double v = normal(rng) * ((rng() % 97 == 0) ? 1e-6 : 1.0);
@@ -105,9 +119,10 @@ bool close(double got, double want, double rtol) {
   return std::fabs(got - want) <= rtol * std::fabs(want);
 }
 
-// Allocations the kernels treat as device memory: host memory, 256-byte aligned like the allocator's.
+// Allocations the kernels treat as device memory: host memory, 256-byte aligned and rounded like the
+// caching allocator's, with nothing to spare beyond that.
 struct Buffer {
-  explicit Buffer(size_t bytes) : bytes_((bytes + 255) / 256 * 256 + 256), p(std::aligned_alloc(256, bytes_)) {
+  explicit Buffer(size_t bytes) : bytes_((bytes + 255) / 256 * 256), p(std::aligned_alloc(256, bytes_ ? bytes_ : 256)) {
     memset(p, 0xAB, bytes_);  // garbage, as fresh allocator memory would be
   }
   ~Buffer() { std::free(p); }
@@ -273,6 +288,12 @@ void check_scale(std::mt19937_64& rng, int num_sms, int count) {
 
 int main() {
   std::mt19937_64 rng(1122);
+  // First, while no kernel's occupancy is cached yet: a grid of 400 blocks over a device-memory list
+  // (the last block then folds more than one block total per thread, as on an H100's 528).
+  cuda_emulator::blocks_per_sm = 200;
+  const std::vector<HostTensor> wide = random_list(rng, 3300, 1000, false);
+  expect_matches("400-block grid", wide, run_scan(wide, ScanKind::Plain, 2), false);
+  cuda_emulator::blocks_per_sm = 1;
   // Parameter blob, small capacity (<= 256 tensors), two and five "multiprocessors".
   check_scan("small list", random_list(rng, 60, 20000, true), 2);
   check_scan("small list, 5 SMs", random_list(rng, 200, 5000, true), 5);

@@ -29,7 +29,7 @@ using cudaStream_t = void*;
 constexpr cudaError_t cudaSuccess = 0;
 constexpr cudaError_t cudaErrorInvalidValue = 1;
 
-struct uint4 {
+struct alignas(16) uint4 {  // aligned as CUDA's, so a misaligned vector access is UB here too
   unsigned int x, y, z, w;
 };
 struct dim3 {
@@ -51,6 +51,9 @@ struct Block {
   std::barrier<> barrier;
   std::vector<std::unique_ptr<Warp>> warps;
 };
+
+// What the occupancy query answers; tests raise it to get grids of hundreds of blocks.
+inline int blocks_per_sm = 1;
 
 inline thread_local Block* block = nullptr;
 inline thread_local int lane = 0;
@@ -145,9 +148,11 @@ inline cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
-// One resident block per multiprocessor: the tests choose the multiprocessor count, so the grid.
+// cuda_emulator::blocks_per_sm blocks per multiprocessor; with the multiprocessor count the tests
+// pass, that sets the grid. (The launcher caches the answer per kernel, so set it before the first
+// launch of a kernel.)
 template <class Kernel>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
-  *blocks = 1;
+  *blocks = cuda_emulator::blocks_per_sm;
   return cudaSuccess;
 }
