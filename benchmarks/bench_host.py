@@ -1,0 +1,58 @@
+"""Host cost per tensor of nanscan's entry points against torch's, on lists of 1-element tensors so
+that the work per element is nil and what is timed is Python, the dispatcher and validation.
+
+    python benchmarks/bench_host.py                  # 10,000 parameters, CPU, 1 thread
+    python benchmarks/bench_host.py --tensors 2000
+
+Each call is timed alone (best of --repeats, after warm-up): the host path has no memory traffic to
+drift with, so the fastest call is the cleanest measure of it. On a GPU, bench_scan.py --device cuda
+gives the host time of the same calls with the kernels' own cost kept apart ("host ns/tensor").
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+import nanscan
+
+
+def best_ns_per_tensor(call: Callable[[], object], tensors: int, repeats: int) -> float:
+    for _ in range(3):
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best / tensors * 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    params = [torch.nn.Parameter(torch.randn(1)) for _ in range(args.tensors)]
+    for p in params:
+        p.grad = torch.randn(1)
+    grads = [p.grad for p in params]
+    rows = [
+        ("torch.ops.nanscan.scan", lambda: torch.ops.nanscan.scan.default(grads)),
+        ("nanscan.scan", lambda: nanscan.scan(grads)),
+        ("torch._foreach_norm + stack + norm", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))),
+        ("nanscan.clip_grad_norm_", lambda: nanscan.clip_grad_norm_(params, 1e30)),
+        ("torch clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1e30)),
+        ("nanscan.check(max_norm)", lambda: nanscan.check(params, max_norm=1e30)),
+    ]
+    print(f"host ns per tensor, {args.tensors} one-element CPU tensors, torch {torch.__version__}, 1 thread")
+    for name, call in rows:
+        print(f"{name:<36}{best_ns_per_tensor(call, args.tensors, args.repeats):>8.0f}")
+
+
+if __name__ == "__main__":
+    main()
