@@ -21,7 +21,8 @@ instead of whichever method happened to run during it.
   ``min``/``max``/``norm`` ``.item()`` per gradient); ``foreach_norm+stack``: ``torch._foreach_norm``,
   ``torch.stack`` and ``torch.linalg.vector_norm`` of the stack.
 * On CUDA only: ``torch.compile(stats)``, the same statistics as the scan written in torch and
-  compiled (plain amin/amax rather than min/max of the finite values).
+  compiled (plain amin/amax rather than min/max of the finite values); not for lists of over
+  ``COMPILE_MAX_TENSORS`` tensors, whose compile alone would outlast the run.
 * On every device, for non-fp16 gradients: ``amp.unscale+clip`` (``GradScaler.unscale_`` then
   ``clip_grad_norm_``: 3 reads + 2 writes) against ``nanscan.amp.unscale+clip`` (the fused unscale +
   scan, then nanscan's clip reusing its statistics: 1 read + 1 write, 2 + 2 when clipping), each
@@ -225,7 +226,12 @@ def nanscan_unscale_clip(max_norm: float) -> Callable[[Inputs], torch.Tensor]:
     return run
 
 
-def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
+# torch.compile unrolls the stats function's loop over the list: past this many tensors, compiling
+# takes longer than a benchmark run may (minutes for thousands of kernels), so that peer is left out.
+COMPILE_MAX_TENSORS = 1000
+
+
+def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[Method]:
     """The methods timed on ``device`` for gradients of ``dtype``: the stall probe, the ceiling, the scan, ..."""
     torch_clip = torch.nn.utils.clip_grad_norm_
     probe_buffer = torch.ones(1 << 18, device=device)
@@ -250,7 +256,7 @@ def methods(device: torch.device, dtype: torch.dtype) -> list[Method]:
             Method("nanscan.amp.unscale+clip(clip)", nanscan_unscale_clip(CLIP), mutates=True),
             Method("amp.unscale+clip(clip)", amp_unscale_clip(CLIP), "nanscan.amp.unscale+clip(clip)", mutates=True),
         ]
-    if device.type == "cuda":
+    if device.type == "cuda" and num_tensors <= COMPILE_MAX_TENSORS:
         compiled = torch.compile(torch_stats)
         found.append(Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN))
     return found
@@ -497,7 +503,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
     if device.type == "cuda":
         torch.compiler.reset()  # a fresh compile cache per case: no recompile limit, no stale graphs
     try:
-        found = methods(device, DTYPES[case.dtype])
+        found = methods(device, DTYPES[case.dtype], len(case.shapes))
         case.times = time_methods(found, copies, args, sync)
         case.probe = case.times.pop(PROBE)
         case.counterparts = {method.name: method.counterpart for method in found}

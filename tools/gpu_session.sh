@@ -10,7 +10,7 @@
 #   tools/gpu_session.sh test        # build, then the whole test suite (CUDA tests included)
 #   tools/gpu_session.sh sanitize    # build, then compute-sanitizer memcheck/racecheck/synccheck/initcheck
 #   tools/gpu_session.sh bench       # build, then bench_scan (zoo + 10,000 x 1K) and bench_train_step
-#   tools/gpu_session.sh all         # test, sanitize, bench
+#   tools/gpu_session.sh all         # test, sanitize, bench: longer than one 10-minute command
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage="${1:?usage: tools/gpu_session.sh build|test|sanitize|bench|all [OUTDIR]}"
