@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -73,3 +79,24 @@ def assert_close_float(got: float, want: float, rtol: float, what: str) -> None:
         assert got == want, f"{what}: {got} != {want}"
     else:
         assert abs(got - want) <= rtol * abs(want) + 1e-300, f"{what}: {got} != {want} (rtol {rtol})"
+
+
+def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], timeout: float, hang_hint: str) -> str:
+    """Compiles C++ ``sources`` (a .cu among them is compiled as C++) with the system compiler and
+    runs the program; fails the test on a compile error, a non-zero exit or a timeout (``hang_hint``
+    says what a hang would mean). Returns the program's stdout."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on PATH")
+    binary = tmp_path / "program"
+    command = [compiler, *flags, "-o", str(binary)]
+    for source in sources:
+        command += ["-x", "c++", str(source)]
+    build = subprocess.run(command, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-6000:]
+    try:
+        run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{binary.name} did not finish in {timeout:g} s: {hang_hint}")
+    assert run.returncode == 0, run.stderr[-6000:]
+    return run.stdout

@@ -13,6 +13,7 @@
 
 #include "../../csrc/common/scan_rules.h"
 #include "../../csrc/cuda/list_plan.h"
+#include "check.h"
 
 using nanscan::DType;
 using nanscan::TensorStats;
@@ -20,18 +21,6 @@ using namespace nanscan::cuda;
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      ++failures;                                          \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                   \
-      std::fprintf(stderr, "\n");                          \
-      if (failures > 20) std::exit(1);                     \
-    }                                                      \
-  } while (0)
 
 // A list with sizes around chunk boundaries, empty tensors, and every dtype.
 std::vector<TensorArg> random_list(std::mt19937_64& rng, int n, int64_t max_chunks_per_tensor) {
@@ -208,6 +197,6 @@ int main() {
   const std::vector<TensorArg> too_many{{nullptr, int64_t{1} << 62, DType::Float32}};
   CHECK(!plan.build(too_many.data(), 1), "a list of 2^47 chunks was accepted");
   CHECK(!plan.build(too_many.data(), 0), "an empty list was accepted");
-  if (failures == 0) std::printf("list_plan: all checks passed\n");
-  return failures == 0 ? 0 : 1;
+  if (nanscan_test::failures == 0) std::printf("list_plan: all checks passed\n");
+  return nanscan_test::failures == 0 ? 0 : 1;
 }

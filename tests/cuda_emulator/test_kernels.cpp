@@ -12,24 +12,13 @@
 #include <vector>
 
 #include "../../csrc/cuda/scan_cuda.h"
+#include "../cpp/check.h"
 
 using namespace nanscan;
 using namespace nanscan::cuda;
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond, ...)                                                           \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      ++failures;                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                           \
-      std::fprintf(stderr, "\n");                                                  \
-      if (failures > 20) std::exit(1);                                             \
-    }                                                                              \
-  } while (0)
 
 // Storage 16-byte aligned like a CUDA allocation, of exactly the bytes asked for (rounded up to 16),
 // so that the sanitizers this test can be built with see an overrun.
@@ -132,6 +121,25 @@ struct Buffer {
   void* p;
 };
 
+// A list as the binding hands it to the launcher: its plan, plus the device copy of the plan's blob
+// (written by the upload kernel) when the blob does not fit in the kernel parameters.
+struct LaunchableList {
+  explicit LaunchableList(const std::vector<HostTensor>& tensors) {
+    std::vector<TensorArg> args;
+    for (const HostTensor& t : tensors) args.push_back(TensorArg{t.data(), t.numel, t.dtype});
+    CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())), "plan");
+    if (!fits_in_parameters(plan)) {
+      device_blob = std::make_unique<Buffer>(plan.bytes());
+      CHECK(upload_list(plan, device_blob->p, nullptr) == cudaSuccess, "upload");
+      CHECK(memcmp(device_blob->p, plan.blob(), plan.bytes()) == 0, "the upload kernel copied the blob wrongly");
+    }
+  }
+  const void* blob() const { return device_blob ? device_blob->p : nullptr; }
+
+  ListPlan plan;
+  std::unique_ptr<Buffer> device_blob;
+};
+
 struct ScanOutput {
   std::vector<int64_t> counts;
   std::vector<double> stats;
@@ -141,16 +149,8 @@ struct ScanOutput {
 
 // The launcher's own sequence, as the binding drives it: plan, device blob when needed, workspace.
 ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int num_sms, const float* multiply_by = nullptr) {
-  std::vector<TensorArg> args;
-  for (const HostTensor& t : tensors) args.push_back(TensorArg{t.data(), t.numel, t.dtype});
-  ListPlan plan;
-  CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())), "plan");
-  std::unique_ptr<Buffer> device_blob;
-  if (!fits_in_parameters(plan)) {
-    device_blob = std::make_unique<Buffer>(plan.bytes());
-    CHECK(upload_list(plan, device_blob->p, nullptr) == cudaSuccess, "upload");
-    CHECK(memcmp(device_blob->p, plan.blob(), plan.bytes()) == 0, "the upload kernel copied the blob wrongly");
-  }
+  const LaunchableList list(tensors);
+  const ListPlan& plan = list.plan;
   Buffer workspace(scan_workspace_bytes(plan, kind, num_sms));
   const int64_t n = static_cast<int64_t>(tensors.size());
   const bool half_range = kind == ScanKind::HalfRange;
@@ -158,7 +158,7 @@ ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int n
   out.counts.assign((half_range ? 4 : 2) * n, -1);
   out.stats.assign(3 * n, -7.0);
   ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range};
-  const cudaError_t err = scan(plan, device_blob ? device_blob->p : nullptr, kind, ptrs, workspace.p, num_sms, nullptr, multiply_by);
+  const cudaError_t err = scan(plan, list.blob(), kind, ptrs, workspace.p, num_sms, nullptr, multiply_by);
   CHECK(err == cudaSuccess, "scan returned %d", err);
   return out;
 }
@@ -247,23 +247,15 @@ void check_scale(std::mt19937_64& rng, int num_sms, int count) {
   for (int i = 0; i < count; ++i) {
     list.push_back(make_tensor(rng, dtypes[i % 4], 1 + static_cast<int64_t>(rng() % 20000), (i % 3 == 0) ? element_size(dtypes[i % 4]) : 0));
   }
-  std::vector<TensorArg> args;
-  for (const HostTensor& t : list) args.push_back(TensorArg{t.data(), t.numel, t.dtype});
-  ListPlan plan;
-  CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())), "plan");
-  std::unique_ptr<Buffer> device_blob;
-  if (!fits_in_parameters(plan)) {
-    device_blob = std::make_unique<Buffer>(plan.bytes());
-    CHECK(upload_list(plan, device_blob->p, nullptr) == cudaSuccess, "upload");
-  }
+  const LaunchableList launchable(list);
   const std::vector<HostTensor> before = list;
   const float one = 1.0f;
-  CHECK(scale(plan, device_blob ? device_blob->p : nullptr, &one, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
+  CHECK(scale(launchable.plan, launchable.blob(), &one, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
   for (size_t i = 0; i < list.size(); ++i) {
     CHECK(memcmp(list[i].data(), before[i].data(), list[i].numel * element_size(list[i].dtype)) == 0, "scale by 1 wrote tensor %zu", i);
   }
   const float coef = 0.3f;
-  CHECK(scale(plan, device_blob ? device_blob->p : nullptr, &coef, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
+  CHECK(scale(launchable.plan, launchable.blob(), &coef, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
   for (size_t i = 0; i < list.size(); ++i) {
     HostTensor want = before[i];
     // tensor.mul_(coef_tensor): the coefficient is first cast to the tensor's dtype.
@@ -313,6 +305,6 @@ int main() {
   check_unscale(rng, 3);
   check_scale(rng, 3, 50);
   check_scale(rng, 2, 1600);  // device blob
-  if (failures == 0) std::printf("emulated kernels: all checks passed\n");
-  return failures == 0 ? 0 : 1;
+  if (nanscan_test::failures == 0) std::printf("emulated kernels: all checks passed\n");
+  return nanscan_test::failures == 0 ? 0 : 1;
 }
