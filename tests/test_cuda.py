@@ -42,7 +42,7 @@ def test_cpu_parity_mixed_list() -> None:
 
 
 # torch.ops.nanscan lists longer than this read their metadata from device memory.
-PARAMETER_CAPACITY = 1500
+PARAMETER_CAPACITY = 1300
 
 
 def test_list_longer_than_the_parameters() -> None:
@@ -97,8 +97,9 @@ def test_long_list_clip_and_unscale() -> None:
 
 @pytest.mark.parametrize("chunks", [1, 2, 32, 33, 1024, 1025, 1057])
 def test_fold_tree_edges(chunks: int) -> None:
-    """A tensor of `chunks` 32 KiB chunks, with values at its first and last chunk: the edges of the
-    two-level fold (groups of 32 chunks, then the groups)."""
+    """A tensor of `chunks` 32 KiB chunks, with values at its first and last chunk. The grid has
+    about a warp per chunk of this list, so the tensor is met by about `chunks` warps' shares: the
+    cases cover both levels of the fold (groups of 32 partials, then the groups)."""
     per_chunk = 32 * 1024 // 4
     t = random_tensor(chunks * per_chunk, torch.float32, "cuda")
     t[0] = -1e30  # its square overflows fp32: that chunk takes the exact path
@@ -124,7 +125,7 @@ def test_extra_memory_under_1mb_for_gpt2_small() -> None:
     before = torch.cuda.memory_allocated()
     result = nanscan.scan(grads)
     extra = torch.cuda.max_memory_allocated() - before
-    assert extra < 1 << 20, f"{extra} bytes"  # outputs + workspace (0.71 MB by the layout's arithmetic)
+    assert extra < 1 << 20, f"{extra} bytes"  # outputs + workspace (0.23 MB on an H100 by the layout's arithmetic)
     assert bool(result.finite)
 
 

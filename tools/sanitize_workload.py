@@ -6,8 +6,8 @@ each result against the CPU backend, so a run that the sanitizer passes is also 
     python3 tools/sanitize_workload.py --device cpu      # smoke test without a GPU
 
 Paths covered: lists in the small and the large parameter capacity and in device memory (uploaded,
-then found in the cache), empty tensors, every dtype including fp8, a tensor of over 1024 chunks (both
-levels of the fold tree), NaN/Inf planted, the fp16-range scan, the fused unscale, and the clip
+then found in the cache), empty tensors, every dtype including fp8, a tensor of over 1024 chunks (met
+by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf planted, the fp16-range scan, the fused unscale, and the clip
 multiply with a coefficient of 1 (no write) and below 1. Set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that
 memcheck sees each allocation's true bounds rather than the caching allocator's pooled blocks.
 """

@@ -1,18 +1,20 @@
 // CUDA backend: the fused scan and the clip multiply over a whole tensor list, in one launch.
 //
-// Work is cut into chunks of at most kChunkBytes of one tensor (list_plan.h); one warp scans one
-// chunk with 16-byte loads (kUnroll in flight per lane) into a FastRun per lane, reduces across the
-// warp in a fixed butterfly order and applies the shared exactness rule (re-reading the chunk with
-// the exact rule if needed). Chunks are dealt to a persistent grid, so 10,000 tiny tensors are 10,000
-// warp-sized jobs, not 10,000 blocks.
+// Work is cut into chunks of at most kChunkBytes of one tensor (list_plan.h); a warp scans a chunk
+// with 16-byte loads (kUnroll in flight per lane) into a FastRun per lane, reduces across the warp in
+// a fixed butterfly order and applies the shared exactness rule (re-reading the chunk with the exact
+// rule if needed). Each warp of a persistent grid owns one contiguous share of the list, balanced by
+// cost (bytes plus a fixed cost per chunk; see Shares), so 10,000 tiny tensors are a few tensors per
+// warp, not 10,000 blocks, and a share of a large tensor is one run of memory.
 //
-// Finishing is spread over the grid instead of left to one last block: the warp that scans a tensor's
-// only chunk writes that tensor's result at once; a tensor of several chunks is folded by the warp
-// whose chunk arrives last, through a two-level tree of 32-way folds (FoldTree), while other warps go
-// on scanning. The totals are combined from every chunk in a fixed order (per warp in chunk order, per
-// block in warp order, then the blocks in block order by the last block to finish), so results are
-// bit-identical from run to run on a device. Nothing is allocated, nothing syncs with the host, and
-// the only state (arrival counters) is zeroed by a memset in the same call, which a CUDA graph replays.
+// Finishing is spread over the grid instead of left to one last block: a warp whose share holds a
+// whole tensor writes that tensor's result at once; a tensor met by several shares is folded by the
+// warp whose partial arrives last, through a two-level tree of 32-way folds (FoldTree), while other
+// warps go on scanning. A partial is per (tensor, warp), so the workspace grows with tensors + grid,
+// not with bytes. The totals are combined in a fixed order (per warp in list order, per block in warp
+// order, then the blocks in block order by the last block to finish), so results are bit-identical
+// from run to run on a device. Nothing is allocated, nothing syncs with the host, and the only state
+// (arrival counters) is zeroed by a memset in the same call, which a CUDA graph replays.
 //
 // The list's metadata travels in the kernel parameters when it fits (two sizes, so that a 150-tensor
 // model does not pay for copying 32 KB of parameters per launch); longer lists are read from a device
@@ -46,14 +48,15 @@ static_assert(kFoldFanIn == kWarpSize, "a fold reads one partial per lane");
 // capacities; 0 stands for "in device memory".
 constexpr size_t kParameterBytes = 32764;
 constexpr int32_t kSmallInlineTensors = 256;
-constexpr int32_t kLargeInlineTensors = 1500;
+constexpr int32_t kLargeInlineTensors = 1300;
 constexpr int32_t kDeviceList = 0;
 
 // The list as a kernel receives it: the blob inline, or a pointer to its device copy.
+// The total cost travels beside the blob (which holds it too) to spare every warp a load.
 template <int32_t kCapacity>
 struct ListArgs {
   int32_t num_tensors;
-  int32_t num_chunks;
+  int64_t total_cost;
   alignas(16) unsigned char blob[blob_bytes(kCapacity)];
   __device__ ListView view() const { return ListView::over(blob, num_tensors); }
 };
@@ -61,7 +64,7 @@ struct ListArgs {
 template <>
 struct ListArgs<kDeviceList> {
   int32_t num_tensors;
-  int32_t num_chunks;
+  int64_t total_cost;
   const unsigned char* blob;
   __device__ ListView view() const { return ListView::over(blob, num_tensors); }
 };
@@ -69,7 +72,7 @@ struct ListArgs<kDeviceList> {
 template <int32_t kCapacity>
 void fill_list_args(ListArgs<kCapacity>& args, const ListPlan& plan, const void* device_blob) {
   args.num_tensors = plan.num_tensors();
-  args.num_chunks = plan.num_chunks();
+  args.total_cost = plan.total_cost();
   if constexpr (kCapacity == kDeviceList) {
     args.blob = static_cast<const unsigned char*>(device_blob);
   } else {
@@ -77,23 +80,10 @@ void fill_list_args(ListArgs<kCapacity>& args, const ListPlan& plan, const void*
   }
 }
 
-// A fold-tree slot: the statistics of one chunk or of one group of kFoldFanIn chunks, so at most
-// 32 x 32 KiB = 2^20 elements: its counts fit 32 bits, which keeps the workspace at 44 bytes per chunk.
-struct PartialSlot {
-  uint32_t nan_count;
-  uint32_t inf_count;
-  uint32_t half_overflow;
-  uint32_t half_underflow;
-  double min;
-  double max;
-  double sumsq;
-};
-static_assert(kFoldFanIn * kChunkBytes <= (int64_t{1} << 32), "a group's counts must fit a PartialSlot");
-
 struct Workspace {
-  PartialSlot* partials;      // [chunks]: fold-tree slots (see FoldTree)
+  TensorStats* partials;      // [Shares::fold_slots]: fold-tree slots (see FoldTree)
   TensorStats* block_totals;  // [grid]: each block's total, in block order
-  unsigned int* counters;     // [chunks + 1]: fold-tree arrivals, then the blocks' ticket
+  unsigned int* counters;     // [fold_slots + 1]: fold-tree arrivals, then the blocks' ticket
 };
 
 template <int32_t kCapacity>
@@ -253,18 +243,29 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   return warp_combine(s);
 }
 
-template <bool kHalfRange, bool kMultiply>
-__device__ TensorStats scan_chunk_any(DType dtype, const void* data, int64_t begin, int64_t end, int lane, float factor) {
-  switch (dtype) {
-    case DType::Float32: return scan_chunk<Float32Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
-    case DType::Float64: return scan_chunk<Float64Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
-    case DType::Float16: return scan_chunk<Float16Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
-    case DType::BFloat16: return scan_chunk<BFloat16Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
-    case DType::Float8E4M3FN:
-      return scan_chunk<Float8E4M3FNCodec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
-    case DType::Float8E5M2: return scan_chunk<Float8E5M2Codec, kHalfRange, kMultiply>(data, begin, end, lane, factor);
+// One warp scans elements [begin, end) of a tensor a chunk at a time (each chunk is one exactness
+// decision, so a NaN re-reads 32 KiB, not the run), combining the chunks' results in order into
+// *part, which lane 0 writes (shared memory: no registers held across the loop).
+template <class Codec, bool kHalfRange, bool kMultiply>
+__device__ void scan_run(const void* data, int64_t begin, int64_t end, int lane, float factor, TensorStats* part) {
+  constexpr int64_t kPerChunk = kChunkBytes / sizeof(typename Codec::Raw);
+  for (int64_t b = begin; b < end; b += kPerChunk) {
+    const TensorStats s = scan_chunk<Codec, kHalfRange, kMultiply>(data, b, b + kPerChunk < end ? b + kPerChunk : end, lane, factor);
+    if (lane == 0) *part = combine(*part, s);
   }
-  return empty_stats();
+}
+
+template <bool kHalfRange, bool kMultiply>
+__device__ void scan_run_any(DType dtype, const void* data, ElementRange e, int lane, float factor, TensorStats* part) {
+  switch (dtype) {
+    case DType::Float32: return scan_run<Float32Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::Float64: return scan_run<Float64Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::Float16: return scan_run<Float16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::BFloat16: return scan_run<BFloat16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::Float8E4M3FN:
+      return scan_run<Float8E4M3FNCodec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::Float8E5M2: return scan_run<Float8E5M2Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+  }
 }
 
 // Reads what other warps of this launch wrote: through L2, never a possibly stale L1 line.
@@ -280,34 +281,37 @@ __device__ TensorStats load_coherent(const TensorStats* p) {
   return s;
 }
 
-// The tensor that owns chunk c. A table in the kernel parameters is searched one warp-uniform probe
-// at a time (constant-cache broadcasts); one in device memory 32 probes at a time, a lane each.
+// The tensor whose cost range holds `cost`. A table in the kernel parameters is searched one
+// warp-uniform probe at a time (constant-cache broadcasts); one in device memory 32 probes at a time,
+// a lane each. Once per warp and launch: the warp then walks its share in list order.
 template <int32_t kCapacity>
-__device__ int32_t find_tensor(const ListView& list, int32_t c, int lane) {
+__device__ int32_t find_tensor(const ListView& list, int64_t cost, int lane) {
   if constexpr (kCapacity == kDeviceList) {
     return list.find_tensor_wide([&](int32_t lo, int32_t step, int32_t hi) {
       const int32_t probe = lo + lane * step;
-      const bool at_or_below = probe <= hi && list.chunk_begin[probe] <= c;
+      const bool at_or_below = probe <= hi && list.cost_begin[probe] <= cost;
       return __popc(__ballot_sync(0xffffffffu, at_or_below));
     });
   } else {
-    return list.find_tensor(c);
+    return list.find_tensor(cost);
   }
 }
 
-__device__ TensorStats load_coherent(const PartialSlot* p) {
-  TensorStats s;
-  s.nan_count = __ldcg(&p->nan_count);
-  s.inf_count = __ldcg(&p->inf_count);
-  s.half_overflow = __ldcg(&p->half_overflow);
-  s.half_underflow = __ldcg(&p->half_underflow);
-  s.min = __ldcg(&p->min);
-  s.max = __ldcg(&p->max);
-  s.sumsq = __ldcg(&p->sumsq);
-  return s;
+// The launch's shares: one per warp of the grid (fewer for a list cheaper than the grid).
+template <int32_t kCapacity>
+__device__ Shares grid_shares(const ListArgs<kCapacity>& args) {
+  return Shares::of(args.total_cost, static_cast<int64_t>(gridDim.x) * kWarps);
 }
 
-// finish_chunk's synchronisation (list_plan.h) for one warp: partial slots and arrival counters in
+// Calls visit(t, chunks) for each tensor that warp `w`'s share meets (list_plan.h's walk_share);
+// warps beyond the shares have none.
+template <int32_t kCapacity, class Visit>
+__device__ void walk_warp_share(const ListView& list, const Shares& shares, int32_t w, int lane, Visit&& visit) {
+  if (w >= shares.warps) return;
+  walk_share(list, shares, w, find_tensor<kCapacity>(list, shares.begin(w), lane), visit);
+}
+
+// finish_share's synchronisation (list_plan.h) for one warp: partial slots and arrival counters in
 // the workspace, results straight to the outputs. Every lane calls every method; lane 0 writes.
 struct WarpSync {
   const Workspace& ws;
@@ -320,13 +324,10 @@ struct WarpSync {
 
   // True, in every lane, for the warp whose arrival is the `expected`-th: that warp then reads every
   // partial of the set.
-  __device__ bool arrive_last(int32_t slot, const TensorStats& partial, int32_t counter, int32_t expected) const {
+  __device__ bool arrive_last(int64_t slot, const TensorStats& partial, int64_t counter, int32_t expected) const {
     bool last = false;
     if (lane == 0) {
-      ws.partials[slot] = PartialSlot{static_cast<uint32_t>(partial.nan_count), static_cast<uint32_t>(partial.inf_count),
-                                      static_cast<uint32_t>(partial.half_overflow),
-                                      static_cast<uint32_t>(partial.half_underflow), partial.min, partial.max,
-                                      partial.sumsq};
+      ws.partials[slot] = partial;
       __threadfence();  // the partial is visible device-wide before the arrival is counted
       last = atomicAdd(ws.counters + counter, 1u) == static_cast<unsigned int>(expected - 1);
     }
@@ -340,7 +341,7 @@ struct WarpSync {
 
   // Lane k takes items k, k + 32, ... in turn, then the warp butterfly: a fixed order. The result is
   // valid in every lane.
-  __device__ TensorStats fold(int32_t first, int32_t count, int32_t stride) const {
+  __device__ TensorStats fold(int64_t first, int32_t count, int32_t stride) const {
     TensorStats s = empty_stats();
 #pragma unroll 4
     for (int32_t k = lane; k < count; k += kWarpSize) {
@@ -372,19 +373,24 @@ template <bool kHalfRange, bool kMultiply, int32_t kCapacity>
 __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
+  const Shares shares = grid_shares(p.list);
   const float factor = kMultiply ? __ldg(p.multiply_by) : 1.0f;
-  // Each warp's running total over its chunks, kept in shared memory to spare registers.
-  __shared__ TensorStats warp_totals[kWarps];
+  // Each warp's running total over its share and its partial of the current tensor, kept in shared
+  // memory (written by lane 0) to spare registers across the chunk loop.
+  __shared__ TensorStats warp_totals[kWarps], warp_parts[kWarps];
   if (lane == 0) warp_totals[warp] = empty_stats();
-  for (int32_t c = blockIdx.x * kWarps + warp; c < p.list.num_chunks; c += gridDim.x * kWarps) {
-    const ChunkSpan span = list.span_in(c, find_tensor<kCapacity>(list, c, lane));
-    const int32_t t = span.tensor;
-    const TensorStats s =
-        scan_chunk_any<kHalfRange, kMultiply>(list.dtype_of(t), list.data[t], span.begin, span.end, lane, factor);
-    if (lane == 0) warp_totals[warp] = combine(warp_totals[warp], s);
+  walk_warp_share<kCapacity>(list, shares, w, lane, [&](int32_t t, ChunkRange chunks) {
+    if (lane == 0) warp_parts[warp] = empty_stats();
+    scan_run_any<kHalfRange, kMultiply>(list.dtype_of(t), list.data[t], list.elements_of(t, chunks), lane, factor,
+                                        &warp_parts[warp]);
+    __syncwarp();  // lane 0's partial, to every lane
+    const TensorStats part = warp_parts[warp];
+    __syncwarp();  // read by all before lane 0 starts the next tensor's
+    if (lane == 0) warp_totals[warp] = combine(warp_totals[warp], part);
     WarpSync sync{p.ws, p.out, lane};
-    finish_chunk(list, t, c, s, sync);
-  }
+    finish_share(list, shares, t, w, part, sync);
+  });
   __syncthreads();
 
   // Last-block-done: the block's total is visible device-wide before the block takes its ticket.
@@ -394,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
     for (int w = 0; w < kWarps; ++w) block_total = combine(block_total, warp_totals[w]);
     p.ws.block_totals[blockIdx.x] = block_total;
     __threadfence();
-    is_last_block = atomicAdd(p.ws.counters + p.list.num_chunks, 1u) == gridDim.x - 1;
+    is_last_block = atomicAdd(p.ws.counters + shares.fold_slots(p.list.num_tensors), 1u) == gridDim.x - 1;
     __threadfence();  // the other blocks' totals are read after this block's ticket
   }
   __syncthreads();
@@ -432,17 +438,20 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__
   if (coef == 1.0) return;  // nothing to clip: no gradient byte is written
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize;
-  for (int32_t c = blockIdx.x * kWarps + threadIdx.x / kWarpSize; c < p.list.num_chunks; c += gridDim.x * kWarps) {
-    const ChunkSpan span = list.span_in(c, find_tensor<kCapacity>(list, c, lane));
-    void* data = const_cast<void*>(list.data[span.tensor]);
-    switch (list.dtype_of(span.tensor)) {
-      case DType::Float32: scale_chunk<Float32Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
-      case DType::Float64: scale_chunk<Float64Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
-      case DType::Float16: scale_chunk<Float16Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
-      case DType::BFloat16: scale_chunk<BFloat16Codec>(data, span.begin, span.end, coef, p.rounding, lane); break;
+  const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  walk_warp_share<kCapacity>(list, grid_shares(p.list), w, lane, [&](int32_t t, ChunkRange chunks) {
+    // The whole run of chunks at once: scale has no per-chunk result to form.
+    const ElementRange e = list.elements_of(t, chunks);
+    if (e.begin == e.end) return;
+    void* data = const_cast<void*>(list.data[t]);
+    switch (list.dtype_of(t)) {
+      case DType::Float32: scale_chunk<Float32Codec>(data, e.begin, e.end, coef, p.rounding, lane); break;
+      case DType::Float64: scale_chunk<Float64Codec>(data, e.begin, e.end, coef, p.rounding, lane); break;
+      case DType::Float16: scale_chunk<Float16Codec>(data, e.begin, e.end, coef, p.rounding, lane); break;
+      case DType::BFloat16: scale_chunk<BFloat16Codec>(data, e.begin, e.end, coef, p.rounding, lane); break;
       default: break;  // rejected on the host
     }
-  }
+  });
 }
 
 // A blob slice in the parameters of upload_kernel; the whole struct stays under kParameterBytes.
@@ -476,9 +485,10 @@ int resident_blocks_per_sm() {
   return n;
 }
 
-// A persistent grid: one wave of resident blocks, fewer when there are not enough chunks to share.
-int grid_for(int32_t chunks, int num_sms, int blocks_per_sm) {
-  const int64_t wanted = (static_cast<int64_t>(chunks) + kWarps - 1) / kWarps;
+// A persistent grid: one wave of resident blocks, fewer when the list has fewer chunks than that
+// wave has warps.
+int grid_for(int64_t chunks, int num_sms, int blocks_per_sm) {
+  const int64_t wanted = (chunks + kWarps - 1) / kWarps;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * blocks_per_sm)));
 }
 
@@ -525,22 +535,24 @@ Params& parameter_buffer() {
   return *buffer;
 }
 
-// Where each part of a scan's workspace starts, for a grid of `grid` blocks.
+// Where each part of a scan's workspace starts, for a grid of `grid` blocks: O(tensors + grid).
 struct WorkspaceLayout {
   int grid;
+  size_t slots;  // fold-tree slots, and as many arrival counters (then the blocks' ticket)
   size_t partial_bytes, block_total_bytes, counter_bytes;
 
   WorkspaceLayout(const ListPlan& plan, int grid_)
       : grid(grid_),
-        partial_bytes(align_up(static_cast<size_t>(plan.num_chunks()) * sizeof(PartialSlot))),
+        slots(static_cast<size_t>(Shares::of(plan.total_cost(), int64_t{grid_} * kWarps).fold_slots(plan.num_tensors()))),
+        partial_bytes(align_up(slots * sizeof(TensorStats))),
         block_total_bytes(align_up(static_cast<size_t>(grid_) * sizeof(TensorStats))),
-        counter_bytes(align_up((static_cast<size_t>(plan.num_chunks()) + 1) * sizeof(unsigned int))) {}
+        counter_bytes(align_up((slots + 1) * sizeof(unsigned int))) {}
 
   size_t bytes() const { return partial_bytes + block_total_bytes + counter_bytes; }
 
   Workspace at(void* base) const {
     char* p = static_cast<char*>(base);
-    return Workspace{reinterpret_cast<PartialSlot*>(p), reinterpret_cast<TensorStats*>(p + partial_bytes),
+    return Workspace{reinterpret_cast<TensorStats*>(p), reinterpret_cast<TensorStats*>(p + partial_bytes),
                      reinterpret_cast<unsigned int*>(p + partial_bytes + block_total_bytes)};
   }
 };

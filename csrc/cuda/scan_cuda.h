@@ -27,7 +27,8 @@ cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t st
 enum class ScanKind { Plain, HalfRange, Unscale };
 
 // Device memory a scan needs (from the caching allocator; its contents need not be initialised):
-// a partial result per chunk, a total per block and the arrival counters.
+// a partial-result slot and an arrival counter per (tensor, warp) pair that can meet (tensors + warps
+// - 1 of each, see Shares) and a total per block: O(tensors + grid), whatever the gradients' bytes.
 size_t scan_workspace_bytes(const ListPlan& plan, ScanKind kind, int num_sms);
 
 // One launch (after one memset of its counters) scans every tensor of the plan into `out`: each

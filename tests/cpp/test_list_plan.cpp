@@ -1,14 +1,17 @@
 // CPU checks of the CUDA backend's list arithmetic (csrc/cuda/list_plan.h), which CI cannot run on a
-// GPU: chunk spans cover every element exactly once, empty tensors get one empty chunk, the 32-probe
-// search finds the same tensor as the binary search, and the fold
-// tree, driven by the same finish_chunk() as the kernel with a sequential stand-in for the warps'
-// atomics, gives every tensor exactly one result, equal to the combine of its chunks, bit-identical
-// whatever the order in which chunks arrive. Built and run by tests/test_list_plan.py.
+// GPU: the warps' shares cover every chunk of every tensor exactly once and in list order, every
+// element exactly once, the (tensor, warp) slots t + w never collide, the 32-probe search finds the
+// same tensor as the binary search, and the fold tree, driven by the same finish_share() as the kernel
+// with a sequential stand-in for the warps' atomics, gives every tensor exactly one result, equal to
+// the combine of its parts, bit-identical whatever the order in which the parts arrive. Built and run
+// by tests/test_list_plan.py.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "../../csrc/common/scan_rules.h"
@@ -20,7 +23,6 @@ using nanscan::TensorStats;
 using namespace nanscan::cuda;
 
 namespace {
-
 
 // A list with sizes around chunk boundaries, empty tensors, and every dtype.
 std::vector<TensorArg> random_list(std::mt19937_64& rng, int n, int64_t max_chunks_per_tensor) {
@@ -42,43 +44,107 @@ std::vector<TensorArg> random_list(std::mt19937_64& rng, int n, int64_t max_chun
   return list;
 }
 
-void check_spans(const std::vector<TensorArg>& list) {
+ListPlan plan_of(const std::vector<TensorArg>& list) {
   ListPlan plan;
   CHECK(plan.build(list.data(), static_cast<int64_t>(list.size())), "build failed");
+  return plan;
+}
+
+// The kernel's 32-probe search for device-memory tables, its warp emulated lane by lane.
+int32_t find_tensor_32_probes(const ListView& view, int64_t cost) {
+  return view.find_tensor_wide([&](int32_t lo, int32_t step, int32_t hi) {
+    int32_t count = 0;
+    for (int32_t lane = 0; lane < kFoldFanIn; ++lane) {
+      const int64_t probe = lo + static_cast<int64_t>(lane) * step;
+      count += probe <= hi && view.cost_begin[probe] <= cost;
+    }
+    return count;
+  });
+}
+
+// One warp's part of one tensor, as walk_share() hands it out.
+struct Part {
+  int32_t warp;
+  int32_t tensor;
+  ChunkRange chunks;
+};
+
+// Every warp's walk, in warp order, with the kernel's searches.
+std::vector<Part> walk_all(const ListView& view, const Shares& shares) {
+  std::vector<Part> parts;
+  for (int32_t w = 0; w < shares.warps; ++w) {
+    const int64_t begin = shares.begin(w);
+    const int32_t first = view.find_tensor(begin);
+    CHECK(find_tensor_32_probes(view, begin) == first, "warp %d: the 32-probe search and the binary search differ", w);
+    CHECK(shares.owner(begin) == w && shares.owner(shares.begin(w + 1) - 1) == w, "warp %d: owner() disagrees with begin()", w);
+    walk_share(view, shares, w, first, [&](int32_t t, ChunkRange c) { parts.push_back(Part{w, t, c}); });
+  }
+  return parts;
+}
+
+void check_blob(const std::vector<TensorArg>& list, const ListPlan& plan) {
   const ListView view = plan.view();
   CHECK(view.num_tensors == static_cast<int32_t>(list.size()), "num_tensors");
   CHECK(plan.bytes() == blob_bytes(view.num_tensors) && plan.bytes() % 16 == 0, "blob size");
-  int64_t expected_chunks = 0;
-  for (const TensorArg& t : list) expected_chunks += num_chunks(t.numel, t.dtype);
-  CHECK(view.num_chunks() == expected_chunks && plan.num_chunks() == expected_chunks, "chunk count");
-  std::vector<int64_t> covered(list.size(), 0);  // elements covered so far, in order
-  std::vector<int32_t> visits(list.size(), 0);
-  for (int32_t c = 0; c < view.num_chunks(); ++c) {
-    const ChunkSpan s = view.span(c);
-    // The kernel's 32-probe search for device-memory tables, its warp emulated lane by lane.
-    const int32_t wide = view.find_tensor_wide([&](int32_t lo, int32_t step, int32_t hi) {
-      int32_t count = 0;
-      for (int32_t lane = 0; lane < kFoldFanIn; ++lane) {
-        const int64_t probe = lo + static_cast<int64_t>(lane) * step;
-        count += probe <= hi && view.chunk_begin[probe] <= c;
-      }
-      return count;
-    });
-    CHECK(wide == s.tensor, "chunk %d: 32-way search found tensor %d, binary search %d", c, wide, s.tensor);
-    const TensorArg& t = list[s.tensor];
-    CHECK(view.data[s.tensor] == t.data && view.numel[s.tensor] == t.numel && view.dtype_of(s.tensor) == t.dtype,
-          "blob round trip for tensor %d", s.tensor);
-    CHECK(s.begin == covered[s.tensor], "chunk %d of tensor %d starts at %lld, not %lld", c, s.tensor,
-          static_cast<long long>(s.begin), static_cast<long long>(covered[s.tensor]));
-    CHECK(s.end >= s.begin && s.end - s.begin <= chunk_elements(t.dtype) && s.end <= t.numel, "chunk %d bounds", c);
-    CHECK(t.numel == 0 || s.end > s.begin, "chunk %d of a non-empty tensor is empty", c);
-    covered[s.tensor] = s.end;
-    ++visits[s.tensor];
+  int64_t chunks = 0, cost = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const TensorArg& t = list[i];
+    CHECK(view.data[i] == t.data && view.numel[i] == t.numel && view.dtype_of(static_cast<int32_t>(i)) == t.dtype,
+          "blob round trip for tensor %zu", i);
+    CHECK(view.cost_begin[i] == cost, "tensor %zu: cost_begin %lld, want %lld", i, (long long)view.cost_begin[i], (long long)cost);
+    chunks += num_chunks(t.numel, t.dtype);
+    cost += tensor_cost(t.numel, t.dtype);
+    CHECK(view.cost_begin[i + 1] > view.cost_begin[i], "tensor %zu costs nothing", i);
+  }
+  CHECK(plan.num_chunks() == chunks && plan.total_cost() == cost && view.total_cost() == cost, "chunk or cost totals");
+}
+
+// Shares of `warps` warps: every chunk scanned exactly once by the warp whose share holds its start,
+// in list order across warps; every element once; each tensor met by exactly the warps finish_share()
+// expects, each once; the slots t + w distinct and inside the workspace.
+void check_shares(const std::vector<TensorArg>& list, int64_t warps) {
+  const ListPlan plan = plan_of(list);
+  const ListView view = plan.view();
+  const Shares shares = Shares::of(plan.total_cost(), warps);
+  CHECK(shares.warps >= 1 && shares.warps <= warps && shares.warps <= plan.total_cost(), "active warps %d", shares.warps);
+  CHECK(shares.begin(0) == 0 && shares.begin(shares.warps) == plan.total_cost(), "shares do not tile the cost");
+  const std::vector<Part> parts = walk_all(view, shares);
+  std::vector<int64_t> next_chunk(list.size(), 0), next_element(list.size(), 0);
+  std::vector<std::vector<int32_t>> met_by(list.size());
+  std::set<int64_t> slots;
+  int32_t last_tensor = 0;
+  for (const Part& part : parts) {
+    const int32_t t = part.tensor;
+    CHECK(t >= last_tensor, "warp %d goes back to tensor %d", part.warp, t);
+    last_tensor = t;
+    CHECK(part.chunks.begin == next_chunk[t], "tensor %d: warp %d starts at chunk %lld, not %lld", t, part.warp,
+          (long long)part.chunks.begin, (long long)next_chunk[t]);
+    CHECK(part.chunks.end >= part.chunks.begin && part.chunks.end <= view.chunks_of(t), "tensor %d: chunk range", t);
+    for (int64_t j = part.chunks.begin; j < part.chunks.end; ++j) {
+      const int64_t start = view.cost_begin[t] + j * kFullChunkCost;
+      CHECK(shares.begin(part.warp) <= start && start < shares.begin(part.warp + 1), "chunk %lld of tensor %d outside warp %d's share",
+            (long long)j, t, part.warp);
+    }
+    next_chunk[t] = part.chunks.end;
+    const ElementRange e = view.elements_of(t, part.chunks);
+    CHECK(e.begin == next_element[t] && e.end >= e.begin, "tensor %d: warp %d's elements start at %lld, not %lld", t,
+          part.warp, (long long)e.begin, (long long)next_element[t]);
+    next_element[t] = e.end;
+    met_by[t].push_back(part.warp);
+    CHECK(slots.insert(static_cast<int64_t>(t) + part.warp).second, "slot %lld used twice", (long long)t + part.warp);
+    CHECK(static_cast<int64_t>(t) + part.warp < shares.fold_slots(view.num_tensors), "slot past the workspace");
   }
   for (size_t i = 0; i < list.size(); ++i) {
-    CHECK(covered[i] == list[i].numel, "tensor %zu covered %lld of %lld", i, static_cast<long long>(covered[i]),
-          static_cast<long long>(list[i].numel));
-    CHECK(visits[i] >= 1, "tensor %zu never visited", i);
+    const auto t = static_cast<int32_t>(i);
+    CHECK(next_chunk[i] == view.chunks_of(t), "tensor %zu: %lld of %lld chunks scanned", i, (long long)next_chunk[i],
+          (long long)view.chunks_of(t));
+    CHECK(next_element[i] == list[i].numel, "tensor %zu: %lld of %lld elements", i, (long long)next_element[i], (long long)list[i].numel);
+    const int32_t first = shares.owner(view.cost_begin[t]), last = shares.owner(view.cost_begin[t + 1] - 1);
+    CHECK(static_cast<int32_t>(met_by[i].size()) == last - first + 1, "tensor %zu: met by %zu warps, expected %d", i,
+          met_by[i].size(), last - first + 1);
+    for (size_t k = 0; k < met_by[i].size(); ++k) {
+      CHECK(met_by[i][k] == first + static_cast<int32_t>(k), "tensor %zu: part %zu from warp %d", i, k, met_by[i][k]);
+    }
   }
 }
 
@@ -91,30 +157,30 @@ struct SequentialSync {
   std::map<int32_t, TensorStats> results;
   int32_t result_writes = 0;
 
-  explicit SequentialSync(int32_t chunks) : partials(chunks), written(chunks, false), counters(chunks + 1, 0) {}
+  explicit SequentialSync(int64_t slots) : partials(slots), written(slots, false), counters(slots + 1, 0) {}
 
   void write_result(int32_t t, const TensorStats& s) {
     ++result_writes;
     CHECK(results.count(t) == 0, "tensor %d written twice", t);
     results[t] = s;
   }
-  bool arrive_last(int32_t slot, const TensorStats& s, int32_t counter, int32_t expected) {
-    CHECK(slot >= 0 && slot < static_cast<int32_t>(partials.size()), "slot %d out of range", slot);
-    CHECK(counter >= 0 && counter < static_cast<int32_t>(counters.size()), "counter %d out of range", counter);
+  bool arrive_last(int64_t slot, const TensorStats& s, int64_t counter, int32_t expected) {
+    CHECK(slot >= 0 && slot < static_cast<int64_t>(partials.size()), "slot %lld out of range", (long long)slot);
+    CHECK(counter >= 0 && counter < static_cast<int64_t>(partials.size()), "counter %lld out of range", (long long)counter);
     partials[slot] = s;
     written[slot] = true;
     const uint32_t before = counters[counter]++;
-    CHECK(before < static_cast<uint32_t>(expected), "counter %d passed %d arrivals", counter, expected);
+    CHECK(before < static_cast<uint32_t>(expected), "counter %lld passed %d arrivals", (long long)counter, expected);
     return before == static_cast<uint32_t>(expected - 1);
   }
   // The kernel's order: lane k combines items k, k + 32, ..., then a butterfly; emulated exactly.
-  TensorStats fold(int32_t first, int32_t count, int32_t stride) {
+  TensorStats fold(int64_t first, int32_t count, int32_t stride) {
     TensorStats lanes[kFoldFanIn];
     for (int lane = 0; lane < kFoldFanIn; ++lane) {
       lanes[lane] = nanscan::empty_stats();
       for (int32_t k = lane; k < count; k += kFoldFanIn) {
-        const int32_t slot = first + k * stride;
-        CHECK(written[slot], "fold reads slot %d before it was written", slot);
+        const int64_t slot = first + static_cast<int64_t>(k) * stride;
+        CHECK(written[slot], "fold reads slot %lld before it was written", (long long)slot);
         lanes[lane] = nanscan::combine(lanes[lane], partials[slot]);
       }
     }
@@ -127,37 +193,39 @@ struct SequentialSync {
   }
 };
 
-// A chunk's stand-in statistics: distinct, with a fractional sum so that a different combine order
+// A part's stand-in statistics: its chunk count as nan_count, its chunk range as min/max (empty parts
+// leave them alone, as an empty scan does), and a fractional sum so that a different combine order
 // would change the bits.
-TensorStats chunk_stats(int32_t c) {
+TensorStats part_stats(const Part& p) {
   TensorStats s = nanscan::empty_stats();
-  s.nan_count = 1;
-  s.inf_count = c;
-  s.min = c;
-  s.max = c;
-  s.sumsq = 1.0 / (3.0 + c);
+  s.nan_count = p.chunks.end - p.chunks.begin;
+  if (s.nan_count > 0) {
+    s.min = static_cast<double>(p.chunks.begin);
+    s.max = static_cast<double>(p.chunks.end - 1);
+  }
+  s.sumsq = 1.0 / (3.0 + p.warp);
   return s;
 }
 
-void check_fold_tree(const std::vector<TensorArg>& list, std::mt19937_64& rng) {
-  ListPlan plan;
-  CHECK(plan.build(list.data(), static_cast<int64_t>(list.size())), "build failed");
+void check_fold_tree(const std::vector<TensorArg>& list, int64_t warps, std::mt19937_64& rng) {
+  const ListPlan plan = plan_of(list);
   const ListView view = plan.view();
-  std::vector<int32_t> order(view.num_chunks());
-  for (int32_t c = 0; c < view.num_chunks(); ++c) order[c] = c;
+  const Shares shares = Shares::of(plan.total_cost(), warps);
+  std::vector<Part> parts = walk_all(view, shares);
   std::map<int32_t, TensorStats> first_results;
   for (int round = 0; round < 3; ++round) {
-    std::shuffle(order.begin(), order.end(), rng);
-    SequentialSync sync(view.num_chunks());
-    for (int32_t c : order) finish_chunk(view, view.find_tensor(c), c, chunk_stats(c), sync);
+    std::shuffle(parts.begin(), parts.end(), rng);
+    SequentialSync sync(shares.fold_slots(view.num_tensors));
+    for (const Part& p : parts) finish_share(view, shares, p.tensor, p.warp, part_stats(p), sync);
     CHECK(sync.result_writes == view.num_tensors, "%d results for %d tensors", sync.result_writes, view.num_tensors);
     for (int32_t t = 0; t < view.num_tensors; ++t) {
       const TensorStats& got = sync.results[t];
-      const int32_t n = view.chunks_of(t), b = view.chunk_begin[t];
-      CHECK(got.nan_count == n, "tensor %d folded %lld of its %d chunks", t, static_cast<long long>(got.nan_count), n);
-      CHECK(got.min == b && got.max == b + n - 1, "tensor %d min/max %g %g", t, got.min, got.max);
+      const int64_t n = view.chunks_of(t);
+      CHECK(got.nan_count == n, "tensor %d folded %lld of its %lld chunks", t, (long long)got.nan_count, (long long)n);
+      CHECK(got.min == 0 && got.max == static_cast<double>(n - 1), "tensor %d min/max %g %g", t, got.min, got.max);
+      const int32_t first = shares.owner(view.cost_begin[t]), last = shares.owner(view.cost_begin[t + 1] - 1);
       double sum = 0;
-      for (int32_t c = b; c < b + n; ++c) sum += 1.0 / (3.0 + c);
+      for (int32_t w = first; w <= last; ++w) sum += 1.0 / (3.0 + w);
       CHECK(std::abs(got.sumsq - sum) <= 1e-12 * sum, "tensor %d sum %.17g, want %.17g", t, got.sumsq, sum);
       if (round == 0) {
         first_results[t] = got;
@@ -172,31 +240,43 @@ void check_fold_tree(const std::vector<TensorArg>& list, std::mt19937_64& rng) {
 
 int main() {
   std::mt19937_64 rng(20261122);
-  for (int trial = 0; trial < 200; ++trial) {
+  const int64_t warp_counts[] = {1, 2, 7, 64, 1000, 4224};
+  for (int trial = 0; trial < 120; ++trial) {
     const auto list = random_list(rng, 1 + static_cast<int>(rng() % 300), trial % 10 == 0 ? 3000 : 40);
-    check_spans(list);
-    check_fold_tree(list, rng);
+    check_blob(list, plan_of(list));
+    const int64_t warps = warp_counts[trial % 6];
+    check_shares(list, warps);
+    check_fold_tree(list, warps, rng);
   }
-  // Tensors of exactly 1, 32, 33, 1024 and 1025 chunks: the edges of the tree's two levels.
-  for (int64_t chunks : {1, 2, 31, 32, 33, 64, 65, 1024, 1025, 5000}) {
-    const std::vector<TensorArg> list{{nullptr, 0, DType::Float32},
-                                      {nullptr, chunks * chunk_elements(DType::Float32), DType::Float32},
-                                      {nullptr, 7, DType::BFloat16}};
-    check_spans(list);
-    check_fold_tree(list, rng);
+  // A tensor met by exactly n warps (n shares of one tensor's cost): the edges of the tree's two levels.
+  for (int32_t n : {1, 2, 31, 32, 33, 64, 65, 1024, 1025, 4224}) {
+    const std::vector<TensorArg> one{{nullptr, 5000 * chunk_elements(DType::Float32), DType::Float32}};
+    check_shares(one, n);
+    check_fold_tree(one, n, rng);
+    CHECK(Shares::of(plan_of(one).total_cost(), n).owner(plan_of(one).total_cost() - 1) == n - 1, "%d warps", n);
   }
+  // More warps than the list has cost: the spare warps get no share.
+  const std::vector<TensorArg> tiny{{nullptr, 0, DType::Float32}, {nullptr, 1, DType::BFloat16}};
+  CHECK(Shares::of(plan_of(tiny).total_cost(), 4224).warps == plan_of(tiny).total_cost(), "spare warps");
+  check_shares(tiny, 4224);
+  check_fold_tree(tiny, 4224, rng);
   // 10,000 tensors (three rounds of the 32-probe search), empty ones among them.
-  std::vector<TensorArg> many = random_list(rng, 10'000, 2);
-  check_spans(many);
-  check_fold_tree(many, rng);
-  // A tensor over 2^31 elements: spans are 64-bit.
+  const std::vector<TensorArg> many = random_list(rng, 10'000, 2);
+  check_shares(many, 4224);
+  check_fold_tree(many, 4224, rng);
+  // A tensor over 2^31 elements: element ranges are 64-bit.
   const std::vector<TensorArg> huge{{nullptr, (int64_t{1} << 31) + 1000, DType::Float8E4M3FN}};
-  check_spans(huge);
-  // The limit on chunks is reported, not overflowed.
+  check_shares(huge, 4224);
+  // The limit on chunks is reported, not overflowed; the largest accepted list keeps cost * warps in 64 bits.
   ListPlan plan;
   const std::vector<TensorArg> too_many{{nullptr, int64_t{1} << 62, DType::Float32}};
   CHECK(!plan.build(too_many.data(), 1), "a list of 2^47 chunks was accepted");
   CHECK(!plan.build(too_many.data(), 0), "an empty list was accepted");
+  const std::vector<TensorArg> largest{{nullptr, kMaxChunks * chunk_elements(DType::Float8E5M2), DType::Float8E5M2}};
+  CHECK(plan.build(largest.data(), 1), "the largest list was refused");
+  const Shares wide = Shares::of(plan.total_cost(), int64_t{1} << 24);
+  CHECK(wide.begin(wide.warps) == plan.total_cost() && wide.owner(plan.total_cost() - 1) == wide.warps - 1,
+        "cost * warps overflowed");
   if (nanscan_test::failures == 0) std::printf("list_plan: all checks passed\n");
   return nanscan_test::failures == 0 ? 0 : 1;
 }

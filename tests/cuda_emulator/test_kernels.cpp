@@ -1,7 +1,7 @@
 // Runs the CUDA kernels of csrc/cuda/scan_cuda.cu on CPU threads (see include/cuda_runtime.h) and
 // checks every result against the exact rule applied element by element in fp64. CI has no GPU; this
-// executes the kernels' own code: chunk dealing, 16-byte vector loads and tails, the fast rule with
-// its exact re-read, warp reductions, the fold tree, the last-block totals, the three list
+// executes the kernels' own code: the warps' shares, 16-byte vector loads and tails, the fast rule
+// with its exact re-read, warp reductions, the fold tree, the last-block totals, the three list
 // placements (small and large parameter blobs, a device blob written by the upload kernel), the
 // fp16-range counts, the fused unscale and the clip multiply. Built and run by
 // tests/test_cuda_emulated.py.
@@ -196,6 +196,17 @@ std::vector<HostTensor> random_list(std::mt19937_64& rng, int n, int64_t max_num
   return list;
 }
 
+// How many warps' shares meet tensor t, for a grid of num_sms blocks (one per multiprocessor while
+// the emulator answers 1 to the occupancy query) when the list has chunks for that many blocks of 8
+// warps.
+int32_t warps_meeting(const std::vector<HostTensor>& tensors, int32_t t, int num_sms) {
+  const LaunchableList list(tensors);
+  CHECK((list.plan.num_chunks() + 7) / 8 >= num_sms, "too few chunks for the grid: it would be smaller");
+  const Shares shares = Shares::of(list.plan.total_cost(), 8 * num_sms);
+  const ListView view = list.plan.view();
+  return shares.owner(view.cost_begin[t + 1] - 1) - shares.owner(view.cost_begin[t]) + 1;
+}
+
 void check_scan(const char* what, const std::vector<HostTensor>& list, int num_sms) {
   const ScanOutput first = run_scan(list, ScanKind::Plain, num_sms);
   expect_matches(what, list, first, false);
@@ -281,7 +292,7 @@ void check_scale(std::mt19937_64& rng, int num_sms, int count) {
 int main() {
   std::mt19937_64 rng(1122);
   // First, while no kernel's occupancy is cached yet: a grid of 400 blocks over a device-memory list
-  // (the last block then folds more than one block total per thread, as on an H100's 528).
+  // (the last block then folds more than one block total per thread, as on an H100: 396 at 3 per SM).
   cuda_emulator::blocks_per_sm = 200;
   const std::vector<HostTensor> wide = random_list(rng, 3300, 1000, false);
   expect_matches("400-block grid", wide, run_scan(wide, ScanKind::Plain, 2), false);
@@ -291,16 +302,20 @@ int main() {
   check_scan("small list, 5 SMs", random_list(rng, 200, 5000, true), 5);
   // Parameter blob, large capacity.
   check_scan("large list", random_list(rng, 700, 3000, true), 3);
-  // Device blob (over 1500 tensors), written by the upload kernel.
+  // Device blob (over 1300 tensors), written by the upload kernel.
   check_scan("device list", random_list(rng, 1700, 400, true), 4);
-  // Fold tree: one group (<= 32 chunks), two levels (33+ chunks), and over 32 groups (1025+ chunks).
-  for (int64_t chunks : {2, 32, 33, 70, 1100}) {
+  // Fold tree: a tensor met by a few warps (one group), by over 32 (two levels), and by over 1024 (over
+  // 32 groups): a grid of one block per "multiprocessor", about a chunk per warp.
+  for (int64_t chunks : {3, 40, 1100}) {
     std::vector<HostTensor> list;
     list.push_back(make_tensor(rng, DType::Float8E4M3FN, 0, 0));
     list.push_back(make_tensor(rng, DType::Float8E4M3FN, chunks * 32768 - 5, 0));
     plant(list.back(), (chunks - 1) * 32768 + 3, true);
     list.push_back(make_tensor(rng, DType::Float32, 2 * 8192 + 1, 0));
-    check_scan(chunks == 1100 ? "fold tree, 35 groups" : "fold tree", list, 3);
+    const int num_sms = static_cast<int>(chunks / 8 + 1);
+    const int32_t met_by = warps_meeting(list, 1, num_sms);
+    CHECK(met_by >= (chunks > 1024 ? 1025 : chunks > 32 ? 33 : 2), "the fold-tree case meets only %d warps", met_by);
+    check_scan("fold tree", list, num_sms);
   }
   check_unscale(rng, 3);
   check_scale(rng, 3, 50);
