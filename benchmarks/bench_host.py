@@ -41,17 +41,21 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn(1)
     grads = [p.grad for p in params]
+    model = torch.nn.ParameterList(params)  # the same parameters as a module: names from named_parameters()
     rows = [
         ("torch.ops.nanscan.scan", lambda: torch.ops.nanscan.scan.default(grads)),
         ("nanscan.scan", lambda: nanscan.scan(grads)),
         ("torch._foreach_norm + stack + norm", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))),
         ("nanscan.clip_grad_norm_", lambda: nanscan.clip_grad_norm_(params, 1e30)),
         ("torch clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1e30)),
-        ("nanscan.check(max_norm)", lambda: nanscan.check(params, max_norm=1e30)),
+        ("nanscan.check(params, max_norm)", lambda: nanscan.check(params, max_norm=1e30)),
+        ("nanscan.check(model, max_norm)", lambda: nanscan.check(model, max_norm=1e30)),
+        ("torch clip_grad_norm_(model.parameters())", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e30)),
+        ("model.named_parameters() alone", lambda: list(model.named_parameters())),
     ]
     print(f"host ns per tensor, {args.tensors} one-element CPU tensors, torch {torch.__version__}, 1 thread")
     for name, call in rows:
-        print(f"{name:<36}{best_ns_per_tensor(call, args.tensors, args.repeats):>8.0f}")
+        print(f"{name:<44}{best_ns_per_tensor(call, args.tensors, args.repeats):>8.0f}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,7 +152,7 @@ class Advisor:
     def __init__(self, underflow_threshold: float = 1e-3, module_share_threshold: float = 0.25) -> None:
         self.underflow_threshold = underflow_threshold
         self.module_share_threshold = module_share_threshold
-        self.names: list[str] | None = None
+        self.names: Sequence[str] | None = None
         self.numels: list[int] = []
         self.steps = 0
         self._overflow: torch.Tensor | None = None
@@ -223,7 +224,7 @@ class Advisor:
         return Advice("keep", reasons)
 
 
-def module_shares(names: list[str], numels: list[int], counts: list[int]) -> list[str]:
+def module_shares(names: Sequence[str], numels: list[int], counts: list[int]) -> list[str]:
     """Module names (parameter name minus its last component) that have a non-zero count, in order."""
     modules: list[str] = []
     for name, count in zip(names, counts):

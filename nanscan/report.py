@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, overload
 
 import torch
 
@@ -26,7 +26,7 @@ class Report:
 
     def __init__(
         self,
-        names: list[str],
+        names: Sequence[str],
         stats: ScanResult,
         total_norm: torch.Tensor,
         norm_type: float,
@@ -144,23 +144,73 @@ def _norm_name(norm_type: float) -> str:
     return "L2" if norm_type == 2.0 else f"L{norm_type:g}"
 
 
-def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
+class PositionalNames(Sequence[str]):
+    """The names ``"[i]"`` of the entries at ``positions`` of a parameter list, as a read-only sequence.
+
+    ``check(params)`` runs every step and its names are read only when a report is shown, so they are
+    formed on reading (this saves ~100 ns per parameter per step). Equal to any sequence of the same
+    strings, lists included.
+    """
+
+    __slots__ = ("_positions",)
+
+    def __init__(self, positions: Sequence[int]) -> None:
+        self._positions = positions
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [f"[{i}]" for i in self._positions[index]]
+        return f"[{self._positions[index]}]"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PositionalNames):
+            return list(self._positions) == list(other._positions)
+        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[Sequence[str], list[torch.Tensor]]:
     """(names, gradients) of the parameters that have a gradient.
 
     Accepts an ``nn.Module`` (names from ``named_parameters()``), an iterable of parameters (named
     by position, ``"[3]"``) or an iterable of ``(name, parameter)`` pairs.
     """
     if isinstance(model_or_params, torch.nn.Module):
-        pairs: Iterable[Any] = model_or_params.named_parameters()
-    elif isinstance(model_or_params, torch.Tensor):
-        pairs = [("[0]", model_or_params)]
+        # Parameters are tensors, so no entry needs naming in an error: comprehensions, not a loop.
+        named = list(model_or_params.named_parameters())
+        grads = [g for _, p in named if (g := p.grad) is not None]
+        if len(grads) == len(named):
+            return [name for name, _ in named], grads
+        return [name for name, p in named if p.grad is not None], grads
+    if isinstance(model_or_params, torch.Tensor):
+        pairs: Iterable[Any] = [("[0]", model_or_params)]
     else:
+        items = model_or_params if isinstance(model_or_params, (list, tuple)) else list(model_or_params)
+        try:
+            # The common case, a list of parameters: one comprehension, names left to PositionalNames.
+            grads = [g for p in items if (g := p.grad) is not None]
+        except AttributeError:
+            pass  # (name, parameter) pairs, or an entry that is no tensor: named one by one below
+        else:
+            if len(grads) == len(items):
+                return PositionalNames(range(len(items))), grads
+            return PositionalNames([i for i, p in enumerate(items) if p.grad is not None]), grads
         pairs = (
-            item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item)
-            for i, item in enumerate(model_or_params)
+            item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item) for i, item in enumerate(items)
         )
     names: list[str] = []
-    grads: list[torch.Tensor] = []
+    grads = []
     for name, p in pairs:
         try:
             grad = p.grad  # one attribute read: cheaper than an isinstance test against torch.Tensor

@@ -92,6 +92,22 @@ def test_accepts_params_pairs_and_skips_missing_grads() -> None:
     assert single.names == ["[0]"]
 
 
+def test_positional_names_read_like_a_list_of_strings() -> None:
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(4)]
+    for i in (0, 1, 3):
+        params[i].grad = torch.full((2,), float(i))
+    params[3].grad[1] = math.nan
+    report = nanscan.check(params)
+    names = report.names
+    assert names == ["[0]", "[1]", "[3]"] and ["[0]", "[1]", "[3]"] == names and names != ["[0]"]
+    assert len(names) == 3 and names[-1] == "[3]" and names[1:] == ["[1]", "[3]"] and list(names) == ["[0]", "[1]", "[3]"]
+    assert "[3]" in names and names.index("[3]") == 2 and names != "[0][1][3]"
+    assert report.nonfinite == ["[3]"] and "[3]" in report.table()
+    assert nanscan.check(iter(params)).names == names  # a one-shot iterator: read once
+    mixed = nanscan.check([params[0], ("head", params[3])])  # pairs and parameters together
+    assert mixed.names == ["[0]", "head"]
+
+
 def test_model_without_gradients() -> None:
     model = torch.nn.Linear(3, 3)
     report = nanscan.check(model, max_norm=1.0)
