@@ -143,12 +143,12 @@ struct ListView {
 };
 
 // The list's cost cut into `warps` contiguous shares, the k-th [begin(k), begin(k + 1)): each warp
-// scans the chunks that start in its share. Balanced by cost, so a share is one run of memory per
-// tensor however the list mixes tiny and large tensors; contiguous, so a tensor's partial results are
-// one per warp whose share meets the tensor's cost range (not one per chunk), and the partial of the
-// pair (tensor t, warp w) can live in slot t + w: two partitions of one interval meet in at most
-// N + W - 1 pieces, and t + w is one-to-one on those that meet. That keeps the workspace O(tensors +
-// grid). A warp whose share lies inside one chunk scans nothing of it and still leaves an (empty)
+// scans the chunks that start in its share. Balanced by cost, so warps get about equal work however
+// the list mixes tiny and large tensors; contiguous, so a share reads one run of memory per tensor,
+// a tensor's partial results are one per warp whose share meets its cost range (not one per chunk),
+// and the partial of the pair (tensor t, warp w) can live in slot t + w: two partitions of one
+// interval meet in at most N + W - 1 pieces, and t + w is one-to-one on those that meet. That keeps
+// the workspace O(tensors + grid). A warp whose share lies inside one chunk scans nothing of it and still leaves an (empty)
 // partial, so the warps that meet a tensor are exactly owner(first cost) .. owner(last cost).
 struct Shares {
   int64_t total_cost;
