@@ -148,8 +148,9 @@ struct ListView {
 // a tensor's partial results are one per warp whose share meets its cost range (not one per chunk),
 // and the partial of the pair (tensor t, warp w) can live in slot t + w: two partitions of one
 // interval meet in at most N + W - 1 pieces, and t + w is one-to-one on those that meet. That keeps
-// the workspace O(tensors + grid). A warp whose share lies inside one chunk scans nothing of it and still leaves an (empty)
-// partial, so the warps that meet a tensor are exactly owner(first cost) .. owner(last cost).
+// the workspace O(tensors + grid). A warp whose share lies inside one chunk scans nothing of it and
+// still leaves an (empty) partial, so the warps that meet a tensor are exactly owner(first cost) ..
+// owner(last cost).
 struct Shares {
   int64_t total_cost;
   int32_t warps;  // at most total_cost, so that no share is empty
