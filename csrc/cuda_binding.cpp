@@ -183,8 +183,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multip
   const int num_sms = sm_count();
   at::Tensor workspace =
       at::empty({static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms))}, device.dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n), workspace.data_ptr(), num_sms,
-                            c10::cuda::getCurrentCUDAStream(), multiply_by));
+  C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n), workspace.data_ptr(),
+                            static_cast<size_t>(workspace.numel()), num_sms, c10::cuda::getCurrentCUDAStream(),
+                            multiply_by));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
 

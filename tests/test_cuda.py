@@ -98,8 +98,9 @@ def test_long_list_clip_and_unscale() -> None:
 @pytest.mark.parametrize("chunks", [1, 2, 32, 33, 1024, 1025, 1057])
 def test_fold_tree_edges(chunks: int) -> None:
     """A tensor of `chunks` 32 KiB chunks, with values at its first and last chunk. The grid has
-    about a warp per chunk of this list, so the tensor is met by about `chunks` warps' shares: the
-    cases cover both levels of the fold (groups of 32 partials, then the groups)."""
+    about a warp per chunk of this list, so the tensor is met by about `chunks` warps: one (a direct
+    write) up to over 1,024 (both levels of the fold: groups of 32 partials, then the groups) where
+    the GPU holds over ~265 blocks at once (an H100: 396)."""
     per_chunk = 32 * 1024 // 4
     t = random_tensor(chunks * per_chunk, torch.float32, "cuda")
     t[0] = -1e30  # its square overflows fp32: that chunk takes the exact path

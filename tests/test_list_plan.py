@@ -1,8 +1,9 @@
 """The CUDA backend's list arithmetic, checked on the CPU.
 
-csrc/cuda/list_plan.h holds the chunk spans and the fold tree that the CUDA kernel runs; it compiles
-with a plain C++ compiler, so tests/cpp/test_list_plan.cpp drives it here, with no GPU, through the
-same finish_chunk() the kernel calls (see that file for what it checks)."""
+csrc/cuda/list_plan.h holds the metadata blob, the warps' shares of a list and the fold tree that the
+CUDA kernel runs; it compiles with a plain C++ compiler, so tests/cpp/test_list_plan.cpp drives it
+here, with no GPU, through the same walk_share() and finish_share() the kernel calls (see that file
+for what it checks)."""
 
 from __future__ import annotations
 

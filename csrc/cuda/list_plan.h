@@ -92,6 +92,8 @@ struct ListView {
   NANSCAN_HD DType dtype_of(int32_t t) const { return static_cast<DType>(dtype[t]); }
   NANSCAN_HD int64_t total_cost() const { return cost_begin[num_tensors]; }
   NANSCAN_HD int64_t chunks_of(int32_t t) const { return cuda::num_chunks(numel[t], dtype_of(t)); }
+  // Where tensor t's last chunk starts on the cost axis (its first chunk starts at cost_begin[t]).
+  NANSCAN_HD int64_t last_chunk_start(int32_t t) const { return cost_begin[t] + (chunks_of(t) - 1) * kFullChunkCost; }
 
   // The tensor whose cost range holds `cost` (0 <= cost < total_cost()): the last t with
   // cost_begin[t] <= cost.
@@ -142,33 +144,50 @@ struct ListView {
   }
 };
 
+// A range of warps, both ends included.
+struct WarpRange {
+  int32_t first;
+  int32_t last;
+};
+
 // The list's cost cut into `warps` contiguous shares, the k-th [begin(k), begin(k + 1)): each warp
 // scans the chunks that start in its share. Balanced by cost, so warps get about equal work however
-// the list mixes tiny and large tensors; contiguous, so a share reads one run of memory per tensor,
-// a tensor's partial results are one per warp whose share meets its cost range (not one per chunk),
-// and the partial of the pair (tensor t, warp w) can live in slot t + w: two partitions of one
-// interval meet in at most N + W - 1 pieces, and t + w is one-to-one on those that meet. That keeps
-// the workspace O(tensors + grid). A warp whose share lies inside one chunk scans nothing of it and
-// still leaves an (empty) partial, so the warps that meet a tensor are exactly owner(first cost) ..
-// owner(last cost).
+// the list mixes tiny and large tensors; contiguous, so a share reads one run of memory per tensor.
+// A warp "meets" tensor t when its share meets [cost_begin[t], last_chunk_start(t)], the span of t's
+// chunk starts: a tensor with one chunk is met by one warp, which writes its result directly. A
+// tensor's partial results are one per warp that meets it (not one per chunk), and the partial of the
+// pair (tensor t, warp w) can live in slot t + w: two partitions of one interval meet in at most
+// N + W - 1 pieces, and t + w is one-to-one on those that meet. That keeps the workspace O(tensors +
+// grid). A warp whose share lies inside one chunk scans nothing of it and still leaves an (empty)
+// partial, so the warps that meet a tensor are exactly meeting(t): no gaps.
 struct Shares {
   int64_t total_cost;
-  int32_t warps;  // at most total_cost, so that no share is empty
+  int32_t warps;  // at most total_cost, so that no share is empty; warps launched beyond it idle
+
+  // The bound that keeps cost * warps under 2^63 (see kMaxChunks); a grid is far smaller.
+  static constexpr int64_t kMaxWarps = int64_t{1} << 24;
 
   NANSCAN_HD static Shares of(int64_t total_cost, int64_t warps_launched) {
-    return Shares{total_cost, static_cast<int32_t>(warps_launched < total_cost ? warps_launched : total_cost)};
+    int64_t warps = warps_launched < total_cost ? warps_launched : total_cost;
+    warps = warps < kMaxWarps ? warps : kMaxWarps;
+    return Shares{total_cost, static_cast<int32_t>(warps)};
   }
   // ceil(w * total / warps); products stay under 2^63 (see kMaxChunks).
   NANSCAN_HD int64_t begin(int32_t w) const { return (static_cast<int64_t>(w) * total_cost + warps - 1) / warps; }
   // The share that holds `cost`: the last w with begin(w) <= cost, which is floor(cost * warps / total).
   NANSCAN_HD int32_t owner(int64_t cost) const { return static_cast<int32_t>(cost * warps / total_cost); }
+  // The warps that meet tensor t: from the share that holds its first chunk's start to the one that
+  // holds its last chunk's start.
+  NANSCAN_HD WarpRange meeting(const ListView& list, int32_t t) const {
+    return WarpRange{owner(list.cost_begin[t]), owner(list.last_chunk_start(t))};
+  }
   // Fold-tree slots (and arrival counters) of a scan: one per (tensor, warp) pair that can meet.
   NANSCAN_HD int64_t fold_slots(int32_t num_tensors) const { return static_cast<int64_t>(num_tensors) + warps - 1; }
 };
 
-// Calls visit(t, chunks) for each tensor t whose cost range meets warp w's share, in list order, with
-// the chunks of t that start in the share (possibly none). `first_tensor` is list.find_tensor() of
-// the share's begin, found by whichever search suits where the table lives.
+// Calls visit(t, chunks) for each tensor t that warp w meets (see Shares), in list order, with the
+// chunks of t that start in the share (possibly none). `first_tensor` is list.find_tensor() of the
+// share's begin, found by whichever search suits where the table lives.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -176,11 +195,14 @@ template <class Visit>
 NANSCAN_HD void walk_share(const ListView& list, const Shares& shares, int32_t w, int32_t first_tensor, Visit&& visit) {
   const int64_t lo = shares.begin(w), hi = shares.begin(w + 1);
   for (int32_t t = first_tensor; t < list.num_tensors && list.cost_begin[t] < hi; ++t) {
+    // Only the first tensor can start before the share; if its last chunk starts there too, the share
+    // holds nothing of it but the tail of that chunk's cost.
+    if (list.last_chunk_start(t) < lo) continue;
     visit(t, list.chunks_starting_in(t, lo, hi));
   }
 }
 
-// The fold tree of a tensor met by n >= 2 warps' shares, the first of them warp f: warp f + i leaves
+// The fold tree of a tensor met by n >= 2 warps, the first of them warp f: warp f + i leaves
 // its partial in slot b + i, where b = t + f. Partials form groups of kFoldFanIn; the last of a group
 // to arrive folds the group, in warp order, into the slot of the group's first partial (b +
 // kFoldFanIn * g, which it has just read). With more than one group, the last group to arrive folds
@@ -203,7 +225,7 @@ struct FoldTree {
 };
 
 // What warp w does with its partial s of tensor t once its share has been scanned: write t's result
-// if no other warp's share meets t; otherwise leave s in t's fold tree and fold whatever this arrival
+// if no other warp meets t; otherwise leave s in t's fold tree and fold whatever this arrival
 // completes. Written once for the kernel and for the CPU emulation in tests/cpp, which differ only
 // in `sync`:
 //   sync.write_result(t, stats)
@@ -215,14 +237,13 @@ struct FoldTree {
 #endif
 template <class Stats, class Sync>
 NANSCAN_HD void finish_share(const ListView& list, const Shares& shares, int32_t t, int32_t w, const Stats& s, Sync& sync) {
-  const int32_t first = shares.owner(list.cost_begin[t]);
-  const int32_t last = shares.owner(list.cost_begin[t + 1] - 1);
-  if (first == last) {
+  const WarpRange met = shares.meeting(list, t);
+  if (met.first == met.last) {
     sync.write_result(t, s);
     return;
   }
-  const FoldTree tree{static_cast<int64_t>(t) + first, last - first + 1};
-  const int32_t part = w - first;
+  const FoldTree tree{static_cast<int64_t>(t) + met.first, met.last - met.first + 1};
+  const int32_t part = w - met.first;
   const int32_t g = tree.group_of(part);
   if (!sync.arrive_last(tree.first_slot + part, s, tree.group_slot(g), tree.group_size(g))) return;
   const Stats group = sync.fold(tree.group_slot(g), tree.group_size(g), 1);
@@ -234,8 +255,8 @@ NANSCAN_HD void finish_share(const ListView& list, const Shares& shares, int32_t
   sync.write_result(t, sync.fold(tree.first_slot, tree.num_groups(), kFoldFanIn));
 }
 
-// Lists over this many chunks (~64 TiB) are refused: with the cost of a full chunk under 2^7 and
-// fewer than 2^24 warps, cost * warps in Shares stays under 2^63.
+// Lists over this many chunks (~64 TiB) are refused: with the cost of a full chunk under 2^7 and at
+// most Shares::kMaxWarps = 2^24 shares, cost * warps in Shares stays under 2^63.
 constexpr int64_t kMaxChunks = INT32_MAX - (int64_t{1} << 24);
 static_assert(kFullChunkCost < 128, "Shares' products assume a full chunk costs under 2^7");
 

@@ -469,17 +469,21 @@ __global__ void __launch_bounds__(kThreads) upload_kernel(const __grid_constant_
 }
 
 // Resident blocks per multiprocessor of a kernel (its register use decides), asked once per kernel
-// and device.
+// and device. The answer is cached even when the query fails (as 1), so that a scan's workspace is
+// sized and its kernel launched with the same grid.
 template <auto Kernel>
 int resident_blocks_per_sm() {
   static std::array<int, 64> cached{};  // racing writers store the same value
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
   if (device < static_cast<int>(cached.size()) && cached[device] != 0) return cached[device];
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0) != cudaSuccess || n < 1) {
-    (void)cudaGetLastError();  // not left pending for the launch's own error check; not cached either
-    return 1;
+    (void)cudaGetLastError();  // not left pending for the launch's own error check
+    n = 1;
   }
   if (device < static_cast<int>(cached.size())) cached[device] = n;
   return n;
@@ -596,12 +600,15 @@ bool blob_matches_plan(const ListPlan& plan, const void* device_blob) {
 }  // namespace
 
 cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, const ResultPointers& out,
-                 void* workspace, int num_sms, cudaStream_t stream, const float* multiply_by) {
+                 void* workspace, size_t workspace_bytes, int num_sms, cudaStream_t stream, const float* multiply_by) {
   if (plan.num_tensors() <= 0 || out.num_tensors != plan.num_tensors()) return cudaErrorInvalidValue;
   if ((kind == ScanKind::Unscale) != (multiply_by != nullptr)) return cudaErrorInvalidValue;
   if ((kind == ScanKind::HalfRange) != out.half_range) return cudaErrorInvalidValue;
   if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
   const WorkspaceLayout layout(plan, scan_grid(plan, kind, num_sms));
+  // Every slot, counter and block total is indexed by the grid: refuse rather than overrun a
+  // workspace sized for another.
+  if (layout.bytes() > workspace_bytes) return cudaErrorInvalidValue;
   const Workspace ws = layout.at(workspace);
   cudaError_t err = cudaMemsetAsync(ws.counters, 0, layout.counter_bytes, stream);
   if (err != cudaSuccess) return err;

@@ -39,7 +39,8 @@ size_t scan_workspace_bytes(const ListPlan& plan, ScanKind kind, int num_sms);
 // GradScaler's unscale does (not for float8), in the same pass, and the statistics are of the
 // products.
 cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, const ResultPointers& out,
-                 void* workspace, int num_sms, cudaStream_t stream, const float* multiply_by = nullptr);
+                 void* workspace, size_t workspace_bytes, int num_sms, cudaStream_t stream,
+                 const float* multiply_by = nullptr);
 
 // How scale() treats its coefficient, mirroring the torch op it stands in for.
 enum class CoefRounding {

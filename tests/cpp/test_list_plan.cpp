@@ -139,7 +139,13 @@ void check_shares(const std::vector<TensorArg>& list, int64_t warps) {
     CHECK(next_chunk[i] == view.chunks_of(t), "tensor %zu: %lld of %lld chunks scanned", i, (long long)next_chunk[i],
           (long long)view.chunks_of(t));
     CHECK(next_element[i] == list[i].numel, "tensor %zu: %lld of %lld elements", i, (long long)next_element[i], (long long)list[i].numel);
-    const int32_t first = shares.owner(view.cost_begin[t]), last = shares.owner(view.cost_begin[t + 1] - 1);
+    // The owners of its first and last chunk starts, and every warp between them.
+    const int32_t first = shares.owner(view.cost_begin[t]);
+    const int32_t last = shares.owner(view.cost_begin[t] + (view.chunks_of(t) - 1) * kFullChunkCost);
+    const WarpRange met = shares.meeting(view, t);
+    CHECK(met.first == first && met.last == last, "tensor %zu: meeting() gives warps %d..%d, not %d..%d", i, met.first,
+          met.last, first, last);
+    CHECK(view.chunks_of(t) > 1 || first == last, "tensor %zu of one chunk is met by %d warps", i, last - first + 1);
     CHECK(static_cast<int32_t>(met_by[i].size()) == last - first + 1, "tensor %zu: met by %zu warps, expected %d", i,
           met_by[i].size(), last - first + 1);
     for (size_t k = 0; k < met_by[i].size(); ++k) {
@@ -223,9 +229,9 @@ void check_fold_tree(const std::vector<TensorArg>& list, int64_t warps, std::mt1
       const int64_t n = view.chunks_of(t);
       CHECK(got.nan_count == n, "tensor %d folded %lld of its %lld chunks", t, (long long)got.nan_count, (long long)n);
       CHECK(got.min == 0 && got.max == static_cast<double>(n - 1), "tensor %d min/max %g %g", t, got.min, got.max);
-      const int32_t first = shares.owner(view.cost_begin[t]), last = shares.owner(view.cost_begin[t + 1] - 1);
+      const WarpRange met = shares.meeting(view, t);
       double sum = 0;
-      for (int32_t w = first; w <= last; ++w) sum += 1.0 / (3.0 + w);
+      for (int32_t w = met.first; w <= met.last; ++w) sum += 1.0 / (3.0 + w);
       CHECK(std::abs(got.sumsq - sum) <= 1e-12 * sum, "tensor %d sum %.17g, want %.17g", t, got.sumsq, sum);
       if (round == 0) {
         first_results[t] = got;
@@ -253,7 +259,8 @@ int main() {
     const std::vector<TensorArg> one{{nullptr, 5000 * chunk_elements(DType::Float32), DType::Float32}};
     check_shares(one, n);
     check_fold_tree(one, n, rng);
-    CHECK(Shares::of(plan_of(one).total_cost(), n).owner(plan_of(one).total_cost() - 1) == n - 1, "%d warps", n);
+    const WarpRange met = Shares::of(plan_of(one).total_cost(), n).meeting(plan_of(one).view(), 0);
+    CHECK(met.first == 0 && met.last == n - 1, "met by warps %d..%d, not 0..%d", met.first, met.last, n - 1);
   }
   // More warps than the list has cost: the spare warps get no share.
   const std::vector<TensorArg> tiny{{nullptr, 0, DType::Float32}, {nullptr, 1, DType::BFloat16}};
@@ -274,7 +281,8 @@ int main() {
   CHECK(!plan.build(too_many.data(), 0), "an empty list was accepted");
   const std::vector<TensorArg> largest{{nullptr, kMaxChunks * chunk_elements(DType::Float8E5M2), DType::Float8E5M2}};
   CHECK(plan.build(largest.data(), 1), "the largest list was refused");
-  const Shares wide = Shares::of(plan.total_cost(), int64_t{1} << 24);
+  const Shares wide = Shares::of(plan.total_cost(), int64_t{1} << 30);
+  CHECK(wide.warps == Shares::kMaxWarps, "%d shares: more than kMaxWarps", wide.warps);
   CHECK(wide.begin(wide.warps) == plan.total_cost() && wide.owner(plan.total_cost() - 1) == wide.warps - 1,
         "cost * warps overflowed");
   if (nanscan_test::failures == 0) std::printf("list_plan: all checks passed\n");

@@ -158,7 +158,7 @@ ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int n
   out.counts.assign((half_range ? 4 : 2) * n, -1);
   out.stats.assign(3 * n, -7.0);
   ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range};
-  const cudaError_t err = scan(plan, list.blob(), kind, ptrs, workspace.p, num_sms, nullptr, multiply_by);
+  const cudaError_t err = scan(plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, num_sms, nullptr, multiply_by);
   CHECK(err == cudaSuccess, "scan returned %d", err);
   return out;
 }
@@ -196,15 +196,33 @@ std::vector<HostTensor> random_list(std::mt19937_64& rng, int n, int64_t max_num
   return list;
 }
 
+// A workspace smaller than the launch's layout is refused before anything is written.
+void check_workspace_guard(std::mt19937_64& rng) {
+  const std::vector<HostTensor> tensors = random_list(rng, 20, 5000, false);
+  const LaunchableList list(tensors);
+  const size_t needed = scan_workspace_bytes(list.plan, ScanKind::Plain, 2);
+  Buffer workspace(needed);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  std::vector<int64_t> counts(2 * n, -1);
+  std::vector<double> stats(3 * n, -7.0);
+  double total_norm = -1;
+  bool finite = false;
+  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm, &finite, n, false};
+  CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
+        "a workspace one byte short was accepted");
+  CHECK(counts[0] == -1 && total_norm == -1, "a refused scan wrote its outputs");
+  CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess, "scan");
+  CHECK(total_norm != -1, "the scan wrote no total");
+}
+
 // How many warps' shares meet tensor t, for a grid of num_sms blocks (one per multiprocessor while
 // the emulator answers 1 to the occupancy query) when the list has chunks for that many blocks of 8
 // warps.
 int32_t warps_meeting(const std::vector<HostTensor>& tensors, int32_t t, int num_sms) {
   const LaunchableList list(tensors);
   CHECK((list.plan.num_chunks() + 7) / 8 >= num_sms, "too few chunks for the grid: it would be smaller");
-  const Shares shares = Shares::of(list.plan.total_cost(), 8 * num_sms);
-  const ListView view = list.plan.view();
-  return shares.owner(view.cost_begin[t + 1] - 1) - shares.owner(view.cost_begin[t]) + 1;
+  const WarpRange met = Shares::of(list.plan.total_cost(), 8 * num_sms).meeting(list.plan.view(), t);
+  return met.last - met.first + 1;
 }
 
 void check_scan(const char* what, const std::vector<HostTensor>& list, int num_sms) {
@@ -317,6 +335,7 @@ int main() {
     CHECK(met_by >= (chunks > 1024 ? 1025 : chunks > 32 ? 33 : 2), "the fold-tree case meets only %d warps", met_by);
     check_scan("fold tree", list, num_sms);
   }
+  check_workspace_guard(rng);
   check_unscale(rng, 3);
   check_scale(rng, 3, 50);
   check_scale(rng, 2, 1600);  // device blob
