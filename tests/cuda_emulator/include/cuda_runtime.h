@@ -1,5 +1,6 @@
 // Stand-in for <cuda_runtime.h> that lets g++ compile csrc/cuda/scan_cuda.cu and run its kernels on CPU
-// threads (tests/cuda_emulator/test_kernels.cpp). A launch runs the grid's blocks one after another;
+// threads (tests/cuda_emulator/test_kernels.cpp). A launch runs the grid's blocks one after another,
+// in index order or, when block_order_seed is set, in a shuffled order (a GPU promises none);
 // a block's threads run concurrently, one std::thread each. A warp's lanes meet at a barrier in every
 // shuffle, ballot and __syncwarp, so a warp-divergent shuffle deadlocks here as it would misbehave on
 // a GPU (the test runner's timeout reports it); __syncthreads is a block-wide barrier; atomics and
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -54,6 +57,8 @@ struct Block {
 
 // What the occupancy query answers; tests raise it to get grids of hundreds of blocks.
 inline int blocks_per_sm = 1;
+// Nonzero: launches run their blocks in an order shuffled with this seed.
+inline unsigned block_order_seed = 0;
 
 inline thread_local Block* block = nullptr;
 inline thread_local int lane = 0;
@@ -78,7 +83,10 @@ T exchange(T value, Pick pick) {
 
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), int grid, int threads, Args&... args) {
-  for (int b = 0; b < grid; ++b) {
+  std::vector<int> order(grid);
+  std::iota(order.begin(), order.end(), 0);
+  if (block_order_seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937(block_order_seed));
+  for (int b : order) {
     Block blk(threads);
     std::vector<std::thread> pool;
     pool.reserve(threads);
