@@ -3,7 +3,8 @@
 tests/cuda_emulator/include/cuda_runtime.h stands in for the CUDA runtime so that g++ compiles
 csrc/cuda/scan_cuda.cu unchanged and runs its kernels on CPU threads: a block's threads run
 concurrently, a warp's lanes meet at every shuffle (a warp-divergent shuffle hangs, and the timeout
-below reports it), atomics and fences are C++ atomics. tests/cuda_emulator/test_kernels.cpp checks
+below reports it), atomics and fences are C++ atomics, and blocks run one at a time, in index order or
+shuffled. tests/cuda_emulator/test_kernels.cpp checks
 every result against the exact rule in fp64 (see that file for the paths it covers). What this cannot
 show: the device-only code under __CUDA_ARCH__ (the hardware fp16/fp8 decode, fmin/fmax), memory
 ordering weaker than C++'s, blocks running at the same time, and speed; test_cuda.py covers those

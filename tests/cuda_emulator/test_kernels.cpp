@@ -3,8 +3,8 @@
 // executes the kernels' own code: the warps' shares, 16-byte vector loads and tails, the fast rule
 // with its exact re-read, warp reductions, the fold tree, the last-block totals, the three list
 // placements (small and large parameter blobs, a device blob written by the upload kernel), the
-// fp16-range counts, the fused unscale and the clip multiply. Built and run by
-// tests/test_cuda_emulated.py.
+// fp16-range counts, the fused unscale and the clip multiply; and that the bits do not depend on the
+// order in which blocks run. Built and run by tests/test_cuda_emulated.py.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
