@@ -17,7 +17,8 @@ class Report:
     """The health of one step's gradients. Holds device tensors; the first Python value read syncs once.
 
     Attributes:
-        names: parameter names, one per scanned gradient (parameters without a gradient are skipped).
+        names: parameter names, one per scanned gradient (parameters without a gradient are skipped);
+            a list, formed on first reading when the names are positions (``check(params)``).
         stats: the ScanResult, per tensor in ``names`` order.
         norm_type: the norm type of ``total_norm`` (and of the clipping, when ``max_norm`` was given).
         max_norm: the clipping threshold, or None when ``check`` did not clip.
@@ -33,13 +34,19 @@ class Report:
         max_norm: float | None = None,
         clip_coef: torch.Tensor | None = None,
     ) -> None:
-        self.names = names
+        self._names = names
         self.stats = stats
         self.total_norm_tensor = total_norm
         self.norm_type = norm_type
         self.max_norm = max_norm
         self.clip_coef_tensor = clip_coef
         self._host: dict[str, Any] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        if not isinstance(self._names, list):
+            self._names = list(self._names)
+        return self._names
 
     def _values(self) -> dict[str, Any]:
         """Copies every statistic to the host in one transfer (one sync), once."""
@@ -49,7 +56,7 @@ class Report:
             if self.clip_coef_tensor is not None:
                 scalars.append(self.clip_coef_tensor.double().reshape(1))
             packed = torch.cat([s.nan_count.double(), s.inf_count.double(), s.min, s.max, s.norm, *scalars]).cpu()
-            n = len(self.names)
+            n = len(self._names)
             rows = packed[: 5 * n].view(5, n).tolist()
             tail = packed[5 * n :].tolist()
             self._host = {
@@ -148,8 +155,8 @@ class PositionalNames(Sequence[str]):
     """The names ``"[i]"`` of the entries at ``positions`` of a parameter list, as a read-only sequence.
 
     ``check(params)`` runs every step and its names are read only when a report is shown, so they are
-    formed on reading (this saves ~100 ns per parameter per step). Equal to any sequence of the same
-    strings, lists included.
+    formed on reading (Report.names makes them a list then). Equal, like a list, to lists and to
+    other PositionalNames of the same strings.
     """
 
     __slots__ = ("_positions",)
@@ -172,9 +179,14 @@ class PositionalNames(Sequence[str]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PositionalNames):
             return list(self._positions) == list(other._positions)
-        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+        if isinstance(other, list):
+            return list(self) == other
+        return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __reduce__(self) -> tuple[type[PositionalNames], tuple[Sequence[int]]]:
+        return PositionalNames, (self._positions,)
 
     def __repr__(self) -> str:
         return repr(list(self))
@@ -186,26 +198,30 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
     Accepts an ``nn.Module`` (names from ``named_parameters()``), an iterable of parameters (named
     by position, ``"[3]"``) or an iterable of ``(name, parameter)`` pairs.
     """
+    # Plain comprehensions, each .grad read once: an assignment expression inside one would make a
+    # closure cell, which torch.compile(fullgraph=True) cannot trace.
     if isinstance(model_or_params, torch.nn.Module):
         # Parameters are tensors, so no entry needs naming in an error: comprehensions, not a loop.
         named = list(model_or_params.named_parameters())
-        grads = [g for _, p in named if (g := p.grad) is not None]
+        all_grads = [p.grad for _, p in named]
+        grads = [g for g in all_grads if g is not None]
         if len(grads) == len(named):
             return [name for name, _ in named], grads
-        return [name for name, p in named if p.grad is not None], grads
+        return [name for (name, _), g in zip(named, all_grads) if g is not None], grads
     if isinstance(model_or_params, torch.Tensor):
         pairs: Iterable[Any] = [("[0]", model_or_params)]
     else:
         items = model_or_params if isinstance(model_or_params, (list, tuple)) else list(model_or_params)
         try:
-            # The common case, a list of parameters: one comprehension, names left to PositionalNames.
-            grads = [g for p in items if (g := p.grad) is not None]
+            # The common case, a list of parameters: comprehensions, names left to PositionalNames.
+            all_grads = [p.grad for p in items]
         except AttributeError:
             pass  # (name, parameter) pairs, or an entry that is no tensor: named one by one below
         else:
+            grads = [g for g in all_grads if g is not None]
             if len(grads) == len(items):
                 return PositionalNames(range(len(items))), grads
-            return PositionalNames([i for i, p in enumerate(items) if p.grad is not None]), grads
+            return PositionalNames([i for i, g in enumerate(all_grads) if g is not None]), grads
         pairs = (
             item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item) for i, item in enumerate(items)
         )

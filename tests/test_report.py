@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
 
 import pytest
 import torch
 
 import nanscan
 from conftest import DEVICES
+from nanscan.report import named_gradients
 
 
 def tiny_model(device: str = "cpu") -> torch.nn.Module:
@@ -106,6 +109,37 @@ def test_positional_names_read_like_a_list_of_strings() -> None:
     assert nanscan.check(iter(params)).names == names  # a one-shot iterator: read once
     mixed = nanscan.check([params[0], ("head", params[3])])  # pairs and parameters together
     assert mixed.names == ["[0]", "head"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_and_clip_trace_with_fullgraph(device: str) -> None:
+    """check (by parameters, with a gap, and by module) and clip_grad_norm_ stay traceable whole, as
+    torch's clip_grad_norm_ is; the traced calls give the eager results."""
+    model = tiny_model(device)
+    params = list(model.parameters())
+    params[1].grad = None  # a gap: positions, not a range
+    calls = {
+        "check(params)": (lambda ps: nanscan.check(ps, max_norm=1e9).total_norm_tensor, params),
+        "check(model)": (lambda m: nanscan.check(m, max_norm=1e9).total_norm_tensor, model),
+        "clip_grad_norm_": (lambda ps: nanscan.clip_grad_norm_(ps, 1e9), params),
+    }
+    for name, (call, arg) in calls.items():
+        torch._dynamo.reset()
+        traced = torch.compile(call, fullgraph=True)(arg)
+        torch.testing.assert_close(traced, call(arg), rtol=0, atol=0, msg=name)
+
+
+def test_report_names_are_a_list() -> None:
+    """Positional names are formed lazily, but a report hands out a plain list (JSON, +, pickle)."""
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    for p in params[1:]:
+        p.grad = torch.ones(2)
+    report = nanscan.check(params)
+    assert type(report.names) is list and report.names == ["[1]", "[2]"]
+    assert json.loads(json.dumps(report.names)) == ["[1]", "[2]"] and report.names + ["x"] == ["[1]", "[2]", "x"]
+    names, _ = named_gradients(params)
+    assert names == ["[1]", "[2]"] and names != ("[1]", "[2]")  # equal like a list: to lists only
+    assert pickle.loads(pickle.dumps(names, protocol=0)) == names
 
 
 def test_model_without_gradients() -> None:
