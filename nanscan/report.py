@@ -201,7 +201,7 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
     # Plain comprehensions, each .grad read once: an assignment expression inside one would make a
     # closure cell, which torch.compile(fullgraph=True) cannot trace.
     if isinstance(model_or_params, torch.nn.Module):
-        # Parameters are tensors, so no entry needs naming in an error: comprehensions, not a loop.
+        # Parameters are tensors: no entry can need naming in an error.
         named = list(model_or_params.named_parameters())
         all_grads = [p.grad for _, p in named]
         grads = [g for g in all_grads if g is not None]
