@@ -100,12 +100,12 @@ def test_positional_names_read_like_a_list_of_strings() -> None:
     for i in (0, 1, 3):
         params[i].grad = torch.full((2,), float(i))
     params[3].grad[1] = math.nan
-    report = nanscan.check(params)
-    names = report.names
+    names, _ = named_gradients(params)  # lazy: formed on reading
     assert names == ["[0]", "[1]", "[3]"] and ["[0]", "[1]", "[3]"] == names and names != ["[0]"]
-    assert len(names) == 3 and names[-1] == "[3]" and names[1:] == ["[1]", "[3]"] and list(names) == ["[0]", "[1]", "[3]"]
-    assert "[3]" in names and names.index("[3]") == 2 and names != "[0][1][3]"
-    assert report.nonfinite == ["[3]"] and "[3]" in report.table()
+    assert len(names) == 3 and names[-1] == "[3]" and names[1:] == ["[1]", "[3]"] and names[::-1] == ["[3]", "[1]", "[0]"]
+    assert "[3]" in names and names.index("[3]") == 2 and names != "[0][1][3]" and repr(names) == "['[0]', '[1]', '[3]']"
+    report = nanscan.check(params)
+    assert report.names == names and report.nonfinite == ["[3]"] and "[3]" in report.table()
     assert nanscan.check(iter(params)).names == names  # a one-shot iterator: read once
     mixed = nanscan.check([params[0], ("head", params[3])])  # pairs and parameters together
     assert mixed.names == ["[0]", "head"]
