@@ -303,7 +303,7 @@ __device__ Shares grid_shares(const ListArgs<kCapacity>& args) {
   return Shares::of(args.total_cost, static_cast<int64_t>(gridDim.x) * kWarps);
 }
 
-// Calls visit(t, chunks) for each tensor that warp `w`'s share meets (list_plan.h's walk_share);
+// Calls visit(t, chunks) for each tensor that warp w meets (list_plan.h's Shares and walk_share);
 // warps beyond the shares have none.
 template <int32_t kCapacity, class Visit>
 __device__ void walk_warp_share(const ListView& list, const Shares& shares, int32_t w, int lane, Visit&& visit) {
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
   __shared__ bool is_last_block;
   if (threadIdx.x == 0) {
     TensorStats block_total = empty_stats();
-    for (int w = 0; w < kWarps; ++w) block_total = combine(block_total, warp_totals[w]);
+    for (int k = 0; k < kWarps; ++k) block_total = combine(block_total, warp_totals[k]);
     p.ws.block_totals[blockIdx.x] = block_total;
     __threadfence();
     is_last_block = atomicAdd(p.ws.counters + shares.fold_slots(p.list.num_tensors), 1u) == gridDim.x - 1;
