@@ -259,12 +259,14 @@ int main() {
     const std::vector<TensorArg> one{{nullptr, 5000 * chunk_elements(DType::Float32), DType::Float32}};
     check_shares(one, n);
     check_fold_tree(one, n, rng);
-    const WarpRange met = Shares::of(plan_of(one).total_cost(), n).meeting(plan_of(one).view(), 0);
+    const ListPlan plan = plan_of(one);
+    const WarpRange met = Shares::of(plan.total_cost(), n).meeting(plan.view(), 0);
     CHECK(met.first == 0 && met.last == n - 1, "met by warps %d..%d, not 0..%d", met.first, met.last, n - 1);
   }
   // More warps than the list has cost: the spare warps get no share.
   const std::vector<TensorArg> tiny{{nullptr, 0, DType::Float32}, {nullptr, 1, DType::BFloat16}};
-  CHECK(Shares::of(plan_of(tiny).total_cost(), 4224).warps == plan_of(tiny).total_cost(), "spare warps");
+  const int64_t tiny_cost = plan_of(tiny).total_cost();
+  CHECK(Shares::of(tiny_cost, 4224).warps == tiny_cost, "spare warps");
   check_shares(tiny, 4224);
   check_fold_tree(tiny, 4224, rng);
   // 10,000 tensors (three rounds of the 32-probe search), empty ones among them.
