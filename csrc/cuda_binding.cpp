@@ -194,16 +194,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorL
 }
 
 void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
-  TORCH_CHECK(coef.numel() == 1, "nanscan.scale_: coef must have one element, got shape ", coef.sizes());
+  const std::vector<DType> tags = check_scale_inputs(tensors, coef, "nanscan.scale_");
   if (tensors.empty()) return;
-  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scale_");
-  TORCH_CHECK(coef.device() == tensors[0].device(), "nanscan.scale_: coef is on ", coef.device(), " but the tensors are on ",
-              tensors[0].device());
-  const auto coef_tag = dtype_tag(coef.scalar_type());
-  TORCH_CHECK(coef_tag.has_value(), "nanscan.scale_: coef has unsupported dtype ", coef.scalar_type());
-  check_multipliable(tensors, tags, "nanscan.scale_");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
-  multiply_in_place(tensors, tags, coef, *coef_tag, cuda::CoefRounding::ToTensorDtype);
+  multiply_in_place(tensors, tags, coef, *dtype_tag(coef.scalar_type()), cuda::CoefRounding::ToTensorDtype);
 }
 
 // GradScaler's unscale fused with the scan: one read and one write of every gradient. A list with a
@@ -213,6 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cuda(at:
                                                                              const at::Tensor& inv_scale) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
   check_multipliable(tensors, tags, "nanscan.unscale_scan_");
+  check_writable(tensors);
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
   for (const at::Tensor& t : tensors) {

@@ -3,6 +3,10 @@
 #include <Python.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 
 #include <optional>
 #include <vector>
@@ -66,6 +70,32 @@ void check_multipliable(at::TensorList tensors, const std::vector<DType>& tags, 
   }
 }
 
+void check_writable(at::TensorList tensors) {
+  // torch's own checks, with its messages, for the tensors an in-place multiply refuses: one whose
+  // elements share memory (an expand()ed view: one location would be multiplied several times), and
+  // an inference tensor outside inference mode. Checked for every entry before any is written, so a
+  // bad entry leaves the whole list as it was.
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() > 1) at::assert_no_internal_overlap(t);
+    TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(),
+                "Inplace update to inference tensor outside InferenceMode is not allowed."
+                "You can make a clone to get a normal tensor before doing inplace update."
+                "See https://github.com/pytorch/rfcs/pull/17 for more details.");
+  }
+}
+
+std::vector<DType> check_scale_inputs(at::TensorList tensors, const at::Tensor& coef, const char* op) {
+  TORCH_CHECK(coef.numel() == 1, op, ": coef must have one element, got shape ", coef.sizes());
+  TORCH_CHECK(dtype_tag(coef.scalar_type()).has_value(), op, ": coef has unsupported dtype ", coef.scalar_type());
+  if (tensors.empty()) return {};
+  std::vector<DType> tags = check_scan_inputs(tensors, op);
+  check_multipliable(tensors, tags, op);
+  check_writable(tensors);
+  TORCH_CHECK(coef.device() == tensors[0].device(), op, ": coef is on ", coef.device(), " but the tensors are on ",
+              tensors[0].device());
+  return tags;
+}
+
 void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op) {
   TORCH_CHECK(inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, op,
               ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ", inv_scale.scalar_type(),
@@ -101,6 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::
                                                                             const at::Tensor& inv_scale) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
   check_multipliable(tensors, tags, "nanscan.unscale_scan_");
+  check_writable(tensors);
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
   const float factor = inv_scale.item<float>();
   for (const at::Tensor& t : tensors) {
@@ -116,10 +147,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::
 
 // Multiplies every tensor by coef in place, unless coef is exactly 1: a step that needs no clipping
 // then costs no write pass. The multiply itself is ATen's, so the values equal torch's clipping.
+// Every entry is validated before any is written.
 void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
-  TORCH_CHECK(coef.numel() == 1, "nanscan.scale_: coef must have one element, got shape ", coef.sizes());
+  check_scale_inputs(tensors, coef, "nanscan.scale_");
   if (coef.item<double>() == 1.0) return;
   for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).mul_(coef);
+}
+
+// The Autograd kernels. nanscan's ops are not differentiable: their outputs are counts, extrema and
+// norms for diagnosis, and their writes are the multiplies of clipping and unscaling, which torch
+// runs under no_grad too. Saying so here (autograd excluded, the op called again below it) gives
+// outputs that never require grad; without it, autograd's fallback would hang a grad_fn on them
+// that fails only when someone calls backward through a norm.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using ScanResultTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+ScanResultTuple scan_autograd(at::TensorList tensors, bool fp16_range) {
+  static const auto op = op_handle<ScanResultTuple(at::TensorList, bool)>("nanscan::scan");
+  const at::AutoDispatchBelowAutograd below_autograd;
+  return op.call(tensors, fp16_range);
+}
+
+void scale_autograd(at::TensorList tensors, const at::Tensor& coef) {
+  static const auto op = op_handle<void(at::TensorList, const at::Tensor&)>("nanscan::scale_");
+  const at::AutoDispatchBelowAutograd below_autograd;
+  op.call(tensors, coef);
+}
+
+ScanResultTuple unscale_scan_autograd(at::TensorList tensors, const at::Tensor& inv_scale) {
+  static const auto op = op_handle<ScanResultTuple(at::TensorList, const at::Tensor&)>("nanscan::unscale_scan_");
+  const at::AutoDispatchBelowAutograd below_autograd;
+  return op.call(tensors, inv_scale);
 }
 
 }  // namespace
@@ -133,6 +195,12 @@ TORCH_LIBRARY(nanscan, m) {
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "
       "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
+}
+
+TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
+  m.impl("scan", &nanscan::scan_autograd);
+  m.impl("scale_", &nanscan::scale_autograd);
+  m.impl("unscale_scan_", &nanscan::unscale_scan_autograd);
 }
 
 TORCH_LIBRARY_IMPL(nanscan, CPU, m) {

@@ -28,9 +28,18 @@ std::vector<DType> check_scan_inputs(at::TensorList tensors, const char* op);
 void check_multipliable(at::TensorList tensors, const std::vector<DType>& tags, const char* op);
 
 // Kernels that write tensors directly (not through ATen ops) bump the version counters themselves, so
-// that autograd and nanscan's reuse of statistics see the change. Non-dense tensors are written
+// that autograd (and anything else that keys on versions) sees the change. Non-dense tensors are written
 // through ATen, which bumps them already.
 void bump_versions_of_dense(at::TensorList tensors);
+
+// Rejects, with torch's messages, tensors an in-place multiply refuses: elements that share memory
+// (expanded views) and inference tensors outside inference mode. Ops that write call it for every
+// entry before writing any.
+void check_writable(at::TensorList tensors);
+
+// Everything scale_ needs of its arguments (the scan's checks, multipliable, writable, coef: one
+// element of a supported dtype on the tensors' device); returns the dtype tags.
+std::vector<DType> check_scale_inputs(at::TensorList tensors, const at::Tensor& coef, const char* op);
 
 // inv_scale must be a one-element float32 tensor on the tensors' device.
 void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op);

@@ -133,3 +133,47 @@ def test_opcheck_unscale_scan_and_fp16_range(device: str) -> None:
         torch.library.opcheck(torch.ops.nanscan.scan.default, (sample,), {"fp16_range": True})
         grads = [t for t in sample if t.dtype not in FP8_DTYPES]
         torch.library.opcheck(torch.ops.nanscan.unscale_scan_.default, (grads, torch.tensor(0.5, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_are_not_differentiable(device: str) -> None:
+    """The ops declare themselves non-differentiable (an Autograd kernel), so a scan of tensors that
+    require grad returns plain tensors, not ones with a grad_fn that fails on backward."""
+    x = torch.randn(5, 3, device=device, requires_grad=True)
+    y = (x * 2).sum(0)  # a non-leaf, with a grad_fn of its own
+    r = nanscan.scan([x, y])
+    for name in ("nan_count", "inf_count", "min", "max", "norm", "total_norm", "finite"):
+        out = getattr(r, name)
+        assert out.grad_fn is None and not out.requires_grad, name
+    counts, stats, total, finite = torch.ops.nanscan.unscale_scan_([torch.randn(4, device=device)], torch.tensor(0.5, device=device))
+    assert not any(t.requires_grad for t in (counts, stats, total, finite))
+    # opcheck's autograd-registration test needs inputs that require grad.
+    for sample in finite_samples(device):
+        torch.library.opcheck(torch.ops.nanscan.scan.default, ([t.clone().requires_grad_() for t in sample],))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_validates_every_entry_before_writing(device: str) -> None:
+    """An expanded (stride-0) entry cannot be written; scale_ refuses the list with torch's message and
+    leaves the entries before it unchanged (torch's clip would have scaled them already)."""
+    good = torch.randn(10, device=device)
+    before = good.clone()
+    expanded = torch.randn(1, device=device).expand(6)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor refers to a single memory location"):
+        torch.ops.nanscan.scale_([good, expanded], torch.tensor(0.5, device=device))
+    assert torch.equal(good, before)
+    fp8 = torch.zeros(4, device=device).to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] is float8"):
+        torch.ops.nanscan.scale_([good, fp8], torch.tensor(0.5, device=device))
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] has dtype Long"):
+        torch.ops.nanscan.scale_([good, torch.ones(3, dtype=torch.int64, device=device)], torch.tensor(0.5, device=device))
+    with pytest.raises(RuntimeError, match="more than one element"):
+        torch.ops.nanscan.unscale_scan_([good, expanded], torch.tensor(0.5, device=device))
+    assert torch.equal(good, before)
+
+
+def test_names_must_match_the_tensors() -> None:
+    with pytest.raises(ValueError, match="got 1 names for 2 tensors"):
+        nanscan.scan([torch.ones(2), None], names=["x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="got 3 names for 2 tensors"):
+        nanscan.scan([torch.ones(2), torch.ones(3)], names=["a", "b", "c"])
