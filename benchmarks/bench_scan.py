@@ -123,7 +123,7 @@ class Inputs:
     sources: list[torch.Tensor]  # views of ``flat``, one per gradient: what ``restore`` copies back
     optimizer: torch.optim.Optimizer | None = None  # for GradScaler.unscale_
     scaler: torch.amp.GradScaler | None = None
-    nanscan_scaler: torch.amp.GradScaler | None = None
+    nanscan_scaler: nanscan.amp.GradScaler | None = None
 
     def restore(self) -> None:
         """Undoes a method that rewrote the gradients, and gives the GradScalers a fresh unscale_ state."""
@@ -215,13 +215,12 @@ def amp_unscale_clip(max_norm: float) -> Callable[[Inputs], torch.Tensor]:
 
 
 def nanscan_unscale_clip(max_norm: float) -> Callable[[Inputs], torch.Tensor]:
-    """The same with nanscan.amp.GradScaler (unscale fused with the scan) and nanscan's clip, which
-    reuses the unscale's statistics: 1 read + 1 write without clipping, 2 + 2 with."""
+    """The same with nanscan.amp.GradScaler's one-call unscale + clip (the clip uses the statistics of
+    the pass that unscaled): 1 read + 1 write without clipping, 2 + 2 with."""
 
     def run(inputs: Inputs) -> torch.Tensor:
         assert inputs.nanscan_scaler is not None and inputs.optimizer is not None
-        inputs.nanscan_scaler.unscale_(inputs.optimizer)
-        return nanscan.clip_grad_norm_(inputs.params, max_norm)
+        return inputs.nanscan_scaler.clip_grad_norm_(inputs.optimizer, max_norm)
 
     return run
 

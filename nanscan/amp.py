@@ -3,20 +3,23 @@
 ``nanscan.amp.GradScaler`` is a drop-in subclass of ``torch.amp.GradScaler``: same constructor,
 methods, scale trajectory and skipped steps. Its ``unscale_`` multiplies every gradient by the
 inverse scale in place (torch's arithmetic, bit for bit) and, in the same pass, computes nanscan's
-statistics of the unscaled gradients; ``found_inf`` comes from them. The statistics are kept: a
-``nanscan.check(..., max_norm=...)`` or ``nanscan.clip_grad_norm_`` on the same, unmodified gradients
-right after reuses them instead of reading the gradients again (tensor version counters tell when a
-gradient was modified in between).
+statistics of the unscaled gradients (``last_report``); ``found_inf`` comes from them.
 
-Gradient traffic of unscale + check + clip, with nothing to clip: one read and one write (torch:
-three reads and two writes). Both backends fuse the multiply into the scan (the CUDA one is not yet
-verified on a GPU).
+``scaler.clip_grad_norm_(optimizer, max_norm)`` is ``unscale_`` and ``clip_grad_norm_`` in one call:
+the clip uses the statistics of the pass that unscaled the gradients, so unscale + check + clip cost
+one read and one write of every gradient when nothing needs clipping (torch: three reads and two
+writes). Statistics are never kept from one call to the next: between two calls nothing can prove
+the gradients unchanged (a write through ``.grad.data`` or numpy bumps no version counter), so a
+separate ``nanscan.clip_grad_norm_`` or ``nanscan.check`` after ``unscale_`` reads the gradients
+again (two reads and one write in all).
 
-Two deliberate differences from torch's GradScaler, both rare: ``found_inf`` is decided on the
-unscaled values, so when the scale has fallen below 1 and the unscale itself overflows a finite
-gradient, the step is skipped (torch would step with an Inf gradient). And the kept statistics are
-offered for reuse only until the scaler's ``step``/``update``; a write through ``.grad.data`` (which
-bypasses the version counter) between ``unscale_`` and the next check is not noticed.
+With an optimizer that unscales inside its own step (``fused=True``), torch's scaler does not unscale
+the gradients; it scans them as they are, still scaled. ``last_report`` then holds that scan's
+statistics divided by the scale, so it describes unscaled gradients on every path.
+
+One deliberate difference from torch's GradScaler, rare: ``found_inf`` is decided on the unscaled
+values, so when the scale has fallen below 1 and the unscale itself overflows a finite gradient, the
+step is skipped (torch would step with an Inf gradient).
 """
 
 from __future__ import annotations
@@ -28,19 +31,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ._ops import unscale_scan_op
+from .clip import (
+    as_max_norm,
+    as_norm_type,
+    clip_grad_norm_,
+    clip_grads_with_norm_,
+    raise_if_nonfinite,
+    total_norm_of,
+)
 from .report import Report, named_gradients
-from .scan import ScanResult, forget_reusable, remember_for_reuse, scan
+from .scan import ScanResult, scan
+
+_SCANNED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with a fused unscale + scan. Constructor and methods as torch's.
 
     Attributes:
-        last_report: the Report of the gradients as the last ``unscale_`` left them (names from
-            ``watch(model)``, else the parameters' positions in the optimizer, ``"group0.param3"``);
-            None before the first one.
+        last_report: the Report of the gradients as the last unscale left them, always of unscaled
+            values (names from ``watch(model)``, else the parameters' positions in the optimizer,
+            ``"group0.param3"``); after ``clip_grad_norm_`` it also holds the clip coefficient. None
+            before the first unscale, and after one that took torch's own path (sparse gradients,
+            or gradients on several devices).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -48,6 +64,12 @@ class GradScaler(torch.amp.GradScaler):
         self.last_report: Report | None = None
         self._last_found_inf: list[torch.Tensor] = []
         self._names: dict[int, str] = {}
+        # Set only while torch's step scans still-scaled gradients for a fused optimizer.
+        self._scanning_scaled: torch.Tensor | None = None
+        # Set only inside clip_grad_norm_, between its unscale and its clip: the names and gradients the
+        # unscale scanned, and their statistics. Never outlives the call, so never describes stale values.
+        self._scanned: tuple[list[str], list[torch.Tensor], ScanResult] | None = None
+        self._keep_scan = False
 
     def watch(self, model: torch.nn.Module) -> GradScaler:
         """Names the reports' parameters after ``model.named_parameters()`` instead of their position in
@@ -55,19 +77,66 @@ class GradScaler(torch.amp.GradScaler):
         self._names.update({id(p): name for name, p in model.named_parameters()})
         return self
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        forget_reusable()  # the kept statistics describe this step only
-        return super().step(optimizer, *args, **kwargs)
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        forget_reusable()
-        super().update(new_scale)
-
     @property
     def skipped(self) -> bool:
         """Whether the last unscaled step had a NaN/Inf, i.e. whether ``step`` skipped (or will skip)
         the optimizer step. Reading it syncs; nothing before it does."""
         return any(bool(f.item()) for f in self._last_found_inf)
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """``unscale_(optimizer)`` and ``clip_grad_norm_`` of the optimizer's gradients, in one pass.
+
+        Replaces ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, max_norm)``: the
+        unscale scans the gradients as it writes them, and the clip uses those statistics, so with
+        nothing to clip the gradients are read once and written once. Returns the total norm of the
+        unscaled gradients (as ``clip_grad_norm_`` does); ``last_report`` names the bad parameters
+        and holds the clip coefficient. If ``unscale_`` was already called for this optimizer this
+        step, the gradients are scanned again (nothing proves them unchanged since).
+
+        Non-finite gradients are clipped as torch clips them (by a NaN coefficient); ``step`` skips
+        the optimizer step either way. Syncs nothing unless ``error_if_nonfinite`` is set.
+        """
+        max_norm = as_max_norm(max_norm)
+        norm_type = as_norm_type(norm_type)
+        scanned = None
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            self._keep_scan = True
+            try:
+                self.unscale_(optimizer)
+                scanned, self._scanned = self._scanned, None
+            finally:
+                self._keep_scan = False
+        if scanned is None:  # already unscaled, or a scaler that is disabled: scan now
+            names, grads = self._optimizer_gradients(optimizer, allow_fp16=True)
+            if grads is None:  # sparse or exotic gradients: nanscan's clip, which defers to torch
+                self.last_report = None
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+            with torch.no_grad():
+                scanned = (names, grads, scan(grads, names))
+        names, grads, stats = scanned
+        with torch.no_grad():
+            total = total_norm_of(grads, stats, norm_type)
+            if error_if_nonfinite:
+                raise_if_nonfinite(total, norm_type)
+            coef = clip_grads_with_norm_(grads, max_norm, total) if grads else None
+        self.last_report = Report(names, stats, total, norm_type, max_norm, coef)
+        return total
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # torch's step for optimizers that unscale inside their own step (fused=True): it scans the
+        # gradients as they are, still multiplied by the scale (inv_scale 1). The report divides.
+        self._scanning_scaled = self._scale
+        try:
+            return super()._check_inf_per_device(optimizer)
+        finally:
+            self._scanning_scaled = None
 
     def _unscale_grads_(
         self,
@@ -76,25 +145,14 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        names: list[str] = []
-        grads: list[torch.Tensor] = []
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if not isinstance(param, torch.Tensor):
-                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                if param.grad is None:
-                    continue
-                if (not allow_fp16) and param.grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if param.grad.is_sparse or param.grad.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-                    # Sparse (coalesced by torch) or exotic gradients: torch's own path, without a report.
-                    self.last_report = None
-                    self._last_found_inf = []
-                    result = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-                    self._last_found_inf = list(result.values())
-                    return result
-                names.append(self._names.get(id(param), f"group{g}.param{i}"))
-                grads.append(param.grad)
+        names, grads = self._optimizer_gradients(optimizer, allow_fp16)
+        if grads is None:
+            # Sparse (coalesced by torch) or exotic gradients: torch's own path, without a report.
+            self.last_report = None
+            self._last_found_inf = []
+            result = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            self._last_found_inf = list(result.values())
+            return result
 
         by_device: dict[torch.device, list[int]] = defaultdict(list)
         for index, grad in enumerate(grads):
@@ -110,11 +168,35 @@ class GradScaler(torch.amp.GradScaler):
         self._last_found_inf = list(found_per_device.values())
         if len(report_parts) == 1 and report_parts[0][0] == list(range(len(grads))):
             stats = ScanResult.from_op(*report_parts[0][1])
+            if self._scanning_scaled is not None:
+                stats = stats.scaled(self._scanning_scaled.double().reciprocal())
             self.last_report = Report(names, stats, stats.total_norm, 2.0)
-            remember_for_reuse(grads, stats)
+            if self._keep_scan:
+                self._scanned = (names, grads, stats)
         else:
             self.last_report = None  # several devices: found_inf is exact, the per-device stats are not merged
         return found_per_device
+
+    def _optimizer_gradients(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool
+    ) -> tuple[list[str], list[torch.Tensor] | None]:
+        """Names and gradients of the optimizer's parameters that have one, in torch's order and with
+        torch's errors; gradients None when one of them needs torch's own unscale."""
+        names: list[str] = []
+        grads: list[torch.Tensor] = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if not isinstance(param, torch.Tensor):
+                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                if param.grad is None:
+                    continue
+                if (not allow_fp16) and param.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if param.grad.is_sparse or param.grad.dtype not in _SCANNED_DTYPES:
+                    return names, None
+                names.append(self._names.get(id(param), f"group{g}.param{i}"))
+                grads.append(param.grad)
+        return names, grads
 
 
 FP16_MAX = 65504.0
@@ -125,20 +207,27 @@ class Advice:
     """The Advisor's answer.
 
     Attributes:
-        recommendation: ``"keep"`` (fp16 holds these gradients), ``"loss-scale"`` (change the scaler's
-            settings: ``suggested_init_scale``), ``"bf16"`` (fp16's range does not fit; bf16 has fp32's
-            range) or ``"fp32-modules"`` (a few modules overflow fp16: keep ``fp32_modules`` in fp32,
-            what a hand-written ``force_fp32`` does).
+        recommendation: ``"nonfinite"`` (some observed gradients already held NaN/Inf: ``nonfinite``
+            names them; no precision setting is advice enough until that is fixed), ``"keep"`` (fp16
+            holds these gradients), ``"loss-scale"`` (change the scaler's settings:
+            ``suggested_init_scale``), ``"bf16"`` (fp16's range does not fit; bf16 has fp32's range) or
+            ``"fp32-modules"`` (a few modules overflow fp16: keep ``fp32_modules`` in fp32, what a
+            hand-written ``force_fp32`` does).
         reasons: the evidence, one sentence each.
+        nonfinite: the parameters whose gradient held a NaN or an Inf in an observed step, in order.
     """
 
     recommendation: str
     reasons: list[str]
     fp32_modules: list[str] = field(default_factory=list)
     suggested_init_scale: float | None = None
+    nonfinite: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         return f"nanscan AMP advice: {self.recommendation}\n" + "\n".join(f"  - {r}" for r in self.reasons)
+
+
+_NAMED_AT_MOST = 8  # parameters named in a reason sentence; the rest are counted
 
 
 class Advisor:
@@ -146,7 +235,8 @@ class Advisor:
 
     ``observe(model)`` runs the fused scan with the fp16-range counts (one pass, no sync) and adds its
     counts to device-side totals; ``advise()`` reads them once. Observe unscaled gradients: those of
-    bf16/fp32 training, or after ``scaler.unscale_``.
+    bf16/fp32 training, or after ``scaler.unscale_`` on steps the scaler did not skip. Any observed
+    NaN/Inf gradient makes the advice ``"nonfinite"``, naming the parameters.
     """
 
     def __init__(self, underflow_threshold: float = 1e-3, module_share_threshold: float = 0.25) -> None:
@@ -159,6 +249,9 @@ class Advisor:
         self._underflow: torch.Tensor | None = None
         self._max_abs: torch.Tensor | None = None
         self._nonfinite_steps: torch.Tensor | None = None
+        # Per parameter: in how many observed steps its gradient held a NaN, and an Inf.
+        self._nan_steps: torch.Tensor | None = None
+        self._inf_steps: torch.Tensor | None = None
 
     def observe(self, model_or_params: torch.nn.Module | Any) -> ScanResult:
         """Scans the current gradients once and accumulates the fp16 evidence; returns the scan."""
@@ -172,14 +265,19 @@ class Advisor:
             finite_abs = torch.maximum(r.min.abs(), r.max.abs()).nan_to_num(0.0, 0.0, 0.0)
             # Tensors with no finite value have min=+inf/max=-inf: nan_to_num turned those into 0.
             assert r.fp16_overflow is not None and r.fp16_underflow is not None
+            step_bad = (~r.finite).to(torch.int64)
+            nan_seen, inf_seen = (r.nan_count > 0).to(torch.int64), (r.inf_count > 0).to(torch.int64)
             if self._overflow is None:
                 self._overflow, self._underflow = r.fp16_overflow.clone(), r.fp16_underflow.clone()
-                self._max_abs, self._nonfinite_steps = finite_abs, (~r.finite).to(torch.int64)
+                self._max_abs, self._nonfinite_steps = finite_abs, step_bad
+                self._nan_steps, self._inf_steps = nan_seen, inf_seen
             else:
                 self._overflow += r.fp16_overflow
                 self._underflow += r.fp16_underflow
                 self._max_abs = torch.maximum(self._max_abs, finite_abs)
-                self._nonfinite_steps = self._nonfinite_steps + (~r.finite).to(torch.int64)
+                self._nonfinite_steps = self._nonfinite_steps + step_bad
+                self._nan_steps = self._nan_steps + nan_seen
+                self._inf_steps = self._inf_steps + inf_seen
         self.steps += 1
         return r
 
@@ -187,19 +285,46 @@ class Advisor:
         """The recommendation and its reasons, from everything observed so far (one sync)."""
         if self.names is None or self._overflow is None:
             raise RuntimeError("nanscan.amp.Advisor: call observe() at least once before advise()")
+        assert self._nan_steps is not None and self._inf_steps is not None and self._nonfinite_steps is not None
+        advice = self._range_advice()
+        nan_steps, inf_steps = self._nan_steps.tolist(), self._inf_steps.tolist()
+        bad = [i for i, (n, f) in enumerate(zip(nan_steps, inf_steps)) if n or f]
+        if not bad:
+            return advice
+        nonfinite = [self.names[i] for i in bad]
+
+        def describe(i: int) -> str:
+            kinds = [f"NaN in {nan_steps[i]}"] * bool(nan_steps[i]) + [f"Inf in {inf_steps[i]}"] * bool(inf_steps[i])
+            return f"{self.names[i]} ({' and '.join(kinds)} step(s))"
+
+        named = ", ".join(describe(i) for i in bad[:_NAMED_AT_MOST])
+        more = f" and {len(bad) - _NAMED_AT_MOST} more" if len(bad) > _NAMED_AT_MOST else ""
+        reasons = [
+            advice.reasons[0],
+            f"{int(self._nonfinite_steps)} of {self.steps} observed step(s) had NaN/Inf gradients, in "
+            f"{len(bad)} parameter(s): {named}{more}",
+            "no precision setting is advice enough until they are fixed: nanscan.locate(model) names the "
+            "module that makes them; under a GradScaler, observe only the steps it did not skip "
+            "(scaler.skipped), since its first steps overflow by design",
+            f"for the finite values, the range evidence alone would say '{advice.recommendation}'",
+            *advice.reasons[1:],
+        ]
+        return Advice("nonfinite", reasons, advice.fp32_modules, advice.suggested_init_scale, nonfinite)
+
+    def _range_advice(self) -> Advice:
+        """The advice that fp16's range alone gives, from the finite values observed."""
+        assert self.names is not None and self._overflow is not None
+        assert self._underflow is not None and self._max_abs is not None
         overflow = self._overflow.tolist()
         underflow = self._underflow.tolist()
         max_abs = self._max_abs.tolist()
-        nonfinite_steps = int(self._nonfinite_steps)
         elements = sum(self.numels) * self.steps
         peak = max(max_abs) if max_abs else 0.0
         headroom = FP16_MAX / peak if peak > 0 else math.inf
         reasons = [
-            f"{self.steps} step(s) observed over {len(self.names)} gradients; largest |g| {peak:.4g} is "
+            f"{self.steps} step(s) observed over {len(self.names)} gradients; largest finite |g| {peak:.4g} is "
             f"{peak / FP16_MAX:.3g}x fp16's limit of 65504"
         ]
-        if nonfinite_steps:
-            reasons.append(f"{nonfinite_steps} observed step(s) already had NaN/Inf gradients")
         total_overflow, total_underflow = sum(overflow), sum(underflow)
         if total_overflow:
             modules = module_shares(self.names, self.numels, overflow)
@@ -220,7 +345,7 @@ class Advisor:
                 return Advice("loss-scale", reasons, suggested_init_scale=scale)
             reasons.append("there is no headroom to scale them up without overflowing: fp16's range is too narrow")
             return Advice("bf16", reasons)
-        reasons.append(f"only {flushed:.2e} of values underflow fp16 and none overflow it: the setup holds")
+        reasons.append(f"only {flushed:.2e} of values underflow fp16 and none overflow it: fp16's range holds these gradients")
         return Advice("keep", reasons)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +12,7 @@ from ._ops import scan_op
 SUPPORTED_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 )
+MAX_DIMS = 64  # the kernels' limit (kMaxDims in csrc/cpu/scan_cpu.h), which is also torch's
 
 
 @dataclass(frozen=True)
@@ -52,45 +52,21 @@ class ScanResult:
     def __len__(self) -> int:
         return self.norm.shape[0]
 
-
-# The statistics the last fused unscale left, with weak references to the very tensors and their
-# version counters: a check/clip of the same, unmodified gradients right after does not read them
-# again. Identity (not address) and version must both match, so a freed-and-reallocated gradient or
-# any in-place change (which bumps the version) forces a fresh scan.
-_reusable: tuple[list[weakref.ref[torch.Tensor]], list[int], ScanResult] | None = None
-
-
-def _capturing(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether a CUDA graph is being captured on the current stream. Kept statistics never cross a
-    capture's edge: an eager result recalled inside a capture would leave the graph without a scan
-    (its replays would report stale values), and a captured result is refreshed only by replays."""
-    return bool(tensors) and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def remember_for_reuse(tensors: Sequence[torch.Tensor], result: ScanResult) -> None:
-    """Offers ``result`` to the next scan of exactly these tensors, if none is modified before it."""
-    global _reusable
-    if _capturing(tensors):
-        _reusable = None
-        return
-    _reusable = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], result)
-
-
-def forget_reusable() -> None:
-    """Drops the remembered statistics (their step is over)."""
-    global _reusable
-    _reusable = None
-
-
-def recall(tensors: Sequence[torch.Tensor]) -> ScanResult | None:
-    """The remembered statistics of ``tensors`` if they are the same, unmodified tensors; else None."""
-    if _reusable is None or len(_reusable[0]) != len(tensors):
-        return None
-    refs, versions, result = _reusable
-    for ref, version, t in zip(refs, versions, tensors):
-        if ref() is not t or t._version != version:
-            return None
-    return None if _capturing(tensors) else result
+    def scaled(self, factor: torch.Tensor) -> ScanResult:
+        """The statistics of these tensors multiplied by a positive ``factor`` (a device scalar): min,
+        max and the norms scale, the counts do not. Exact for a power of two, as loss scales are."""
+        factor = factor.to(self.norm.device, torch.float64)
+        return ScanResult(
+            self.nan_count,
+            self.inf_count,
+            self.min * factor,
+            self.max * factor,
+            self.norm * factor,
+            self.total_norm * factor,
+            self.finite,
+            self.fp16_overflow,
+            self.fp16_underflow,
+        )
 
 
 def describe(names: Sequence[str] | None, index: int) -> str:
@@ -105,6 +81,11 @@ def validate(tensors: Sequence[object], names: Sequence[str] | None = None) -> N
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"nanscan: {describe(names, i)} is a {type(t).__name__}, not a torch.Tensor")
+        if t.is_nested:
+            raise TypeError(
+                f"nanscan: {describe(names, i)} is a nested tensor; only dense tensors can be scanned "
+                "(scan its components, .unbind())"
+            )
         if t.layout != torch.strided:
             raise TypeError(
                 f"nanscan: {describe(names, i)} is a {t.layout} tensor; only dense tensors can be scanned "
@@ -118,6 +99,8 @@ def validate(tensors: Sequence[object], names: Sequence[str] | None = None) -> N
             )
         if t.is_meta:
             raise ValueError(f"nanscan: {describe(names, i)} is a meta tensor; it has no values to scan")
+        if t.dim() > MAX_DIMS:
+            raise RuntimeError(f"nanscan: {describe(names, i)} has {t.dim()} dimensions; at most {MAX_DIMS} are supported")
 
 
 def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
@@ -136,7 +119,7 @@ def scan(
     Args:
         tensors: a tensor or an iterable of tensors (typically gradients); any mix of float32, float64,
             float16, bfloat16 and float8 dtypes, any shapes and strides, on one or several devices.
-        names: optional names of the tensors, used in error messages.
+        names: optional names of the tensors, one per tensor (else ValueError), used in error messages.
         fp16_range: also count, in the same pass, the finite values an fp16 could not hold
             (``fp16_overflow``, ``fp16_underflow``): the evidence ``nanscan.amp.Advisor`` works from.
 
@@ -145,6 +128,8 @@ def scan(
     gives empty statistics on the CPU with ``total_norm == 0`` and ``finite == True``.
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if names is not None and len(names) != len(tensors):
+        raise ValueError(f"nanscan.scan: got {len(names)} names for {len(tensors)} tensors; give one name per tensor")
     if not tensors:
         return ScanResult.from_op(
             torch.zeros((4 if fp16_range else 2, 0), dtype=torch.int64),
@@ -155,9 +140,6 @@ def scan(
     if torch.compiler.is_compiling():
         validate(tensors, names)  # traced once, costs nothing at run time
         return ScanResult.from_op(*scan_op(tensors, fp16_range))
-    reused = None if fp16_range else recall(tensors)
-    if reused is not None:
-        return reused
     # The op validates every entry in C++; Python walks the list only when something is wrong, to
     # name the entry (or to split a list that spans devices). That keeps the host cost per tensor low.
     try:

@@ -172,14 +172,14 @@ def test_scale_of_unaligned_views() -> None:
         assert torch.equal(v, e)
 
 
-def test_statistics_kept_from_eager_are_not_recalled_in_a_capture() -> None:
+def test_eager_unscale_does_not_stand_in_for_a_captured_scan() -> None:
     model = make_model()
     model(torch.randn(8, 64, device="cuda")).sum().backward()
     grads = [p.grad for p in model.parameters()]
     scaler = nanscan.amp.GradScaler("cuda")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler.scale(torch.ones((), device="cuda"))
-    scaler.unscale_(optimizer)  # eager: its statistics are kept for the next scan of these grads
+    scaler.unscale_(optimizer)  # eager: its statistics must not stand in for the captured scan
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -305,6 +305,37 @@ def test_no_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert report.finite  # reading a value syncs, outside the guarded region
+
+
+def test_amp_clip_and_fused_skip_limit_do_not_sync() -> None:
+    """The scaler's one-call unscale + clip, and the consecutive-skip limit on a fused optimizer (its
+    counter reaches the host by asynchronous copies), run without a host sync; the limit still holds."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = nanscan.amp.GradScaler("cuda", init_scale=1024.0)
+    x = torch.randn(8, 64, device="cuda")
+    scaler.scale(model(x).sum()).backward()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        raised_at = None
+        for step in range(12):
+            model.zero_grad()
+            model(x).sum().backward()
+            model[0].weight.grad[0, 0] = math.nan
+            try:
+                nanscan.check(model, on_nonfinite="skip", optimizer=optimizer, max_consecutive_skips=3)
+            except nanscan.NonFiniteGradientError:
+                raised_at = step
+                break
+            optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert raised_at is not None and 3 <= raised_at <= 5, f"limit 3: raised at step {raised_at}"
 
 
 def test_torch_compile_reduce_overhead() -> None:
