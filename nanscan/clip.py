@@ -5,10 +5,17 @@ comes from one fused read of the gradients, and when no clipping is needed the g
 written at all (the scale op skips a coefficient of exactly 1 without a host sync on GPUs). Other
 norm types are delegated to torch, so they match it exactly.
 
-Deliberate differences, both towards the fp64 reference: squares are accumulated in fp32 or wider,
-so a bf16 total norm is the correctly rounded bf16 of the true norm (torch rounds each per-tensor
-norm to bf16 first), and finite fp32 gradients whose squares overflow fp32 (|g| > 1.8e19) get their
-finite norm where torch returns inf.
+Deliberate differences, all towards the fp64 reference: squares are accumulated in fp32 or wider
+and combined in fp64, so an fp32 norm is within about 4e-7 of the fp64 truth where torch's own fp32
+norm can be off by about 6e-6 (the two, and so the clipped gradients, can differ in their last
+bits); a bf16 total norm is the correctly rounded bf16 of the true norm (torch rounds each
+per-tensor norm to bf16 first); and a norm that overflows in torch's arithmetic gets its finite
+value where torch returns inf (fp32/bf16 gradients with |g| > 1.8e19, whose fp32 squares overflow;
+an fp16 gradient whose norm exceeds 65504, which torch rounds to fp16 before combining).
+
+Every gradient is validated before any is written: a list with an entry that cannot be scaled (an
+expanded view whose elements share memory, a float8 tensor) raises with nothing changed, where
+torch's clip raises after scaling the entries before it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import math
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import reduce
 
 import torch
@@ -27,6 +34,11 @@ from .scan import SUPPORTED_DTYPES, ScanResult, describe, group_by_device, scan,
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
+# torch's own get_total_norm, taken when nanscan is imported: the norm types and dtypes the scan does
+# not answer are delegated to it. Looked up at call time instead, it would be nanscan's own function
+# once a user assigns ``torch.nn.utils.get_total_norm = nanscan.get_total_norm``, and recurse forever.
+torch_get_total_norm: Callable[..., torch.Tensor] = torch.nn.utils.get_total_norm
+
 _NONFINITE_MESSAGE = (
     "The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
     "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
@@ -35,13 +47,13 @@ _NONFINITE_MESSAGE = (
 
 
 def as_norm_type(norm_type: object) -> float:
-    """``float(norm_type)`` with an error that says what was wrong (a ValueError, like torch's)."""
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float, str, torch.Tensor)):
-        raise ValueError(f"nanscan: norm_type must be a number (or 'inf'), got {type(norm_type).__name__} {norm_type!r}")
+    """``float(norm_type)``, as torch takes it: any real number (numpy scalars, ``True``), a
+    one-element tensor, or a string such as ``'inf'``. What ``float()`` refuses raises the same
+    exception type as in torch, with a message that says what was wrong."""
     try:
-        return float(norm_type)
+        return float(norm_type)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
-        raise ValueError(f"nanscan: norm_type must be a number (or 'inf'), got {norm_type!r}") from e
+        raise type(e)(f"nanscan: norm_type must be a real number or 'inf', got {norm_type!r}") from e
 
 
 def as_max_norm(max_norm: object) -> float:
@@ -52,9 +64,17 @@ def as_max_norm(max_norm: object) -> float:
     return value
 
 
+# The dtypes whose norms the drop-ins take from the scan. The scan reads float8 too, but torch has no
+# norm of float8 (NotImplementedError), and the drop-ins keep torch's errors: float8 goes to torch.
+NORM_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+_FLOAT8_DTYPES = SUPPORTED_DTYPES - NORM_DTYPES
+
+
 def result_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    """The dtype torch's total norm has: its per-tensor norms keep each dtype and are then stacked."""
-    return reduce(torch.promote_types, {t.dtype for t in tensors})
+    """The dtype torch's total norm has: its per-tensor norms keep each dtype and are then stacked.
+    float8 (which has no torch norm, and promotes with nothing) counts as float32 in a check's total."""
+    dtypes = {t.dtype for t in tensors}  # then per dtype, not per tensor: this runs every step
+    return reduce(torch.promote_types, {torch.float32 if d in _FLOAT8_DTYPES else d for d in dtypes})
 
 
 def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
@@ -68,6 +88,16 @@ def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
         torch.where(stats.inf_count > 0, torch.full_like(absmax, math.inf), absmax),
     )
     return per_tensor.max()  # max propagates NaN, as vector_norm(stack(norms), inf) does
+
+
+def total_norm_of(grads: list[torch.Tensor], stats: ScanResult, norm_type: float) -> torch.Tensor:
+    """The total norm of ``grads`` (scanned into ``stats``) in torch's result dtype: from the scan
+    when it answers ``norm_type``, else torch's own; float64 zero for an empty list."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    if scan_answers(grads, norm_type):
+        return total_norm_from_scan(stats, norm_type).to(result_dtype(grads))
+    return torch_get_total_norm(grads, norm_type)
 
 
 def scan_answers(tensors: list[torch.Tensor], norm_type: float) -> bool:
@@ -104,10 +134,10 @@ def get_total_norm(
         validate(tensors)  # raises, naming the entry that is not a tensor
         raise
     check_foreach(tensors, foreach)
-    if not dtypes <= SUPPORTED_DTYPES or not scan_answers(tensors, norm_type):
-        # Norms the scan does not compute, and dtypes it does not read (complex, integer): torch's own
-        # code, so results and errors are torch's exactly.
-        return torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    if not dtypes <= NORM_DTYPES or not scan_answers(tensors, norm_type):
+        # Norms the scan does not compute, and dtypes without a torch norm to match (complex, integer,
+        # float8): torch's own code, so results and errors are torch's exactly.
+        return torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
     with torch.no_grad():
         total = total_norm_from_scan(scan(tensors), norm_type).to(reduce(torch.promote_types, dtypes))
     if error_if_nonfinite:
@@ -123,10 +153,15 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     """
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     # One op call for the usual single-device list: it validates every entry (before writing any) in
-    # C++, so Python does no per-tensor work here. A list that spans devices is split on its error.
+    # C++, so Python does no per-tensor work here. A list that spans devices, or holds dtypes the op
+    # does not write (complex: torch's norm was used for it), is handled on the op's error.
     try:
         scale_op(grads, clip_coef)
     except RuntimeError:
+        if not {g.dtype for g in grads} <= SUPPORTED_DTYPES:
+            for g in grads:  # torch's own multiply, as in its clip_grads_with_norm_
+                g.mul_(clip_coef.to(g.device))
+            return clip_coef
         groups = group_by_device(grads)
         if len(groups) == 1 and next(iter(groups)) == clip_coef.device:
             raise

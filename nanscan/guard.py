@@ -5,21 +5,38 @@ optimizer=opt)`` hands the guard the step's finite flag. Optimizers whose step t
 ``found_inf`` (torch's fused Adam, AdamW and SGD, ``fused=True``) skip on the device with no host sync;
 for the others the guard reads the flag, which is one sync per step. Counters of skipped steps are
 device tensors, read only when asked for.
+
+``max_consecutive_skips`` holds on both paths. Where the flag is read anyway, the limit is checked at
+once. On the device-side path each step's counter is copied to the host asynchronously (8 bytes, no
+sync) and read once the copy has landed, so the error comes at the check of the step that passed the
+limit on a CPU, and at most two steps later on a GPU; the guard waits for a copy (a sync on an event,
+not on the whole device) only when two are still in flight, i.e. when the host runs more than two
+steps ahead of the GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections import deque
 from typing import Any
 
 import torch
 
 ON_NONFINITE = ("ignore", "warn", "raise", "skip")
 
+# Host copies of the consecutive-skip counter still in flight before the guard waits for the oldest.
+_MAX_COPIES_IN_FLIGHT = 2
+
 
 class NonFiniteGradientError(RuntimeError):
     """Raised by ``check(..., on_nonfinite="raise")`` and by a guard past its consecutive-skip limit."""
+
+
+def check_max_consecutive_skips(limit: int | None) -> None:
+    """Raises ValueError for a negative limit."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"nanscan: max_consecutive_skips must be >= 0 or None, got {limit}")
 
 
 class SkipGuard:
@@ -27,18 +44,20 @@ class SkipGuard:
 
     Attributes:
         max_consecutive_skips: raise NonFiniteGradientError when more consecutive steps than this
-            were skipped (None: never). Checked whenever the flag is read on the host.
+            were skipped (None: never). Checked at every check (``check_limit``); on the device-side
+            path from asynchronous copies of the counter, so on a GPU up to two steps late.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_consecutive_skips: int | None = None) -> None:
-        if max_consecutive_skips is not None and max_consecutive_skips < 0:
-            raise ValueError(f"nanscan: max_consecutive_skips must be >= 0 or None, got {max_consecutive_skips}")
+        check_max_consecutive_skips(max_consecutive_skips)
         self.optimizer = optimizer
         self.max_consecutive_skips = max_consecutive_skips
         self._finite: torch.Tensor | None = None
         self._total: torch.Tensor | None = None
         self._consecutive: torch.Tensor | None = None
         self._last_skipped: torch.Tensor | None = None
+        # (host copy of the consecutive-skip counter, event marking the copy done; None on a CPU)
+        self._copies: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
         self._device_side = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
         original = optimizer.step
 
@@ -69,6 +88,37 @@ class SkipGuard:
         self._total = self._total + bad
         self._consecutive = (self._consecutive + bad) * bad
         self._last_skipped = bad.bool()
+        if self._device_side and self.max_consecutive_skips is not None:
+            self._copy_counter_to_host()
+
+    def _copy_counter_to_host(self) -> None:
+        counter = self._consecutive
+        assert counter is not None
+        if counter.device.type != "cuda":
+            self._copies.append((counter, None))  # already on the host: readable at once
+            return
+        # A non-blocking copy into pinned memory (from torch's caching host allocator), ordered after
+        # the counter's update on the current stream; the event says when it has landed.
+        host = torch.empty((), dtype=counter.dtype, pin_memory=True)
+        host.copy_(counter, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copies.append((host, event))
+
+    def check_limit(self) -> None:
+        """Raises NonFiniteGradientError if more consecutive steps than ``max_consecutive_skips`` were
+        skipped, judged from the counter copies that have reached the host (see the module notes)."""
+        if not self._device_side:
+            self._raise_past_limit()
+            return
+        while self._copies:
+            copy, event = self._copies[0]
+            if event is not None and not event.query():
+                if len(self._copies) <= _MAX_COPIES_IN_FLIGHT:
+                    return
+                event.synchronize()
+            self._copies.popleft()
+            self._raise_past_limit(int(copy))
 
     def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         finite, self._finite = self._finite, None
@@ -98,10 +148,15 @@ class SkipGuard:
         self._raise_past_limit()
         return None
 
-    def _raise_past_limit(self) -> None:
-        if self.max_consecutive_skips is not None and self.consecutive_skips > self.max_consecutive_skips:
+    def _raise_past_limit(self, consecutive: int | None = None) -> None:
+        if self.max_consecutive_skips is None:
+            return
+        if consecutive is None:
+            consecutive = self.consecutive_skips
+        if consecutive > self.max_consecutive_skips:
+            self._copies.clear()
             raise NonFiniteGradientError(
-                f"nanscan: {self.consecutive_skips} consecutive optimizer steps skipped for non-finite gradients "
+                f"nanscan: {consecutive} consecutive optimizer steps skipped for non-finite gradients "
                 f"(limit {self.max_consecutive_skips})"
             )
 
@@ -127,17 +182,25 @@ def act_on_nonfinite(report: Any, on_nonfinite: str, optimizer: torch.optim.Opti
     if on_nonfinite == "ignore":
         return
     if on_nonfinite == "skip":
-        if optimizer is None:
-            raise ValueError("nanscan.check: on_nonfinite='skip' needs optimizer=<the optimizer whose step to skip>")
+        assert optimizer is not None, "check() validates its arguments"
         guard = SkipGuard.of(optimizer, max_consecutive_skips)
         guard.arm(report.stats.finite)
-        if not guard._device_side and guard.max_consecutive_skips is not None:
-            guard._raise_past_limit()
+        guard.check_limit()
         return
-    if report.finite:  # warn and raise read the flag: one sync
+    if on_nonfinite == "raise":
+        raise_on_nonfinite(report)
         return
-    message = f"nanscan: non-finite gradients in {', '.join(report.nonfinite)}\n{report.table()}"
-    if on_nonfinite == "warn":
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    else:
-        raise NonFiniteGradientError(message)
+    if report.finite:  # warn reads the flag: one sync
+        return
+    warnings.warn(nonfinite_message(report), RuntimeWarning, stacklevel=3)
+
+
+def nonfinite_message(report: Any) -> str:
+    """The parameters with NaN/Inf gradients, and the table of the worst ones."""
+    return f"nanscan: non-finite gradients in {', '.join(report.nonfinite)}\n{report.table()}"
+
+
+def raise_on_nonfinite(report: Any) -> None:
+    """Raises NonFiniteGradientError naming the parameters if the Report is not finite (one sync)."""
+    if not report.finite:
+        raise NonFiniteGradientError(nonfinite_message(report))

@@ -8,8 +8,13 @@ from typing import Any, overload
 
 import torch
 
-from .guard import ON_NONFINITE, act_on_nonfinite
-from .clip import as_max_norm, as_norm_type, clip_grads_with_norm_, result_dtype, scan_answers, total_norm_from_scan
+from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
+from .clip import (
+    as_max_norm,
+    as_norm_type,
+    clip_grads_with_norm_,
+    total_norm_of,
+)
 from .scan import ScanResult, scan
 
 
@@ -270,18 +275,24 @@ def check(
     """
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"nanscan.check: on_nonfinite must be one of {', '.join(map(repr, ON_NONFINITE))}, got {on_nonfinite!r}")
+    # Every argument is checked before any gradient is read or written.
+    if on_nonfinite == "skip":
+        if optimizer is None:
+            raise ValueError("nanscan.check: on_nonfinite='skip' needs optimizer=<the optimizer whose step to skip>")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"nanscan.check: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_max_consecutive_skips(max_consecutive_skips)
     norm_type = as_norm_type(norm_type)
     if max_norm is not None:
         max_norm = as_max_norm(max_norm)
     names, grads = named_gradients(model_or_params)
     with torch.no_grad():
         stats = scan(grads, names)
-        if not grads:
-            total = torch.zeros((), dtype=torch.float64)
-        elif scan_answers(grads, norm_type):
-            total = total_norm_from_scan(stats, norm_type).to(result_dtype(grads))
-        else:
-            total = torch.nn.utils.get_total_norm(grads, norm_type)
+        total = total_norm_of(grads, stats, norm_type)
+        if on_nonfinite == "raise" and max_norm is not None and grads and not bool(stats.finite):
+            # Before the clip, as torch's error_if_nonfinite: a NaN coefficient would rewrite every
+            # gradient, and the error is there to stop the step with the gradients as they came.
+            raise_on_nonfinite(Report(names, stats, total, norm_type))
         coef = clip_grads_with_norm_(grads, max_norm, total) if max_norm is not None and grads else None
     report = Report(names, stats, total, norm_type, max_norm, coef)
     act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)

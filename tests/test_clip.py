@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,15 +173,37 @@ def test_bad_max_norm_raises_before_touching_gradients(max_norm: object, error: 
     assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None]))
 
 
-@pytest.mark.parametrize("norm_type", ["fro", None, [2.0], True])
-def test_bad_norm_type(norm_type: object) -> None:
+@pytest.mark.parametrize("norm_type", ["fro", None, [2.0], object()])
+def test_bad_norm_type_raises_like_torch(norm_type: object) -> None:
     params = make_params("cpu")
-    before = [p.grad.clone() for p in params if p.grad is not None]
-    with pytest.raises(ValueError, match="norm_type must be a number"):
+    grads = [p.grad for p in params if p.grad is not None]
+    before = [g.clone() for g in grads]
+    with pytest.raises(Exception) as theirs:
+        torch.nn.utils.get_total_norm([g.clone() for g in grads], norm_type)  # type: ignore[arg-type]
+    with pytest.raises(theirs.type, match="norm_type must be a real number or 'inf'"):
         nanscan.clip_grad_norm_(params, 1.0, norm_type)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="norm_type must be a number"):
-        nanscan.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)  # type: ignore[arg-type]
-    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None]))
+    with pytest.raises(theirs.type, match="norm_type must be a real number or 'inf'"):
+        nanscan.get_total_norm(grads, norm_type)  # type: ignore[arg-type]
+    assert all(torch.equal(a, g) for a, g in zip(before, grads))
+
+
+@pytest.mark.parametrize(
+    "norm_type",
+    [np.float32(2.0), np.float64(math.inf), np.int64(1), np.int32(3), True, "inf", "2", torch.tensor(2.0), 2],
+    ids=repr,
+)
+def test_norm_type_accepts_what_torch_accepts(norm_type: object) -> None:
+    """torch takes ``float(norm_type)``: numpy scalars, bools (True is the 1-norm), numeric strings."""
+    params = make_params("cpu")
+    twins = twin(params)
+    got = nanscan.clip_grad_norm_(params, 0.5, norm_type)  # type: ignore[arg-type]
+    want = torch.nn.utils.clip_grad_norm_(twins, 0.5, norm_type)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want)
+    for p, t in zip(params, twins):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, t.grad)
+    grads = [t.grad for t in twins if t.grad is not None]
+    torch.testing.assert_close(nanscan.get_total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type))  # type: ignore[arg-type]
 
 
 def test_non_tensor_parameter_is_named() -> None:
@@ -198,3 +221,36 @@ def test_dtypes_the_scan_does_not_read_behave_exactly_like_torch() -> None:
         nanscan.get_total_norm(ints)
     with pytest.raises(TypeError, match="entry 1 is a str"):
         nanscan.get_total_norm([torch.ones(1), "x"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, 0.5, 2.0, math.inf])
+def test_assigning_over_torchs_get_total_norm_does_not_recurse(norm_type: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Users monkeypatch drop-ins; nanscan delegates to the torch function it took at import."""
+    params = make_params("cpu")
+    grads_ = [p.grad for p in params if p.grad is not None]
+    want = torch.nn.utils.get_total_norm(grads_, norm_type)
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", nanscan.get_total_norm)
+    torch.testing.assert_close(torch.nn.utils.get_total_norm(grads_, norm_type), want)
+    torch.testing.assert_close(nanscan.clip_grad_norm_(params, 1e30, norm_type), want)
+    torch.testing.assert_close(nanscan.check(params, norm_type=norm_type).total_norm_tensor, want)
+
+
+def test_expanded_gradient_is_refused_before_any_gradient_is_scaled() -> None:
+    """torch's clip scales the entries before a stride-0 gradient and then raises; nanscan validates
+    every entry first, raises the same error, and leaves all gradients as they were."""
+    params = make_params("cpu")
+    params[3].grad = torch.full((1,), 5.0).expand(1)  # one element: writable
+    params.append(torch.nn.Parameter(torch.ones(4)))
+    params[-1].grad = torch.full((1,), 5.0).expand(4)  # four elements, one memory location
+    theirs = twin(params)
+    theirs[-1].grad = torch.full((1,), 5.0).expand(4)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor") as torch_error:
+        torch.nn.utils.clip_grad_norm_(theirs, 1e-3)
+    assert not torch.equal(theirs[0].grad, params[0].grad), "torch scaled the first gradient before raising"
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    with pytest.raises(type(torch_error.value), match="more than one element of the written-to tensor"):
+        nanscan.clip_grad_norm_(params, 1e-3)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        nanscan.check(params, max_norm=1e-3)
+    for p, b in zip(params, before):
+        assert (p.grad is None and b is None) or torch.equal(p.grad, b)

@@ -121,3 +121,30 @@ def test_skip_guard_composes_with_grad_scaler(scaler_cls: type, poison: bool) ->
     if not poison:
         state = opt.state[next(iter(model.parameters()))]
         assert state["exp_avg"].abs().max().item() < 10.0, "the fused step saw still-scaled gradients"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_consecutive_limit_holds_on_every_path(fused: bool) -> None:
+    """max_consecutive_skips with a fused optimizer: skipping stays on the device, the limit still holds
+    (on a CPU at the very check that passes it; see guard.py for the GPU's lag of at most two steps)."""
+    model, opt = setup(fused)
+    raised_at = None
+    for step in range(10):
+        backward(model, True)
+        try:
+            nanscan.check(model, on_nonfinite="skip", optimizer=opt, max_consecutive_skips=3)
+        except NonFiniteGradientError as e:
+            raised_at = step
+            assert "4 consecutive optimizer steps skipped" in str(e) and "limit 3" in str(e)
+            break
+        opt.step()
+    assert raised_at == 3, f"the limit of 3 was not enforced (raised at step {raised_at})"
+
+
+def test_consecutive_limit_resets_after_a_finite_step() -> None:
+    model, opt = setup(fused=True)
+    for poison in [True, True, False, True, True, False, True, True]:
+        backward(model, poison)
+        nanscan.check(model, on_nonfinite="skip", optimizer=opt, max_consecutive_skips=2)
+        opt.step()
+    assert SkipGuard.of(opt).total_skips == 6

@@ -163,7 +163,7 @@ def test_bad_inputs_are_named() -> None:
         nanscan.check([("a", p), ("b", 3)])
     with pytest.raises(ValueError, match="non-negative"):
         nanscan.check([p], max_norm=-1.0)
-    with pytest.raises(ValueError, match="norm_type must be a number"):
+    with pytest.raises(ValueError, match="norm_type must be a real number"):
         nanscan.check([p], norm_type="fro")
     q = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
     q.grad = torch.ones(2, dtype=torch.float64).to_sparse()
