@@ -14,12 +14,23 @@ How it works. Every call of every hooked module gives events, recorded in the or
   whether the module received bad values or made them; an input is nearly always an earlier
   module's output, already scanned and unchanged since (same object, same version counter), so
   only inputs that no hooked module produced (the model's inputs, values made by a container's own
-  code) cost a second scan call.
+  code) cost a second scan call. (A write through ``.data`` in a container's code between two
+  modules bumps no version counter, so the next module's input statistics would be the earlier
+  ones: that can move ``origin`` to the next module, never hide a NaN, since every output is
+  scanned as it is produced.)
 * backward: when the gradients with respect to the module's differentiable inputs are complete (what
   the module's backward produced: its "input-gradients"), one scan covers them and the gradients the
   module received for its outputs, except those already scanned as the next module's
   input-gradients. A module without a differentiable input (the first layer, an embedding)
   produces no input-gradient; its event is the gradient it received.
+
+* parameter gradients: every parameter's gradient, once autograd has accumulated it into ``.grad``
+  (a post-accumulate-grad hook), is an event of the module that owns the parameter. A NaN that
+  appears only in a weight's gradient (``x * gain.sqrt()`` with ``gain`` at zero: the input-gradient
+  is finite, the gradient of ``gain`` is not) is found and named this way. The gradients of one
+  backward pass are scanned together, in one call when the pass ends; until then the locator holds
+  references to them (the ``.grad`` tensors themselves, no copies). The event's context is what the
+  module received for its outputs in that pass.
 
 Nothing syncs inside the hooks: each scan leaves its statistics on the device, and the first Python
 value read from the trace copies all of them to the host in one transfer (one per device).
@@ -64,18 +75,20 @@ from ._ops import scan_op
 from .scan import SUPPORTED_DTYPES, scan
 
 Phase = Literal["forward", "backward"]
-Kind = Literal["output", "input-gradient", "output-gradient"]
+Kind = Literal["output", "input-gradient", "output-gradient", "parameter-gradient"]
 
 # How each kind of event labels its tensors: (what the module produced, what it consumed).
 _LABELS: dict[str, tuple[str, str]] = {
     "output": ("output", "input"),
     "input-gradient": ("grad input", "grad output"),
     "output-gradient": ("grad output", ""),
+    "parameter-gradient": ("grad", "grad output"),
 }
 _DESCRIBE: dict[str, str] = {
     "output": "forward output",
     "input-gradient": "input-gradient (backward)",
     "output-gradient": "gradient received for the output (backward)",
+    "parameter-gradient": "parameter gradient (backward)",
 }
 _RECENT_GRADS = 2  # input-gradients held for _grad_ref: a chain needs one
 _SEEN_PRUNE = 4096  # entries in the table of scanned tensors before the dead ones are dropped
@@ -138,16 +151,21 @@ class Finding:
         op: the module's class name (``"Linear"``, ``"MultiheadAttention"``).
         phase: ``"forward"`` or ``"backward"``.
         kind: ``"output"`` (forward), ``"input-gradient"`` (backward: the gradients the module's
-            backward produced for its inputs) or ``"output-gradient"`` (backward, for a module without
+            backward produced for its inputs), ``"output-gradient"`` (backward, for a module without
             a differentiable input, or one that changed its input in place: the gradients it received
-            for its outputs).
+            for its outputs) or ``"parameter-gradient"`` (backward: the accumulated gradient of one
+            of the module's own parameters, named by ``parameter``).
         call: which call of the module this was, counted from 1 by the locator (a module applied
-            twice per step has calls 1 and 2 in the first step, 3 and 4 in the next).
+            twice per step has calls 1 and 2 in the first step, 3 and 4 in the next). For a
+            parameter gradient, which sums the module's calls, the number of calls made so far.
         event: the event's position in execution order, from 0.
         outputs: what the module produced: its outputs (forward) or its input-gradients (backward);
             for an ``"output-gradient"`` event, the gradients it received.
         inputs: what the module consumed: its floating inputs (forward) or, for an
-            ``"input-gradient"`` event, the gradients it received for its outputs. May be empty.
+            ``"input-gradient"`` or ``"parameter-gradient"`` event, the gradients it received for its
+            outputs. May be empty.
+        parameter: for a ``"parameter-gradient"`` event, the parameter's qualified name
+            (``"blocks.0.gain"``); None for every other kind.
     """
 
     module: str
@@ -158,6 +176,7 @@ class Finding:
     event: int
     outputs: tuple[TensorStats, ...]
     inputs: tuple[TensorStats, ...]
+    parameter: str | None = None
 
     @property
     def finite(self) -> bool:
@@ -173,6 +192,8 @@ class Finding:
     def where(self) -> str:
         """How a report names the module call, e.g. "`blocks.2.mlp` (MLP), call 1"."""
         name = f"`{self.module}`" if self.module else "the model itself"
+        if self.parameter is not None:
+            return f"`{self.parameter}` of {name} ({self.op})"
         return f"{name} ({self.op}), call {self.call}"
 
     def __str__(self) -> str:
@@ -186,7 +207,21 @@ class _Scan:
 
     __slots__ = ("counts", "stats", "metas")
 
+    counts: torch.Tensor
+    stats: torch.Tensor
+
+    @classmethod
+    def deferred(cls) -> _Scan:
+        """A scan whose tensors are added one by one (``metas``) and scanned later, by ``run``."""
+        scan = cls.__new__(cls)
+        scan.metas = []
+        return scan
+
     def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.metas: list[tuple[torch.Size, torch.dtype]] = []
+        self.run(tensors)
+
+    def run(self, tensors: list[torch.Tensor]) -> None:
         # Detached: the op has no autograd formula, and its outputs must not hold the model's graph.
         # (Cheaper than switching grad mode off and on around the call.)
         inputs = [t.detach() for t in tensors] if torch.is_grad_enabled() else tensors
@@ -201,7 +236,8 @@ class _Scan:
             stats = torch.stack([result.min, result.max, result.norm])
         self.counts = counts  # int64 [2, N]: NaN, Inf
         self.stats = stats  # float64 [3, N]: min, max, L2 norm
-        self.metas = [(t.shape, t.dtype) for t in tensors]
+        if not self.metas:
+            self.metas = [(t.shape, t.dtype) for t in tensors]
 
 
 # A scanned tensor: the scan that covered it and its column there.
@@ -211,7 +247,7 @@ _Ref = tuple[_Scan, int]
 class _Call:
     """One call of one module: who it is, its inputs' statistics, and its state between hooks."""
 
-    __slots__ = ("who", "inputs", "views", "grad_inputs", "grad_outputs")
+    __slots__ = ("who", "inputs", "views", "grad_inputs", "grad_outputs", "received")
 
     def __init__(self, name: str, op: str, call: int) -> None:
         self.who = (name, op, call)  # what the events of this call keep: never its tensors
@@ -221,14 +257,25 @@ class _Call:
         # Held from the output hook to the input hook: the output gradients, and where each was
         # already scanned (None: not yet).
         self.grad_outputs: tuple[list[torch.Tensor], list[_Ref | None]] | None = None
+        # Where the gradients this call received for its outputs were scanned, once they were: the
+        # context of the module's parameter-gradient events.
+        self.received: list[_Ref] | None = None
 
 
 class _Event:
     """A recorded event: references to the scanned tensors it produced and consumed."""
 
-    __slots__ = ("who", "kind", "outputs", "inputs", "context_known")
+    __slots__ = ("who", "kind", "outputs", "inputs", "context_known", "parameter")
 
-    def __init__(self, call: _Call, kind: Kind, outputs: list[_Ref], inputs: list[_Ref], context_known: bool) -> None:
+    def __init__(
+        self,
+        call: _Call,
+        kind: Kind,
+        outputs: list[_Ref],
+        inputs: list[_Ref],
+        context_known: bool,
+        parameter: tuple[str, str] | None = None,
+    ) -> None:
         self.who = call.who  # (module name, class name, call number)
         self.kind = kind
         self.outputs = outputs
@@ -237,6 +284,7 @@ class _Event:
         # sees its input-gradient before its output-gradient): such an event cannot show that the
         # module made the bad values, only that it passed them on.
         self.context_known = context_known
+        self.parameter = parameter  # (qualified name, name within the module) of a parameter gradient
 
 
 def _scannable(t: object) -> bool:
@@ -313,6 +361,14 @@ class Locator:
         # The last input-gradients scanned, held until the producer's output hook sees them again
         # (through an alias); see _grad_ref.
         self._recent: list[tuple[torch.Tensor, int, _Scan, int]] = []
+        # Parameter gradients of the running backward pass, scanned together when it ends (one scan
+        # call): the tensors, the deferred scan their events refer to, and the events whose context
+        # (what the owning module received) is filled in then.
+        self._param_grads: list[torch.Tensor] = []
+        self._param_scan: _Scan | None = None
+        self._param_events: list[_Event] = []
+        # The calls that received output-gradients in the running backward pass, by module name.
+        self._receiving: dict[str, list[_Call]] = {}
         self._active = False
         self._host: tuple[int, dict[int, list[list[float]]]] | None = None
 
@@ -329,6 +385,8 @@ class Locator:
                 pre_hook, forward_hook = self._hooks(name, type(module).__name__)
                 self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(forward_hook, with_kwargs=True))
+            if self.backward:
+                self._hook_parameters()
         except BaseException:
             self.remove()
             raise
@@ -341,8 +399,10 @@ class Locator:
         return False  # never swallow the block's exception
 
     def remove(self) -> None:
-        """Removes every module hook this locator added; calling it again does nothing. Gradient hooks
-        still attached to a live autograd graph go with the graph, and record nothing from now on."""
+        """Removes every module and parameter hook this locator added; calling it again does nothing.
+        Gradient hooks still attached to a live autograd graph go with the graph, and record nothing
+        from now on."""
+        self._scan_parameter_gradients()
         self._active = False
         self._seen.clear()
         self._recent.clear()
@@ -350,6 +410,54 @@ class Locator:
             self._handles.pop().remove()
 
     # ----------------------------------------------------------------------------------- hooks
+
+    def _hook_parameters(self) -> None:
+        """A post-accumulate-grad hook on every parameter, under the module that owns it (a parameter
+        shared by several modules, such as tied embeddings, under the first)."""
+        hooked: set[int] = set()
+        for module_name, module in self.model.named_modules():
+            for short, param in module.named_parameters(recurse=False):
+                if id(param) in hooked or not param.requires_grad:
+                    continue
+                hooked.add(id(param))
+                qualified = f"{module_name}.{short}" if module_name else short
+                hook = self._parameter_hook(module_name, type(module).__name__, (qualified, short))
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _parameter_hook(self, name: str, op: str, parameter: tuple[str, str]) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if not self._active or grad is None or not _scannable(grad):
+                return
+            if self._param_scan is None:
+                self._param_scan = _Scan.deferred()
+                # Scan this pass's parameter gradients together once it ends (as DDP and FSDP
+                # schedule their end-of-backward work).
+                torch.autograd.Variable._execution_engine.queue_callback(self._scan_parameter_gradients)
+            scan = self._param_scan
+            scan.metas.append((grad.shape, grad.dtype))
+            self._param_grads.append(grad)
+            call = _Call(name, op, self._calls.get(name, 0))
+            event = _Event(call, "parameter-gradient", [(scan, len(scan.metas) - 1)], [], False, parameter)
+            self._events.append(event)
+            self._param_events.append(event)
+
+        return hook
+
+    def _scan_parameter_gradients(self) -> None:
+        """Scans the parameter gradients of the pass that ended, and gives their events the context
+        of what each owning module received in it."""
+        scan, grads, events = self._param_scan, self._param_grads, self._param_events
+        receiving = self._receiving
+        self._param_scan, self._param_grads, self._param_events, self._receiving = None, [], [], {}
+        if scan is None:
+            return
+        scan.run(grads)
+        for event in events:
+            calls = receiving.get(event.who[0], [])
+            if calls and all(call.received is not None for call in calls):
+                event.inputs = [ref for call in calls for ref in call.received or []]
+                event.context_known = True
 
     def _hooks(self, name: str, op: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The forward pre-hook and forward hook of one module; they share the stack of its open calls."""
@@ -465,10 +573,13 @@ class Locator:
             return
         received = [g for g in grads if g is not None and _scannable(g)]
         refs = [self._grad_ref(g) for g in received]
+        self._receiving.setdefault(call.who[0], []).append(call)
         if call.grad_inputs:
             call.grad_outputs = (received, refs)  # scanned (if need be) with the input-gradients
-        elif received:
-            self._events.append(_Event(call, "output-gradient", self._resolve(received, refs), [], False))
+        else:
+            call.received = self._resolve(received, refs) if received else []
+            if received:
+                self._events.append(_Event(call, "output-gradient", call.received, [], False))
 
     def _on_grad_inputs(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
         if not self._active or not call.grad_inputs:
@@ -478,6 +589,7 @@ class Locator:
         received, received_refs = call.grad_outputs or ([], [])
         call.grad_outputs = None  # drop the references
         if not produced and not received:
+            call.received = []
             return
         # An input-gradient can itself be a recent one passed through (a module that returns its input).
         refs = self._resolve(produced + received, [self._grad_ref(g) for g in produced] + received_refs)
@@ -485,6 +597,7 @@ class Locator:
         for g, (scanned, j) in zip(produced, refs):
             self._recent.append((g, g._version, scanned, j))
         del self._recent[:-_RECENT_GRADS]
+        call.received = refs[k:]
         self._events.append(_Event(call, "input-gradient", refs[:k], refs[k:], context_known))
 
     # --------------------------------------------------------------------------------- results
@@ -493,6 +606,7 @@ class Locator:
         """Host rows [nan, inf, min, max, norm] of every scan the events refer to, by id of the scan.
 
         One device-to-host copy per device, made when the events changed since the last one."""
+        self._scan_parameter_gradients()  # a backward pass that did not end (it raised) leaves some
         n = len(self._events)
         if self._host is not None and self._host[0] == n:
             return self._host[1]
@@ -532,18 +646,23 @@ class Locator:
         rows = self._values()
         produced, consumed = _LABELS[event.kind]
 
-        def stats(refs: list[_Ref], label: str) -> tuple[TensorStats, ...]:
+        def stats(refs: list[_Ref], label: str, indexed: bool = True) -> tuple[TensorStats, ...]:
             out = []
             for k, (s, j) in enumerate(refs):
                 shape, dtype = s.metas[j]
                 nan, inf, lo, hi, norm = rows[id(s)][j]
-                out.append(TensorStats(f"{label}[{k}]", tuple(shape), dtype, int(nan), int(inf), lo, hi, norm))
+                name = f"{label}[{k}]" if indexed else label
+                out.append(TensorStats(name, tuple(shape), dtype, int(nan), int(inf), lo, hi, norm))
             return tuple(out)
 
         phase: Phase = "forward" if event.kind == "output" else "backward"
         name, op, call = event.who
-        outputs, inputs = stats(event.outputs, produced), stats(event.inputs, consumed)
-        return Finding(name, op, phase, event.kind, call, i, outputs, inputs)
+        inputs = stats(event.inputs, consumed)
+        if event.parameter is None:
+            return Finding(name, op, phase, event.kind, call, i, stats(event.outputs, produced), inputs)
+        qualified, short = event.parameter
+        outputs = stats(event.outputs, f"{produced} {short}", indexed=False)
+        return Finding(name, op, phase, event.kind, call, i, outputs, inputs, qualified)
 
     @property
     def events(self) -> int:

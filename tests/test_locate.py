@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, reference_stats
+import nanscan
 from nanscan.locate import Locator, TensorStats, locate
 
 # ------------------------------------------------------------------------------- planted faults
@@ -107,8 +108,9 @@ def train_step(model: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 def hooks_of(model: torch.nn.Module) -> int:
-    """Every module hook of every submodule (forward, pre-forward, backward, with and without kwargs)."""
-    return sum(
+    """Every module hook of every submodule (forward, pre-forward, backward, with and without kwargs),
+    and every parameter's post-accumulate-grad hook."""
+    module_hooks = sum(
         len(getattr(m, attr))
         for m in model.modules()
         for attr in (
@@ -120,6 +122,7 @@ def hooks_of(model: torch.nn.Module) -> int:
             "_forward_pre_hooks_with_kwargs",
         )
     )
+    return module_hooks + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
 
 
 def assert_stats(got: TensorStats, tensor: torch.Tensor) -> None:
@@ -261,9 +264,10 @@ def test_no_fault() -> None:
     assert trace.finite and trace.first is None and trace.origin is None and trace.nonfinite == []
     # Forward: stem, 3 x (fc, act, fault, block), head, the model: 15 events. Backward: the model and
     # the stem have no differentiable input (one output-gradient event each), the other 13 modules
-    # one input-gradient event each.
-    assert trace.events == 30
-    assert str(trace) == "nanscan.locate on Net: all 30 events finite"
+    # one input-gradient event each, and the 5 Linear layers one parameter-gradient event per
+    # weight and bias.
+    assert trace.events == 40
+    assert str(trace) == "nanscan.locate on Net: all 40 events finite"
 
 
 def test_exact_event_sequence() -> None:
@@ -277,9 +281,13 @@ def test_exact_event_sequence() -> None:
         ("2", "output", 1),
         ("", "output", 1),
         ("", "output-gradient", 1),  # the model's input needs no gradient: the gradient it received
+        ("2", "parameter-gradient", 1),  # weight and bias, as autograd accumulates them
+        ("2", "parameter-gradient", 1),
         ("2", "input-gradient", 1),
         ("1", "input-gradient", 1),
         ("0", "output-gradient", 1),
+        ("0", "parameter-gradient", 1),
+        ("0", "parameter-gradient", 1),
     ]
 
 
@@ -400,6 +408,79 @@ def test_input_changed_in_place_after_it_was_scanned_is_scanned_again() -> None:
     assert trace.origin is not None and trace.origin.module == "1"
 
 
+class SqrtGain(torch.nn.Module):
+    """``x * sqrt(gain)`` with ``gain`` at zero: the output and the input-gradient are finite, but the
+    gradient of ``gain`` is grad * x / (2 sqrt(0)) = +-inf (NaN where x is 0)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain.sqrt()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_only_in_a_parameter_gradient(device: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), SqrtGain(8), torch.nn.Linear(8, 1)).to(device)
+    x = torch.randn(4, 8, device=device)
+    with locate(model) as trace:
+        model(x).sum().backward()
+    assert [f for f in trace.nonfinite if f.kind != "parameter-gradient"] == [], "activations and input-gradients are finite"
+    first = trace.first
+    assert first is not None and (first.module, first.op, first.kind, first.phase) == ("1", "SqrtGain", "parameter-gradient", "backward")
+    assert first.parameter == "1.gain" and first.outputs[0].label == "grad gain"
+    assert_stats(first.outputs[0], model[1].gain.grad)
+    assert first.inputs_finite and len(first.inputs) == 1, "the gradient the module received, finite"
+    assert trace.origin is not None and trace.origin.event == first.event
+    assert "`1.gain` of `1` (SqrtGain)" in str(trace) and "this module made the non-finite values" in str(trace)
+    assert nanscan.check(model).nonfinite == ["1.gain"], "locate and check agree"
+
+
+def test_fp16_amp_inf_in_a_weight_gradient_is_named() -> None:
+    """Under fp16 autocast and a GradScaler, an overflow that shows only in a weight's gradient (the
+    activations and input-gradients stay finite) is found and named."""
+
+    class WideSum(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(WideSum(), torch.nn.Linear(64, 1))
+    with torch.no_grad():  # sizes that keep every activation and gradient but proj.weight's in range
+        model[0].proj.weight.fill_(1e-6)
+        model[1].weight.fill_(1e-2)
+    x = torch.full((4, 64), 3000.0)  # proj.weight's gradient: 1024 * 1e-2 * 3000 * 4 rows > 65504
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with locate(model) as trace:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().sum()
+        scaler.scale(loss).backward()
+    first = trace.first
+    assert first is not None and first.kind == "parameter-gradient" and first.parameter == "0.proj.weight", str(trace)
+    assert first.outputs[0].inf_count > 0
+    assert all(f.kind == "parameter-gradient" for f in trace.nonfinite)
+
+
+def test_parameter_gradient_events_of_shared_and_frozen_parameters() -> None:
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, torch.nn.Tanh(), shared, torch.nn.Linear(4, 1))
+    model[3].bias.requires_grad_(False)
+    with locate(model) as trace:
+        model(torch.randn(2, 4)).sum().backward()
+    params = [(m, k, c) for m, k, c in trace.timeline if k == "parameter-gradient"]
+    # The shared layer's two parameters, once each (under its first name, "0"), after both calls;
+    # the frozen bias has no gradient and no event.
+    assert params == [("3", "parameter-gradient", 1), ("0", "parameter-gradient", 2), ("0", "parameter-gradient", 2)]
+    assert trace.finite
+
+
 def test_nonfinite_loss_is_outside_the_model() -> None:
     model, x = make()
     with locate(model) as trace:
@@ -513,7 +594,7 @@ def test_exception_in_block_removes_hooks_and_propagates() -> None:
             train_step(model, x)
             raise ValueError("boom")
     assert hooks_of(model) == before == 1, "only the user's own hook is left"
-    assert isinstance(trace, Locator) and trace.events == 30, "what was recorded stays readable"
+    assert isinstance(trace, Locator) and trace.events == 40, "what was recorded stays readable"
     trace.remove()  # removing twice is harmless
     user_hook.remove()
     assert hooks_of(model) == 0
