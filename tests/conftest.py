@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,3 +101,14 @@ def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], tim
         pytest.fail(f"{binary.name} did not finish in {timeout:g} s: {hang_hint}")
     assert run.returncode == 0, run.stderr[-6000:]
     return run.stdout
+
+
+# ---- Hypothesis profiles (used by tests/test_properties.py) ---------------------------------------
+# "ci" is the default: a few hundred derandomized examples in all, so every run checks the same
+# inputs and the file stays well under a minute. "long" searches far more, with fresh randomness:
+#     python -m pytest -q tests/test_properties.py --hypothesis-profile=long
+# The hypothesis pytest plugin loads the flag's profile after this file is imported, so the flag
+# overrides "ci".
+settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
