@@ -1,8 +1,10 @@
 """Build nanscan's compiled library, nanscan._C, against the torch that is already installed.
 
 Install with `pip install --no-build-isolation -e .`: an isolated build would fetch another torch.
-The CUDA backend is built when the installed torch was built with CUDA and CUDA_HOME names a
-toolkit; whether a GPU is visible is irrelevant (build machines often have none).
+The CUDA backend is built when the installed torch was built with CUDA; whether a GPU is visible is
+irrelevant (build machines often have none). The toolkit is $CUDA_HOME or $CUDA_PATH, else the one
+torch finds (nvcc on PATH, /usr/local/cuda). A CUDA torch with no toolkit found is an error, not a
+silent CPU-only build: set CUDA_HOME, or NANSCAN_CPU_ONLY=1 to build the CPU backend on purpose.
 """
 
 import glob
@@ -12,6 +14,7 @@ import sys
 from setuptools import setup
 
 import torch
+from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -30,12 +33,22 @@ def log(message: str) -> None:
 
 
 def cuda_build_reason() -> tuple[bool, str]:
-    """Whether to build the CUDA backend, and why, from the installed torch and CUDA_HOME."""
+    """Whether to build the CUDA backend, and why, from the installed torch and the toolkit found.
+
+    Raises SystemExit when torch has CUDA but no toolkit is found: a CPU-only build there would fail
+    only later, at the first CUDA call."""
+    if os.environ.get("NANSCAN_CPU_ONLY") == "1":
+        return False, "NANSCAN_CPU_ONLY=1"
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} has no CUDA support"
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or cpp_extension.CUDA_HOME
     if not cuda_home or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
-        return False, f"torch has CUDA {torch.version.cuda} but CUDA_HOME does not name a toolkit with bin/nvcc"
+        raise SystemExit(
+            f"nanscan setup: torch {torch.__version__} has CUDA {torch.version.cuda}, but no CUDA toolkit was "
+            f"found (looked at $CUDA_HOME, $CUDA_PATH, nvcc on PATH and /usr/local/cuda; got {cuda_home!r}). "
+            "Set CUDA_HOME to the toolkit (the directory holding bin/nvcc), or set NANSCAN_CPU_ONLY=1 to "
+            "build the CPU backend only."
+        )
     return True, f"torch has CUDA {torch.version.cuda}, toolkit at {cuda_home}"
 
 

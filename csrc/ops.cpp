@@ -15,10 +15,21 @@
 #include "cpu/scan_cpu.h"
 #include "ops.h"
 
-// Importing nanscan._C loads this library, which runs the TORCH_LIBRARY registrations below.
+// Importing nanscan._C loads this library, which runs the TORCH_LIBRARY registrations below. The
+// module's one attribute, with_cuda, says which backends were built.
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+#ifdef NANSCAN_WITH_CUDA
+  constexpr long kWithCuda = 1;
+#else
+  constexpr long kWithCuda = 0;
+#endif
+  if (module != nullptr && PyModule_AddIntConstant(module, "with_cuda", kWithCuda) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 
 namespace nanscan {
@@ -184,6 +195,24 @@ ScanResultTuple unscale_scan_autograd(at::TensorList tensors, const at::Tensor& 
   return op.call(tensors, inv_scale);
 }
 
+#ifndef NANSCAN_WITH_CUDA
+// A build without the CUDA backend (torch without CUDA, or NANSCAN_CPU_ONLY=1) still registers CUDA
+// kernels, which say so: otherwise the first CUDA call fails with the dispatcher's "Could not run
+// 'nanscan::scan' with arguments from the 'CUDA' backend", which names neither cause nor fix.
+[[noreturn]] void built_without_cuda(const char* op) {
+  TORCH_CHECK(false, op,
+              ": this nanscan was built without its CUDA backend, so it cannot read CUDA tensors. Reinstall it "
+              "against a CUDA build of torch, with a CUDA toolkit (CUDA_HOME): pip install --no-build-isolation "
+              "-e . (setup.py prints which backends it builds, and why)");
+}
+
+ScanResultTuple scan_without_cuda(at::TensorList, bool) { built_without_cuda("nanscan.scan"); }
+void scale_without_cuda(at::TensorList, const at::Tensor&) { built_without_cuda("nanscan.scale_"); }
+ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
+  built_without_cuda("nanscan.unscale_scan_");
+}
+#endif
+
 }  // namespace
 }  // namespace nanscan
 
@@ -202,6 +231,14 @@ TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
   m.impl("scale_", &nanscan::scale_autograd);
   m.impl("unscale_scan_", &nanscan::unscale_scan_autograd);
 }
+
+#ifndef NANSCAN_WITH_CUDA
+TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
+  m.impl("scan", &nanscan::scan_without_cuda);
+  m.impl("scale_", &nanscan::scale_without_cuda);
+  m.impl("unscale_scan_", &nanscan::unscale_scan_without_cuda);
+}
+#endif
 
 TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);

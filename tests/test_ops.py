@@ -177,3 +177,23 @@ def test_names_must_match_the_tensors() -> None:
         nanscan.scan([torch.ones(2), None], names=["x"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="got 3 names for 2 tensors"):
         nanscan.scan([torch.ones(2), torch.ones(3)], names=["a", "b", "c"])
+
+
+def test_a_build_without_cuda_says_so_at_the_first_cuda_call() -> None:
+    """Without its CUDA backend, nanscan registers CUDA kernels that name the cause and the fix, in
+    place of the dispatcher's "Could not run 'nanscan::scan' with arguments from the 'CUDA' backend"."""
+    from nanscan import _C
+
+    if _C.with_cuda:
+        pytest.skip("this build has the CUDA backend")
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)  # the CUDA kernels, called on CPU tensors
+    t = torch.ones(3)
+    calls = [
+        lambda: torch.ops.nanscan.scan.default.redispatch(cuda, [t], False),
+        lambda: torch.ops.nanscan.scale_.default.redispatch(cuda, [t], torch.tensor(0.5)),
+        lambda: torch.ops.nanscan.unscale_scan_.default.redispatch(cuda, [t], torch.tensor(0.5)),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="built without its CUDA backend.*CUDA_HOME"):
+            call()
+    assert torch.equal(t, torch.ones(3))
