@@ -13,7 +13,9 @@ namespace {
 // enough independent sums to hide the add latency without running out of registers.
 constexpr int64_t kLanes = 32;
 // Elements per fast run. Each lane adds at most 128 squares in fp32 before the run is folded into
-// fp64, which keeps the norm within about 4e-7 relative of an fp64 reference (the worst measured).
+// fp64, which keeps the norm within 1e-6 relative of an fp64 reference: 9.5e-7 measured on
+// constant-valued tensors (the worst case for running sums: every rounding error has one sign),
+// about 3e-9 on random data.
 constexpr int64_t kRunElements = 128 * kLanes;
 // Bytes per chunk: the unit of parallel work and of partial results. Fixed by tensor sizes only.
 constexpr int64_t kChunkBytes = 256 * 1024;

@@ -135,13 +135,38 @@ enum class Access {
   Rewrite,   // fn(raw) returns the element's new value, stored back with the vector it came in
 };
 
-// Visits every element of [p, p + n) that this lane owns: 16-byte loads when p is 16-byte aligned
-// (kUnroll of them issued before any is used), then the tail one element per lane.
-template <Access kAccess, class Raw, class Fn>
-__device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn) {
+// Visits every element of [p, p + n) that this lane owns: the elements before the first 16-byte
+// boundary one per lane (a tensor that starts mid-vector: a view into a flat gradient buffer, the
+// weight after a (3,) bias), then 16-byte loads (kUnroll of them issued before any is used), then the
+// tail one element per lane. Which lane owns an element depends only on p and n, so a lane that
+// re-reads a range sees its own writes. after_group() runs after each group of kUnroll vectors a
+// lane visits and after the tail (the head's element, at most one per lane, goes with the first
+// group): the scan folds its fp32 sums of squares into fp64 there.
+struct NoGroupHook {
+  __device__ void operator()() const {}
+};
+
+template <Access kAccess, class Raw, class Fn, class AfterGroup = NoGroupHook>
+__device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn,
+                                                      AfterGroup&& after_group = AfterGroup{}) {
   constexpr int kPerVector = 16 / sizeof(Raw);
-  const int64_t num_vectors = (reinterpret_cast<uintptr_t>(p) % 16 == 0) ? n / kPerVector : 0;
-  uint4* vectors = reinterpret_cast<uint4*>(p);
+  auto visit = [&](Raw* e) {
+    if constexpr (kAccess == Access::Rewrite) {
+      *e = fn(*e);
+    } else {
+      fn(*e);
+    }
+  };
+  // The head: fewer than kPerVector (<= 16) elements, so one step of the warp. Storage that is not
+  // even element-aligned (torch never makes it) has no vector part: all of it is the tail.
+  const unsigned misalignment = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p) % 16);
+  const int64_t to_boundary = static_cast<int64_t>((16 - misalignment) % 16 / sizeof(Raw));
+  const bool element_aligned = misalignment % sizeof(Raw) == 0;
+  const int64_t head = !element_aligned ? 0 : (to_boundary < n ? to_boundary : n);
+  if (lane < head) visit(p + lane);
+  Raw* body = p + head;
+  const int64_t num_vectors = element_aligned ? (n - head) / kPerVector : 0;
+  uint4* vectors = reinterpret_cast<uint4*>(body);
   for (int64_t i = lane; i < num_vectors; i += kWarpSize * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
@@ -169,14 +194,10 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
         }
       }
     }
+    after_group();
   }
-  for (int64_t e = num_vectors * kPerVector + lane; e < n; e += kWarpSize) {
-    if constexpr (kAccess == Access::Rewrite) {
-      p[e] = fn(p[e]);
-    } else {
-      fn(p[e]);
-    }
-  }
+  for (int64_t e = head + num_vectors * kPerVector + lane; e < n; e += kWarpSize) visit(p + e);
+  after_group();
 }
 
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
@@ -195,22 +216,33 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
     if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
   };
+  // A lane's fp32 sum of squares covers one group (at most 64 elements, 65 with a head element)
+  // before it is folded into fp64, as the CPU's runs of 128 are: a chunk's 256 to 1,024 squares per
+  // lane summed in fp32 alone were off by up to ~8e-6 relative on constant-valued tensors.
+  double lane_sumsq = 0.0;
+  auto fold_group = [&] {
+    lane_sumsq += static_cast<double>(run.sumsq);
+    run.sumsq = Wide(0);
+  };
   bool rewritten = false;
   if constexpr (kMultiply && HasEncode<Codec>::value) {
     if (factor != 1.0f) {
       const Wide f = static_cast<Wide>(factor);
-      for_each_lane_element<Access::Rewrite>(p, n, lane, [&](Raw r) {
-        const Raw product = Codec::encode(Codec::decode(r) * f);
-        observe(product);
-        return product;
-      });
+      for_each_lane_element<Access::Rewrite>(
+          p, n, lane,
+          [&](Raw r) {
+            const Raw product = Codec::encode(Codec::decode(r) * f);
+            observe(product);
+            return product;
+          },
+          fold_group);
       rewritten = true;
     }
   }
-  if (!rewritten) for_each_lane_element<Access::ReadOnly>(p, n, lane, observe);
+  if (!rewritten) for_each_lane_element<Access::ReadOnly>(p, n, lane, observe, fold_group);
 
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
-  double run_sumsq = static_cast<double>(run.sumsq);
+  double run_sumsq = lane_sumsq;
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const double other_min = shfl_xor(run_min, offset), other_max = shfl_xor(run_max, offset);
