@@ -1,8 +1,8 @@
 // torch -> CUDA launcher glue: validation (shared with the CPU op), device guard, current stream,
-// allocation through the caching allocator. Registers the CUDA kernels of the schemas in ops.cpp.
+// allocation through the caching allocator (except the cache of long lists' metadata: see
+// OwnedDeviceBlob). Registers the CUDA kernels of the schemas in ops.cpp.
 // Built only when torch has CUDA (see setup.py).
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -56,16 +56,71 @@ bool is_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// Whether the current device has CUDA's stream-ordered allocator (cudaMallocAsync), asked once per
+// device. Every GPU that nanscan's kernels run on has it; a device without it gets no cache.
+bool has_stream_ordered_allocator() {
+  static std::array<int, 64> cached{};  // 0: not asked, 1: yes, 2: no; racing writers store the same value
+  const int device = c10::cuda::current_device();
+  const bool cacheable = device < static_cast<int>(cached.size());
+  if (cacheable && cached[device] != 0) return cached[device] == 1;
+  int supported = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
+  if (cacheable) cached[device] = supported != 0 ? 1 : 2;
+  return supported != 0;
+}
+
+// A device copy of a list blob, kept across calls, in memory of its own: CUDA's stream-ordered
+// allocator, not torch's caching allocator. torch can route a thread's allocations into a private
+// pool (torch.compile(mode="reduce-overhead") while it warms up a CUDA graph tree,
+// torch.cuda.use_mem_pool), whose blocks are checkpointed and handed out again by later replays or
+// allocations: a copy kept there could be overwritten under the cache. Freed on its stream, on its
+// device, after the kernels enqueued there that read it, when the last handle goes.
+class OwnedDeviceBlob {
+ public:
+  // The blob's memory on the current device, or null when the allocator is out of memory: torch's
+  // cache may hold what it needs, and the caller then uses a copy from torch's allocator instead.
+  static std::shared_ptr<const OwnedDeviceBlob> allocate(size_t bytes, cudaStream_t stream) {
+    void* ptr = nullptr;
+    const cudaError_t err = cudaMallocAsync(&ptr, bytes, stream);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not left pending for the next launch's check
+      return nullptr;
+    }
+    C10_CUDA_CHECK(err);
+    return std::shared_ptr<const OwnedDeviceBlob>(new OwnedDeviceBlob(ptr, stream, c10::cuda::current_device()));
+  }
+
+  // The cache evicts entries of any device, whatever the current one: the free is enqueued with the
+  // blob's device current, so that it is ordered on that device's stream (the default stream's
+  // handle is null, which CUDA reads as the current device's). Destructors must not throw.
+  ~OwnedDeviceBlob() {
+    int current = -1;
+    const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ && cudaSetDevice(device_) == cudaSuccess;
+    C10_CUDA_IGNORE_ERROR(cudaFreeAsync(ptr_, stream_));
+    if (switched) C10_CUDA_IGNORE_ERROR(cudaSetDevice(current));
+  }
+  OwnedDeviceBlob(const OwnedDeviceBlob&) = delete;
+  OwnedDeviceBlob& operator=(const OwnedDeviceBlob&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  OwnedDeviceBlob(void* ptr, cudaStream_t stream, int device) : ptr_(ptr), stream_(stream), device_(device) {}
+  void* ptr_;
+  cudaStream_t stream_;
+  int device_;
+};
+
 // Device copies of list blobs too long for the kernel parameters. A training loop scans the same
 // gradients on the same stream step after step, so from the second step on its blob is found here
 // and a scan of 10,000 tensors is one launch with no upload. An entry serves only the stream it was
-// uploaded on (so no cross-stream ordering is needed, and freeing it on eviction is stream-ordered
-// like any caching-allocator block); the least recently used of kMaxEntries is evicted.
+// uploaded on (so no cross-stream ordering is needed, and freeing it on eviction is stream-ordered);
+// the least recently used of kMaxEntries is evicted.
 class DeviceListCache {
  public:
-  // The device copy of plan's blob for `stream`: found, or uploaded and kept. The handle keeps the
-  // copy alive until the caller has enqueued its kernels, even if another thread evicts it.
-  std::shared_ptr<const c10::DataPtr> find_or_upload(const cuda::ListPlan& plan, const c10::cuda::CUDAStream& stream) {
+  // The device copy of plan's blob for `stream`: found, or uploaded and kept; null when there is no
+  // memory for a new copy outside torch's allocator. The handle keeps the copy alive until the
+  // caller has enqueued its kernels, even if another thread evicts it.
+  std::shared_ptr<const OwnedDeviceBlob> find_or_upload(const cuda::ListPlan& plan, const c10::cuda::CUDAStream& stream) {
     const std::lock_guard<std::mutex> lock(mutex_);
     ++clock_;
     for (Entry& e : entries_) {
@@ -74,7 +129,8 @@ class DeviceListCache {
         return e.device;
       }
     }
-    auto device = std::make_shared<const c10::DataPtr>(c10::cuda::CUDACachingAllocator::get()->allocate(plan.bytes()));
+    auto device = OwnedDeviceBlob::allocate(plan.bytes(), stream.stream());
+    if (device == nullptr) return nullptr;
     C10_CUDA_CHECK(cuda::upload_list(plan, device->get(), stream.stream()));
     if (entries_.size() == kMaxEntries) {
       entries_.erase(std::min_element(entries_.begin(), entries_.end(),
@@ -89,7 +145,7 @@ class DeviceListCache {
   struct Entry {
     c10::cuda::CUDAStream stream;
     std::vector<unsigned char> blob;
-    std::shared_ptr<const c10::DataPtr> device;
+    std::shared_ptr<const OwnedDeviceBlob> device;
     uint64_t last_use;
   };
   std::mutex mutex_;
@@ -103,27 +159,31 @@ DeviceListCache& device_list_cache() {
   return *cache;
 }
 
-// Where the kernels read a plan from: the parameters (blob null), the cache, or, while a CUDA graph
-// is being captured, a fresh copy from the graph's memory pool, which the graph keeps for as long as
-// it lives and whose upload every replay repeats (a cached copy could be evicted under a live graph).
+// Where the kernels read a plan from: the parameters (blob null), the cache, or a copy made for this
+// call alone: while a CUDA graph is being captured, from the graph's memory pool, which the graph
+// keeps for as long as it lives and whose upload every replay repeats (a cached copy could be evicted
+// under a live graph); on a device without the stream-ordered allocator; and when that allocator is
+// out of memory (torch's allocator can free its cache to make room).
 struct DeviceList {
   const void* blob = nullptr;
-  std::shared_ptr<const c10::DataPtr> cached;
-  at::Tensor captured;
+  std::shared_ptr<const OwnedDeviceBlob> cached;
+  at::Tensor for_this_call;
 };
 
 DeviceList device_list(const cuda::ListPlan& plan, const at::Device& device) {
   DeviceList list;
   if (cuda::fits_in_parameters(plan)) return list;
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
-  if (is_capturing(stream.stream())) {
-    list.captured = at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
-    C10_CUDA_CHECK(cuda::upload_list(plan, list.captured.data_ptr(), stream.stream()));
-    list.blob = list.captured.const_data_ptr();
-  } else {
+  if (!is_capturing(stream.stream()) && has_stream_ordered_allocator()) {
     list.cached = device_list_cache().find_or_upload(plan, stream);
-    list.blob = list.cached->get();
+    if (list.cached != nullptr) {
+      list.blob = list.cached->get();
+      return list;
+    }
   }
+  list.for_this_call = at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::upload_list(plan, list.for_this_call.data_ptr(), stream.stream()));
+  list.blob = list.for_this_call.const_data_ptr();
   return list;
 }
 
