@@ -6,12 +6,21 @@ written at all (the scale op skips a coefficient of exactly 1 without a host syn
 norm types are delegated to torch, so they match it exactly.
 
 Deliberate differences, all towards the fp64 reference: squares are accumulated in fp32 or wider
-and combined in fp64, so an fp32 norm is within about 4e-7 of the fp64 truth where torch's own fp32
+and combined in fp64, so an fp32 norm is within 1e-6 of the fp64 truth (9.5e-7 at worst on constant
+tensors on the CPU, 2e-7 in the CUDA kernel's arithmetic; ~3e-9 on random data) where torch's own fp32
 norm can be off by about 6e-6 (the two, and so the clipped gradients, can differ in their last
 bits); a bf16 total norm is the correctly rounded bf16 of the true norm (torch rounds each
 per-tensor norm to bf16 first); and a norm that overflows in torch's arithmetic gets its finite
 value where torch returns inf (fp32/bf16 gradients with |g| > 1.8e19, whose fp32 squares overflow;
 an fp16 gradient whose norm exceeds 65504, which torch rounds to fp16 before combining).
+
+Version counters: a call that clips bumps every gradient's version, as torch's does. One that
+needs no clipping writes nothing, and on the CPU (where the coefficient is known on the host) it
+leaves the versions alone; on CUDA the kernel decides on the device, without a sync, so the host
+counts every call as a write, as torch's clip (which always multiplies, by 1.0 if need be) does. So a
+gradient saved by a ``create_graph=True`` graph (a gradient penalty) makes that graph's backward
+raise "modified by an inplace operation" after a clip on CUDA, exactly as after torch's clip; on the
+CPU only after a clip that changed values. Clip after the higher-order backward.
 
 Every gradient is validated before any is written: a list with an entry that cannot be scaled (an
 expanded view whose elements share memory, a float8 tensor) raises with nothing changed, where
