@@ -7,6 +7,7 @@ kernel's index arithmetic on the CPU."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,6 +26,14 @@ def cuda_and_cpu_agree(tensors: list[torch.Tensor]) -> None:
     torch.testing.assert_close(gpu.norm.cpu(), cpu.norm, rtol=1e-6, atol=0, equal_nan=True)
     torch.testing.assert_close(gpu.total_norm.cpu(), cpu.total_norm, rtol=1e-6, atol=0, equal_nan=True)
     assert bool(gpu.finite) == bool(cpu.finite)
+
+
+def nanscan_kernels_launched(fn: Callable[[], object]) -> list[str]:
+    """Names of the nanscan CUDA kernels ``fn`` launches, in order (from the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "nanscan" in e.name]
 
 
 def test_cpu_parity_mixed_list() -> None:
@@ -159,6 +168,29 @@ def test_empty_tensors_between_others() -> None:
     assert_matches_reference(nanscan.scan(tensors), tensors)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES)
+def test_views_at_every_offset_within_a_vector(dtype: torch.dtype) -> None:
+    """Views into a flat buffer (DDP buckets, packed gradients) start anywhere: the kernel peels the
+    elements before the first 16-byte boundary, then loads vectors. Every start offset, sizes around
+    the vector and the chunk, NaN/Inf in the head, the body and the tail."""
+    per_vector = 16 // torch.tensor([], dtype=dtype).element_size()
+    per_chunk = 32 * 1024 // torch.tensor([], dtype=dtype).element_size()
+    flat = random_tensor(per_vector * (per_chunk + 2) * 3, dtype, "cuda")
+    views, offset = [], 0
+    for k in range(per_vector):
+        for n in (1, per_vector - 1, per_vector + 1, 1000, per_chunk + 3):
+            start = -(-offset // per_vector) * per_vector + k  # the next vector boundary, then k elements on
+            views.append(flat[start : start + n])
+            offset = start + n
+    bad = math.nan if dtype == torch.float8_e4m3fn else math.inf
+    for i, v in enumerate(views):
+        if v.numel() > 2 and i % 4 < 3:
+            v[[0, v.numel() // 2, v.numel() - 1][i % 4]] = bad if i % 2 else math.nan
+    assert any(v.data_ptr() % 16 for v in views) and any(v.data_ptr() % 16 == 0 for v in views)
+    cuda_and_cpu_agree(views)
+    assert_matches_reference(nanscan.scan(views), views)
+
+
 def test_scale_of_unaligned_views() -> None:
     base = torch.randn(100_003, device="cuda")
     views = [
@@ -191,6 +223,25 @@ def test_eager_unscale_does_not_stand_in_for_a_captured_scan() -> None:
     grads[0].view(-1)[0] = math.nan
     graph.replay()
     assert captured.nan_count[0].item() == 1
+
+
+def test_metadata_cache_holds_no_block_of_a_private_pool() -> None:
+    """A long list's metadata, kept across calls, must not live in a pool that torch may checkpoint and
+    hand out again (torch.compile's CUDA graph trees while warming up, torch.cuda.use_mem_pool)."""
+    tensors = [random_tensor(64, torch.float32, "cuda") for _ in range(PARAMETER_CAPACITY + 11)]
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        first = nanscan.scan(tensors)  # a new list: its metadata is uploaded and cached here
+        total = first.total_norm.item()
+    del first  # the pool's only other blocks: the scan's outputs and workspace
+    torch.cuda.synchronize()
+    held = [b for segment in pool.snapshot() for b in segment["blocks"] if b["state"] == "active_allocated"]
+    assert held == [], f"{len(held)} block(s) of the private pool still held after the scan"
+    results: list[nanscan.ScanResult] = []
+    kernels = nanscan_kernels_launched(lambda: results.append(nanscan.scan(tensors)))
+    assert not any("upload_kernel" in k for k in kernels), f"not found in the cache: {kernels}"
+    assert results[0].total_norm.item() == total
+    assert_matches_reference(results[0], tensors)
 
 
 def test_cuda_graph_of_a_long_list() -> None:
@@ -371,17 +422,48 @@ def test_scale_rejects_fp8() -> None:
         torch.ops.nanscan.scale_([t], torch.tensor(0.5, device="cuda"))
 
 
+@pytest.mark.parametrize("layout", ["dense", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_fused_unscale_matches_torch_bit_for_bit(dtype: torch.dtype) -> None:
+def test_fused_unscale_matches_torch_bit_for_bit(dtype: torch.dtype, layout: str) -> None:
+    """Dense gradients take the fused path (one scan kernel that multiplies); a list with a truly
+    strided gradient (`[:, ::2]`, not non-overlapping-and-dense) takes the two-step path: the multiply,
+    then a plain scan. Both must give torch's unscale bit for bit."""
     grads = [random_tensor(n, dtype, "cuda", scale=1000.0) for n in (1, 555, 65537, 300_001)]
     grads[2].view(-1)[17] = math.nan  # forces the exact re-read of that chunk, after the rewrite
-    grads.append(torch.randn(40, 30, device="cuda").to(dtype).t())  # not dense: the two-step path
+    # A transposed matrix is non-overlapping and dense: the fused path reads it in place.
+    grads.append(torch.randn(40, 30, device="cuda").to(dtype).t())
+    # A view one element past a 16-byte boundary, an Inf in its head (rewritten one element per lane),
+    # so its chunk is re-read after the rewrite: each lane must see its own writes.
+    grads.append(random_tensor(70_001, dtype, "cuda", scale=1000.0)[1:])
+    grads[-1][1] = math.inf
+    if layout == "strided":
+        grads.append(torch.randn(40, 60, device="cuda").to(dtype)[:, ::2])
     expected = [g.clone() for g in grads]
     found = torch.zeros((), device="cuda")
     inv_scale = torch.tensor(1 / 1024.0, device="cuda")
     torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
-    counts, stats, total, finite = torch.ops.nanscan.unscale_scan_(grads, inv_scale)
+    outputs: list[tuple[torch.Tensor, ...]] = []
+    kernels = nanscan_kernels_launched(lambda: outputs.append(torch.ops.nanscan.unscale_scan_(grads, inv_scale)))
+    counts, stats, total, finite = outputs[0]
+    if layout == "dense":
+        assert len(kernels) == 1 and "scan_kernel<false, true" in kernels[0], kernels
+    else:
+        assert any("scale_kernel" in k for k in kernels) and any("scan_kernel<false, false" in k for k in kernels), kernels
     for g, e in zip(grads, expected):
         assert torch.equal(g.nan_to_num(), e.nan_to_num())
-    assert bool(found) and not bool(finite) and counts[0].tolist() == [0, 0, 1, 0, 0]
+    assert bool(found) and not bool(finite) and counts[0].tolist() == [0, 0, 1] + [0] * (len(grads) - 3)
+    assert counts[1].tolist()[5] == 1, "the Inf in the misaligned view's head"
     cuda_and_cpu_agree([g for i, g in enumerate(grads) if i != 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_norm_accuracy_on_constant_tensors(dtype: torch.dtype) -> None:
+    """Constant values are the worst case for running sums of squares; a lane folds its fp32 sum into
+    fp64 every group of at most 65 squares, which keeps the norm within 5e-7 (the emulator: 2e-7)."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        value = 0.5 + torch.rand((), generator=gen).item()
+        t = torch.full((3 * 32 * 1024 + 17,), value, device="cuda").to(dtype)
+        want = math.sqrt(t.numel()) * abs(t[0].double().item())
+        got = nanscan.scan([t]).norm.item()
+        assert abs(got - want) / want <= 5e-7, f"{dtype} value {value}: {got} vs {want}"

@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in stages that each fit one device command (10 minutes). Logs and
-# JSON go to OUTDIR (default $OUT when set, else benchmarks/out/gpu); copy the figures into
+# JSON go to $OUT when set (the device tool's folder), else benchmarks/out/gpu; copy the figures into
 # benchmarks/RESULTS.md with the device, the date and the command.
 # The benchmarks read the zoo from ../shared/zoo.json, which does not travel to a GPU machine: copy it
 # into the checkout first (`mkdir -p shared && cp ../shared/zoo.json shared/`; shared/ is ignored by
 # git and travels with the working tree).
 #
-#   tools/gpu_session.sh build       # build the extension for this GPU (sm_90 by default)
-#   tools/gpu_session.sh test        # build, then the whole test suite (CUDA tests included)
-#   tools/gpu_session.sh sanitize    # build, then compute-sanitizer memcheck/racecheck/synccheck/initcheck
-#   tools/gpu_session.sh bench       # build, then bench_scan (zoo + 10,000 x 1K) and bench_train_step
-#   tools/gpu_session.sh all         # test, sanitize, bench: longer than one 10-minute command
+#   tools/gpu_session.sh build             # build the extension for this GPU (sm_90 by default)
+#   tools/gpu_session.sh test              # build, then the whole test suite (CUDA tests included)
+#   tools/gpu_session.sh sanitize TOOL...  # build, then compute-sanitizer with each TOOL (memcheck,
+#                                          # racecheck, synccheck, initcheck; default all four)
+#   tools/gpu_session.sh bench             # build, then bench_scan (zoo + 10,000 x 1K) and bench_train_step
+#   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
+#
+# memcheck, racecheck and synccheck instrument nanscan's kernels only (the sanitizer's kernel-name
+# filter: "nanscan" is in their names); initcheck instruments every kernel, since it would take a
+# filtered-out kernel's writes (torch's clamp of the clip coefficient, a .contiguous() copy) for
+# uninitialized memory. The workload launches ~400 torch kernels besides nanscan's (benchmarks/
+# NOTES.md, entry 15), so one tool per command ends well inside 10 minutes: `sanitize memcheck`,
+# then `sanitize racecheck`, ... The sanitizer needs a Firecracker machine (nvidia-h100-x1 so far):
+# on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize|bench|all [OUTDIR]}"
-out="${2:-${OUT:-benchmarks/out/gpu}}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|all}"
+shift
+out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
-export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+# No CUDA_HOME default: setup.py finds the toolkit as torch does (nvcc on PATH, /usr/local/cuda).
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
@@ -36,14 +46,29 @@ tests() {
 
 sanitize() {
   echo "== compute-sanitizer"
-  local status=0 sanitizer
-  sanitizer="$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")"
-  for tool in memcheck racecheck synccheck initcheck; do
-    if PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" --error-exitcode 17 \
-        "$PY" tools/sanitize_workload.py >"$out/sanitize_$tool.log" 2>&1; then
-      echo "$tool: clean ($(grep -c . "$out/sanitize_$tool.log") log lines)"
+  local status=0 sanitizer help filter t start
+  local tools=("$@")
+  [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck initcheck)
+  sanitizer="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+  [ -x "$sanitizer" ] || { echo "no compute-sanitizer on PATH or in \$CUDA_HOME/bin" >&2; return 1; }
+  # The filter option's name changed over releases: --filter, --kernel-regex (2021.2), --kernel-name
+  # (2023.3). Read the help once (a pipe into grep -q could kill it early under pipefail).
+  help="$("$sanitizer" --help 2>&1 || true)"
+  case "$help" in
+    *"--kernel-name "*) filter=(--kernel-name kns=nanscan) ;;
+    *"--kernel-regex "*) filter=(--kernel-regex kns=nanscan) ;;
+    *) filter=(--filter kns=nanscan) ;;
+  esac
+  echo "$("$sanitizer" --version 2>&1 | tail -1); filter for memcheck/racecheck/synccheck: ${filter[*]}"
+  for t in "${tools[@]}"; do
+    local options=("${filter[@]}")
+    [ "$t" != initcheck ] || options=()
+    start=$SECONDS
+    if PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$t" "${options[@]}" --error-exitcode 17 \
+        "$PY" tools/sanitize_workload.py >"$out/sanitize_$t.log" 2>&1; then
+      echo "$t: clean in $((SECONDS - start)) s ($(grep -c . "$out/sanitize_$t.log") log lines)"
     else
-      echo "$tool: FAILED, see $out/sanitize_$tool.log"; tail -30 "$out/sanitize_$tool.log"; status=1
+      echo "$t: FAILED after $((SECONDS - start)) s, see $out/sanitize_$t.log"; tail -30 "$out/sanitize_$t.log"; status=1
     fi
   done
   return $status
@@ -59,7 +84,7 @@ bench() {
 case "$stage" in
   build) build ;;
   test) build; tests ;;
-  sanitize) build; sanitize ;;
+  sanitize) build; sanitize "$@" ;;
   bench) build; bench ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -1,21 +1,30 @@
-"""A short workload that reaches every CUDA kernel path, for compute-sanitizer (memcheck, racecheck,
-synccheck, initcheck: tools/gpu_session.sh sanitize runs them all) on a GPU machine; it also checks
-each result against the CPU backend, so a run that the sanitizer passes is also a correct one.
+"""A short workload that reaches every CUDA kernel path, for compute-sanitizer on a GPU machine
+(tools/gpu_session.sh sanitize runs it, one sanitizer tool per command); it also checks each result
+against the CPU backend, so a run that the sanitizer passes is also a correct one.
 
-    compute-sanitizer --tool memcheck python3 tools/sanitize_workload.py
-    python3 tools/sanitize_workload.py --device cpu      # smoke test without a GPU
+    compute-sanitizer --tool memcheck --kernel-name kns=nanscan python3 tools/sanitize_workload.py
+    python3 tools/sanitize_workload.py --device cpu      # smoke test without a GPU (CI runs it)
 
 Paths covered: lists in the small and the large parameter capacity and in device memory (uploaded,
-then found in the cache), empty tensors, every dtype including fp8, a tensor of over 1024 chunks (met
-by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf planted, the fp16-range scan, the fused unscale, and the clip
-multiply with a coefficient of 1 (no write) and below 1. Set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that
-memcheck sees each allocation's true bounds rather than the caching allocator's pooled blocks.
+then found in the cache), empty tensors, every dtype including fp8, tensors starting at every offset
+within a 16-byte vector (the kernels' head path), a tensor of over 1024 chunks (met by over 1024
+warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf planted, the fp16-range scan,
+the fused unscale (and its two-step path for a strided gradient), and the clip multiply with a
+coefficient of 1 (no write) and below 1.
+
+Built to keep the sanitizer's work on nanscan's kernels: every list is a set of views into one flat
+buffer per dtype, made on the CPU and copied over in one transfer, and every comparison is of whole
+buffers (one copy back per check), so the workload launches a few dozen torch kernels besides
+nanscan's, not tens of thousands (each costs the sanitizer an interception even when filtered out).
+Set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that memcheck sees each allocation's true bounds rather
+than the caching allocator's pooled blocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -25,27 +34,73 @@ FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def tensor(n: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
-    x = torch.randn(n, generator=gen, dtype=torch.float64).clamp(-400, 400).to(dtype)
-    return x.to(device)
+@dataclass
+class Views:
+    """Tensors that are views into one flat buffer per dtype, laid end to end (so most start off a
+    16-byte boundary); comparing the buffers compares every tensor at once."""
+
+    flats: dict[torch.dtype, torch.Tensor]
+    layout: list[tuple[torch.dtype, int, int]]  # (dtype, offset, numel) of each tensor, in list order
+
+    @classmethod
+    def random(cls, sizes: list[int], dtypes: list[torch.dtype], gen: torch.Generator) -> Views:
+        """Random values (fp8 within its range) on the CPU; ``sizes[i]`` elements of ``dtypes[i]``."""
+        totals: dict[torch.dtype, int] = {}
+        layout = []
+        for n, dtype in zip(sizes, dtypes):
+            layout.append((dtype, totals.get(dtype, 0), n))
+            totals[dtype] = totals.get(dtype, 0) + n
+        flats = {
+            dtype: torch.randn(total, generator=gen, dtype=torch.float64).clamp(-400, 400).to(dtype)
+            for dtype, total in totals.items()
+        }
+        return cls(flats, layout)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flats[dtype][offset : offset + n] for dtype, offset, n in self.layout]
+
+    def plant(self, index: int, position: int, value: float) -> None:
+        dtype, offset, n = self.layout[index]
+        self.flats[dtype][offset + (position % n)] = value
+
+    def to(self, device: str) -> Views:
+        return Views({dtype: flat.to(device) for dtype, flat in self.flats.items()}, self.layout)
+
+    def clone(self) -> Views:
+        return Views({dtype: flat.clone() for dtype, flat in self.flats.items()}, self.layout)
+
+    def values(self) -> torch.Tensor:
+        """Every element, as float64 on the CPU, NaN/Inf made comparable (one copy back)."""
+        return torch.cat([flat.double() for flat in self.flats.values()]).nan_to_num(1e300, 1e301, -1e301).cpu()
+
+
+def packed(result: nanscan.ScanResult) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact fields, norms) of a scan as two CPU tensors: one copy back instead of one per field."""
+    exact = [result.nan_count, result.inf_count]
+    if result.fp16_overflow is not None and result.fp16_underflow is not None:
+        exact += [result.fp16_overflow, result.fp16_underflow]
+    exact_rows = torch.cat([t.double() for t in exact] + [result.min, result.max, result.finite.double().reshape(1)])
+    norms = torch.cat([result.norm, result.total_norm.reshape(1)])
+    both = torch.cat([exact_rows, norms]).cpu()
+    return both[: exact_rows.numel()], both[exact_rows.numel() :]
+
+
+def agree(views: Views, reference: Views, fp16_range: bool = False) -> None:
+    """The scan of ``views`` (on the device) equals the CPU backend's scan of ``reference``."""
+    got_exact, got_norms = packed(nanscan.scan(views.tensors, fp16_range=fp16_range))
+    want_exact, want_norms = packed(nanscan.scan(reference.tensors, fp16_range=fp16_range))
+    assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), "counts, min, max or the finite flag differ"
+    torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
 
 
 def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
-    """Parameters whose .grad are ``grads``: what the clip drop-ins take."""
-    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    """Parameters whose .grad are ``grads``: what the clip drop-ins take. Each parameter aliases its
+    gradient's memory (nothing here reads or writes parameters): no allocation per parameter."""
+    params = [torch.nn.Parameter(g) for g in grads]
     for p, g in zip(params, grads):
         p.grad = g
     return params
-
-
-def agree(tensors: list[torch.Tensor], fp16_range: bool = False) -> None:
-    got = nanscan.scan(tensors, fp16_range=fp16_range)
-    want = nanscan.scan([t.cpu() for t in tensors], fp16_range=fp16_range)
-    fields = ["nan_count", "inf_count", "min", "max"] + (["fp16_overflow", "fp16_underflow"] if fp16_range else [])
-    for name in fields:
-        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
-    torch.testing.assert_close(got.norm.cpu(), want.norm, rtol=1e-6, atol=0, equal_nan=True)
-    torch.testing.assert_close(got.total_norm.cpu(), want.total_norm, rtol=1e-6, atol=0, equal_nan=True)
 
 
 def main() -> None:
@@ -55,39 +110,57 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     dtypes = FLOATS + FP8
 
-    mixed = [tensor((i * 7919) % 70_000, dtypes[i % len(dtypes)], device, gen) for i in range(200)]
-    mixed[3].view(-1)[0] = math.nan
-    mixed[10].view(-1)[-1] = math.inf
-    agree(mixed)  # small parameter capacity
-    agree(mixed * 4)  # large parameter capacity (800 tensors)
-    long_list = [tensor(1 + i % 300, dtypes[i % 4], device, gen) for i in range(2000)]
-    long_list[1999].view(-1)[0] = -math.inf
-    agree(long_list)  # device memory: uploaded
-    agree(long_list)  # device memory: from the cache
-    agree(long_list, fp16_range=True)
+    # Small and large parameter capacity: 200 and 800 tensors of every dtype, starting at every offset.
+    mixed = Views.random([(i * 7919) % 70_000 for i in range(200)], [dtypes[i % len(dtypes)] for i in range(200)], gen)
+    mixed.plant(3, 0, math.nan)
+    mixed.plant(10, -1, math.inf)
+    agree(mixed.to(device), mixed)
+    many = Views.random([(i * 7919) % 9_000 for i in range(800)], [dtypes[i % len(dtypes)] for i in range(800)], gen)
+    agree(many.to(device), many)
+    # Device memory: uploaded, then found in the cache; and the fp16-range scan.
+    long_list = Views.random([1 + i % 300 for i in range(2000)], [FLOATS[i % 4] for i in range(2000)], gen)
+    long_list.plant(1999, 0, -math.inf)
+    long_on_device = long_list.to(device)
+    agree(long_on_device, long_list)
+    agree(long_on_device, long_list)
+    agree(long_on_device, long_list, fp16_range=True)
+    # Both levels of the fold tree, beside an empty tensor.
     per_chunk = 32 * 1024 // 4
-    big = tensor(1025 * per_chunk + 3, torch.float32, device, gen)
-    big[per_chunk * 700] = math.nan
-    agree([big, torch.empty(0, device=device), tensor(5, torch.bfloat16, device, gen)])
+    big = Views.random([1025 * per_chunk + 3, 0, 5], [torch.float32, torch.float32, torch.bfloat16], gen)
+    big.plant(0, per_chunk * 700, math.nan)
+    agree(big.to(device), big)
 
-    grads = [tensor(n, torch.float32, device, gen) * 1000 for n in (1, 555, 65_537, 300_001)] + long_list[:4]
-    expected = [g.clone() for g in grads]
+    # The fused unscale against torch's, bit for bit: views into flat buffers, and one strided gradient
+    # (the two-step path: multiply, then scan).
+    grads = Views.random([1, 555, 65_537, 300_001, 7, 40_000], [torch.float32] * 4 + [torch.bfloat16, torch.float16], gen)
+    grads.plant(2, 17, math.inf)
+    grads.plant(3, 0, math.nan)  # view 3 starts 4 bytes past a 16-byte boundary: a NaN in its head,
+    grads.plant(5, 40_000 - 1, math.inf)  # and an Inf in a tail: both chunks are re-read after their rewrite
+    assert [t.data_ptr() % 16 for t in grads.tensors][3] != 0
+    on_device = grads.to(device)
+    expected = on_device.clone()
     found = torch.zeros((), device=device)
     inv_scale = torch.tensor(1 / 1024.0, device=device)
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
-    torch.ops.nanscan.unscale_scan_(grads, inv_scale)
-    for g, e in zip(grads, expected):
-        assert torch.equal(g.nan_to_num(), e.nan_to_num())
+    torch._amp_foreach_non_finite_check_and_unscale_(expected.tensors, found, inv_scale)
+    torch.ops.nanscan.unscale_scan_(on_device.tensors, inv_scale)
+    assert torch.equal(on_device.values(), expected.values()), "the fused unscale differs from torch's"
+    matrix = torch.randn(64, 96, generator=gen).to(device)
+    strided, strided_expected = matrix[:, ::2], matrix.clone()[:, ::2]
+    torch._amp_foreach_non_finite_check_and_unscale_([strided_expected], found, inv_scale)
+    torch.ops.nanscan.unscale_scan_([strided, on_device.tensors[0]], inv_scale)
+    assert torch.equal(strided, strided_expected), "the two-step unscale of a strided gradient differs from torch's"
 
-    clip_me = [tensor(n, torch.float32, device, gen) for n in (10, 100_000)] + [t.float() * 10 for t in long_list[:1600]]
-    before = [t.clone() for t in clip_me]
-    nanscan.clip_grad_norm_(with_grads(clip_me), 1e30)  # coefficient 1: nothing written
-    assert all(torch.equal(a, b) for a, b in zip(clip_me, before))
-    total = nanscan.clip_grad_norm_(with_grads(clip_me), 1.0)
-    torch.nn.utils.clip_grad_norm_(with_grads(before), 1.0)
+    # The clip multiply: a coefficient of 1 writes nothing; below 1 it scales as torch's clip does.
+    clip_me = Views.random([10, 100_000] + [1 + i % 300 for i in range(1600)], [torch.float32] * 1602, gen)
+    clip_me.flats[torch.float32].mul_(10)
+    on_device = clip_me.to(device)
+    before = on_device.clone()
+    nanscan.clip_grad_norm_(with_grads(on_device.tensors), 1e30)  # coefficient 1: nothing written
+    assert torch.equal(on_device.values(), before.values()), "a clip by 1 wrote the gradients"
+    total = nanscan.clip_grad_norm_(with_grads(on_device.tensors), 1.0)
+    torch.nn.utils.clip_grad_norm_(with_grads(before.tensors), 1.0)
     assert float(total) > 10  # so the multiply really scaled
-    for a, b in zip(clip_me, before):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(on_device.values(), before.values(), rtol=1e-6, atol=1e-7)
     if device == "cuda":
         torch.cuda.synchronize()
     print("sanitize_workload: all paths ran and agreed with the CPU")
