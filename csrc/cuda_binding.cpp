@@ -95,7 +95,8 @@ class OwnedDeviceBlob {
   // handle is null, which CUDA reads as the current device's). Destructors must not throw.
   ~OwnedDeviceBlob() {
     int current = -1;
-    const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device_ && cudaSetDevice(device_) == cudaSuccess;
+    const bool switched =
+        cudaGetDevice(&current) == cudaSuccess && current != device_ && cudaSetDevice(device_) == cudaSuccess;
     C10_CUDA_IGNORE_ERROR(cudaFreeAsync(ptr_, stream_));
     if (switched) C10_CUDA_IGNORE_ERROR(cudaSetDevice(current));
   }
@@ -120,11 +121,13 @@ class DeviceListCache {
   // The device copy of plan's blob for `stream`: found, or uploaded and kept; null when there is no
   // memory for a new copy outside torch's allocator. The handle keeps the copy alive until the
   // caller has enqueued its kernels, even if another thread evicts it.
-  std::shared_ptr<const OwnedDeviceBlob> find_or_upload(const cuda::ListPlan& plan, const c10::cuda::CUDAStream& stream) {
+  std::shared_ptr<const OwnedDeviceBlob> find_or_upload(const cuda::ListPlan& plan,
+                                                        const c10::cuda::CUDAStream& stream) {
     const std::lock_guard<std::mutex> lock(mutex_);
     ++clock_;
     for (Entry& e : entries_) {
-      if (e.stream == stream && e.blob.size() == plan.bytes() && memcmp(e.blob.data(), plan.blob(), plan.bytes()) == 0) {
+      if (e.stream == stream && e.blob.size() == plan.bytes() &&
+          memcmp(e.blob.data(), plan.blob(), plan.bytes()) == 0) {
         e.last_use = clock_;
         return e.device;
       }
@@ -136,7 +139,8 @@ class DeviceListCache {
       entries_.erase(std::min_element(entries_.begin(), entries_.end(),
                                       [](const Entry& a, const Entry& b) { return a.last_use < b.last_use; }));
     }
-    entries_.push_back(Entry{stream, std::vector<unsigned char>(plan.blob(), plan.blob() + plan.bytes()), device, clock_});
+    entries_.push_back(
+        Entry{stream, std::vector<unsigned char>(plan.blob(), plan.blob() + plan.bytes()), device, clock_});
     return device;
   }
 
@@ -181,7 +185,8 @@ DeviceList device_list(const cuda::ListPlan& plan, const at::Device& device) {
       return list;
     }
   }
-  list.for_this_call = at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
+  list.for_this_call =
+      at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
   C10_CUDA_CHECK(cuda::upload_list(plan, list.for_this_call.data_ptr(), stream.stream()));
   list.blob = list.for_this_call.const_data_ptr();
   return list;

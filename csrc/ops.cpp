@@ -1,12 +1,12 @@
 // The one place nanscan's ops are declared, validated and given their CPU implementations.
 // CUDA implementations register for the same schemas in cuda_binding.cpp.
-#include <Python.h>
-#include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <Python.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <vector>
@@ -18,7 +18,8 @@
 // Importing nanscan._C loads this library, which runs the TORCH_LIBRARY registrations below. The
 // module's one attribute, with_cuda, says which backends were built.
 extern "C" PyObject* PyInit__C(void) {
-  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+  static PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   PyObject* module = PyModule_Create(&module_def);
 #ifdef NANSCAN_WITH_CUDA
   constexpr long kWithCuda = 1;
@@ -109,8 +110,8 @@ std::vector<DType> check_scale_inputs(at::TensorList tensors, const at::Tensor& 
 
 void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op) {
   TORCH_CHECK(inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, op,
-              ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ", inv_scale.scalar_type(),
-              " of shape ", inv_scale.sizes());
+              ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ",
+              inv_scale.scalar_type(), " of shape ", inv_scale.sizes());
   TORCH_CHECK(inv_scale.device() == first.device(), op, ": inv_scale is on ", inv_scale.device(),
               " but the tensors are on ", first.device());
 }
@@ -122,8 +123,12 @@ ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& 
 }
 
 ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors) {
-  return ResultPointers{o.counts.data_ptr<int64_t>(), o.stats.data_ptr<double>(), o.total_norm.data_ptr<double>(),
-                        o.finite.data_ptr<bool>(), num_tensors, o.counts.size(0) == 4};
+  return ResultPointers{o.counts.data_ptr<int64_t>(),
+                        o.stats.data_ptr<double>(),
+                        o.total_norm.data_ptr<double>(),
+                        o.finite.data_ptr<bool>(),
+                        num_tensors,
+                        o.counts.size(0) == 4};
 }
 
 namespace {
@@ -147,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::
   const float factor = inv_scale.item<float>();
   for (const at::Tensor& t : tensors) {
     // The kernel fuses the multiply for dense tensors; the rare strided view is multiplied here.
-    if (factor != 1.0f && t.numel() > 0 && !t.is_non_overlapping_and_dense()) const_cast<at::Tensor&>(t).mul_(inv_scale);
+    if (factor != 1.0f && t.numel() > 0 && !t.is_non_overlapping_and_dense())
+      const_cast<at::Tensor&>(t).mul_(inv_scale);
   }
   const int64_t n = static_cast<int64_t>(tensors.size());
   ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), false);
@@ -219,7 +225,9 @@ ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
 TORCH_LIBRARY(nanscan, m) {
   // fp16_range adds two rows to counts: finite values that overflow fp16, and non-zero values that
   // fp16 would flush to zero (the AMP advisor's evidence).
-  m.def("scan(Tensor[] tensors, bool fp16_range=False) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
+  m.def(
+      "scan(Tensor[] tensors, bool fp16_range=False) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor "
+      "finite)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "

@@ -57,7 +57,8 @@ NANSCAN_HD double bits_to_double(uint64_t bits) {
 // (no denormal arithmetic, which is slow on x86), Inf/NaN keep their payload under an all-ones exponent.
 NANSCAN_HD uint32_t half_magnitude_to_float_bits(uint32_t mag) {
   const uint32_t normal = (mag << 13) + ((127u - 15u) << 23);
-  const uint32_t subnormal = float_to_bits(static_cast<float>(static_cast<int32_t>(mag)) * 5.9604644775390625e-8f);  // 2^-24
+  const uint32_t subnormal =
+      float_to_bits(static_cast<float>(static_cast<int32_t>(mag)) * 5.9604644775390625e-8f);  // 2^-24
   const uint32_t special = (mag << 13) | 0x7f800000u;
   return mag >= 0x7c00u ? special : (mag < 0x0400u ? subnormal : normal);
 }
@@ -155,7 +156,9 @@ struct Float8E5M2Codec {
   static constexpr Raw kMagnitudeMask = 0x7f;
   static constexpr Raw kFirstNonFinite = 0x7c;
   static constexpr bool kHasInf = true;
-  NANSCAN_HD static float decode(Raw r) { return Float16Codec::decode(static_cast<uint16_t>(static_cast<uint16_t>(r) << 8)); }
+  NANSCAN_HD static float decode(Raw r) {
+    return Float16Codec::decode(static_cast<uint16_t>(static_cast<uint16_t>(r) << 8));
+  }
 };
 
 // e4m3fn: bias 7, no Inf; only S.1111.111 (0x7f / 0xff) is NaN, so 0x78..0x7e are finite (up to 448).

@@ -148,9 +148,8 @@ NANSCAN_HD void merge_run(TensorStats& s, double run_min, double run_max, double
 // Combine two partial results. Callers combine in a fixed order (chunk order within a tensor, tensor
 // order for totals), which is what makes results bit-identical across runs and thread counts.
 NANSCAN_HD TensorStats combine(const TensorStats& a, const TensorStats& b) {
-  return TensorStats{a.nan_count + b.nan_count,         a.inf_count + b.inf_count,
-                     b.min < a.min ? b.min : a.min,         b.max > a.max ? b.max : a.max,
-                     a.sumsq + b.sumsq,                     a.half_overflow + b.half_overflow,
+  return TensorStats{a.nan_count + b.nan_count,          a.inf_count + b.inf_count, b.min < a.min ? b.min : a.min,
+                     b.max > a.max ? b.max : a.max,      a.sumsq + b.sumsq,         a.half_overflow + b.half_overflow,
                      a.half_underflow + b.half_underflow};
 }
 

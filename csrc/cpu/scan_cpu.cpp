@@ -135,9 +135,7 @@ struct Chunk {
 
 // The tensor's elements as one contiguous memory span, when it is dense in any permutation of its
 // dimensions (contiguous, transposed, channels-last, ...): order does not change the statistics.
-const void* dense_span(const at::Tensor& t) {
-  return t.is_non_overlapping_and_dense() ? t.const_data_ptr() : nullptr;
-}
+const void* dense_span(const at::Tensor& t) { return t.is_non_overlapping_and_dense() ? t.const_data_ptr() : nullptr; }
 
 // The only function with hot loops; compiled for several x86 levels and picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -147,11 +145,11 @@ TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int6
                        const float* multiply_by, bool half_range) {
   TensorStats s = empty_stats();
   switch (dtype) {
-#define NANSCAN_SCAN(CODEC, HALF)                                          \
-  if (dense) {                                                             \
-    scan_contiguous<CODEC, HALF>(dense, begin, end, multiply_by, s);       \
-  } else {                                                                 \
-    scan_strided<CODEC, HALF>(t, begin, end, s);                           \
+#define NANSCAN_SCAN(CODEC, HALF)                                    \
+  if (dense) {                                                       \
+    scan_contiguous<CODEC, HALF>(dense, begin, end, multiply_by, s); \
+  } else {                                                           \
+    scan_strided<CODEC, HALF>(t, begin, end, s);                     \
   }
 #define NANSCAN_CASE(TAG, CODEC) \
   case DType::TAG:               \
@@ -178,7 +176,8 @@ TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int6
 void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
           std::optional<float> multiply_dense_by) {
   // torch leaves the values untouched (no write) when the factor is exactly 1; so do we.
-  const float* multiply_by = multiply_dense_by.has_value() && *multiply_dense_by != 1.0f ? &*multiply_dense_by : nullptr;
+  const float* multiply_by =
+      multiply_dense_by.has_value() && *multiply_dense_by != 1.0f ? &*multiply_dense_by : nullptr;
   const int64_t n = static_cast<int64_t>(tensors.size());
   std::vector<const void*> dense(n);
   std::vector<Chunk> chunks;
@@ -207,11 +206,13 @@ void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const Result
     // Each task owns the chunks that start inside its byte range; which thread computes a chunk never
     // changes the chunk's result.
     at::parallel_for(0, total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
-      auto c = std::lower_bound(chunk_start_byte.begin(), chunk_start_byte.end(), byte_begin) - chunk_start_byte.begin();
+      auto c =
+          std::lower_bound(chunk_start_byte.begin(), chunk_start_byte.end(), byte_begin) - chunk_start_byte.begin();
       const int64_t num_chunks = static_cast<int64_t>(chunks.size());
       for (; c < num_chunks && chunk_start_byte[c] < byte_end; ++c) {
         const Chunk& ch = chunks[c];
-        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by, out.half_range);
+        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by,
+                                out.half_range);
       }
     });
   }

@@ -41,7 +41,9 @@ NANSCAN_HD int64_t num_chunks(int64_t numel, DType d) {
 // bytes as large as a warp given a run of full chunks.
 constexpr int64_t kCostGrainBytes = 512;
 constexpr int64_t kChunkOverheadCost = 8;
-NANSCAN_HD constexpr int64_t chunk_cost(int64_t bytes) { return kChunkOverheadCost + (bytes + kCostGrainBytes - 1) / kCostGrainBytes; }
+NANSCAN_HD constexpr int64_t chunk_cost(int64_t bytes) {
+  return kChunkOverheadCost + (bytes + kCostGrainBytes - 1) / kCostGrainBytes;
+}
 constexpr int64_t kFullChunkCost = chunk_cost(kChunkBytes);
 
 // Every chunk of a tensor but the last is full, so its chunk j starts j * kFullChunkCost into its cost.
@@ -57,8 +59,12 @@ NANSCAN_HD int64_t tensor_cost(int64_t numel, DType d) {
 // cost_begin[t] is the cost of the tensors before t (strictly increasing: every tensor costs at least
 // kChunkOverheadCost); cost_begin[N] is the cost of the list.
 NANSCAN_HD constexpr size_t numel_offset(int32_t n) { return sizeof(void*) * static_cast<size_t>(n); }
-NANSCAN_HD constexpr size_t cost_begin_offset(int32_t n) { return numel_offset(n) + sizeof(int64_t) * static_cast<size_t>(n); }
-NANSCAN_HD constexpr size_t dtype_offset(int32_t n) { return cost_begin_offset(n) + sizeof(int64_t) * (static_cast<size_t>(n) + 1); }
+NANSCAN_HD constexpr size_t cost_begin_offset(int32_t n) {
+  return numel_offset(n) + sizeof(int64_t) * static_cast<size_t>(n);
+}
+NANSCAN_HD constexpr size_t dtype_offset(int32_t n) {
+  return cost_begin_offset(n) + sizeof(int64_t) * (static_cast<size_t>(n) + 1);
+}
 // Rounded up to 16 bytes, the unit the upload kernel copies.
 NANSCAN_HD constexpr size_t blob_bytes(int32_t n) { return (dtype_offset(n) + static_cast<size_t>(n) + 15) / 16 * 16; }
 
@@ -85,7 +91,8 @@ struct ListView {
   int32_t num_tensors;
 
   NANSCAN_HD static ListView over(const unsigned char* blob, int32_t n) {
-    return ListView{reinterpret_cast<const void* const*>(blob), reinterpret_cast<const int64_t*>(blob + numel_offset(n)),
+    return ListView{reinterpret_cast<const void* const*>(blob),
+                    reinterpret_cast<const int64_t*>(blob + numel_offset(n)),
                     reinterpret_cast<const int64_t*>(blob + cost_begin_offset(n)), blob + dtype_offset(n), n};
   }
 
@@ -236,7 +243,8 @@ struct FoldTree {
 #pragma nv_exec_check_disable
 #endif
 template <class Stats, class Sync>
-NANSCAN_HD void finish_share(const ListView& list, const Shares& shares, int32_t t, int32_t w, const Stats& s, Sync& sync) {
+NANSCAN_HD void finish_share(const ListView& list, const Shares& shares, int32_t t, int32_t w, const Stats& s,
+                             Sync& sync) {
   const WarpRange met = shares.meeting(list, t);
   if (met.first == met.last) {
     sync.write_result(t, s);

@@ -282,7 +282,8 @@ template <class Codec, bool kHalfRange, bool kMultiply>
 __device__ void scan_run(const void* data, int64_t begin, int64_t end, int lane, float factor, TensorStats* part) {
   constexpr int64_t kPerChunk = kChunkBytes / sizeof(typename Codec::Raw);
   for (int64_t b = begin; b < end; b += kPerChunk) {
-    const TensorStats s = scan_chunk<Codec, kHalfRange, kMultiply>(data, b, b + kPerChunk < end ? b + kPerChunk : end, lane, factor);
+    const TensorStats s =
+        scan_chunk<Codec, kHalfRange, kMultiply>(data, b, b + kPerChunk < end ? b + kPerChunk : end, lane, factor);
     if (lane == 0) *part = combine(*part, s);
   }
 }
@@ -293,10 +294,12 @@ __device__ void scan_run_any(DType dtype, const void* data, ElementRange e, int 
     case DType::Float32: return scan_run<Float32Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
     case DType::Float64: return scan_run<Float64Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
     case DType::Float16: return scan_run<Float16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::BFloat16: return scan_run<BFloat16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::BFloat16:
+      return scan_run<BFloat16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
     case DType::Float8E4M3FN:
       return scan_run<Float8E4M3FNCodec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::Float8E5M2: return scan_run<Float8E5M2Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+    case DType::Float8E5M2:
+      return scan_run<Float8E5M2Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
   }
 }
 
@@ -461,7 +464,7 @@ __device__ void scale_chunk(void* data, int64_t begin, int64_t end, double coef,
   const Wide c = rounding == CoefRounding::ToTensorDtype ? Codec::decode(Codec::encode(static_cast<Wide>(coef)))
                                                          : static_cast<Wide>(static_cast<float>(coef));
   for_each_lane_element<Access::Rewrite>(static_cast<Raw*>(data) + begin, end - begin, lane,
-                              [c](Raw r) { return Codec::encode(Codec::decode(r) * c); });
+                                         [c](Raw r) { return Codec::encode(Codec::decode(r) * c); });
 }
 
 template <int32_t kCapacity>
@@ -525,7 +528,8 @@ int resident_blocks_per_sm() {
 // wave has warps.
 int grid_for(int64_t chunks, int num_sms, int blocks_per_sm) {
   const int64_t wanted = (chunks + kWarps - 1) / kWarps;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * blocks_per_sm)));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * blocks_per_sm)));
 }
 
 // The kernels of one capacity, and how many blocks of each fit on a multiprocessor.
@@ -579,7 +583,8 @@ struct WorkspaceLayout {
 
   WorkspaceLayout(const ListPlan& plan, int grid_)
       : grid(grid_),
-        slots(static_cast<size_t>(Shares::of(plan.total_cost(), int64_t{grid_} * kWarps).fold_slots(plan.num_tensors()))),
+        slots(
+            static_cast<size_t>(Shares::of(plan.total_cost(), int64_t{grid_} * kWarps).fold_slots(plan.num_tensors()))),
         partial_bytes(align_up(slots * sizeof(TensorStats))),
         block_total_bytes(align_up(static_cast<size_t>(grid_) * sizeof(TensorStats))),
         counter_bytes(align_up((slots + 1) * sizeof(unsigned int))) {}

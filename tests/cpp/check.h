@@ -9,13 +9,13 @@ namespace nanscan_test {
 inline int failures = 0;
 }  // namespace nanscan_test
 
-#define CHECK(cond, ...)                                                           \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      ++nanscan_test::failures;                                                    \
+#define CHECK(cond, ...)                                                            \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      ++nanscan_test::failures;                                                     \
       std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                           \
-      std::fprintf(stderr, "\n");                                                  \
-      if (nanscan_test::failures > 20) std::exit(1);                               \
-    }                                                                              \
+      std::fprintf(stderr, __VA_ARGS__);                                            \
+      std::fprintf(stderr, "\n");                                                   \
+      if (nanscan_test::failures > 20) std::exit(1);                                \
+    }                                                                               \
   } while (0)

@@ -26,8 +26,8 @@ namespace {
 
 // A list with sizes around chunk boundaries, empty tensors, and every dtype.
 std::vector<TensorArg> random_list(std::mt19937_64& rng, int n, int64_t max_chunks_per_tensor) {
-  const DType dtypes[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16, DType::Float8E4M3FN,
-                          DType::Float8E5M2};
+  const DType dtypes[] = {DType::Float32,  DType::Float64,      DType::Float16,
+                          DType::BFloat16, DType::Float8E4M3FN, DType::Float8E5M2};
   std::vector<TensorArg> list;
   for (int i = 0; i < n; ++i) {
     const DType d = dtypes[rng() % 6];
@@ -76,7 +76,8 @@ std::vector<Part> walk_all(const ListView& view, const Shares& shares) {
     const int64_t begin = shares.begin(w);
     const int32_t first = view.find_tensor(begin);
     CHECK(find_tensor_32_probes(view, begin) == first, "warp %d: the 32-probe search and the binary search differ", w);
-    CHECK(shares.owner(begin) == w && shares.owner(shares.begin(w + 1) - 1) == w, "warp %d: owner() disagrees with begin()", w);
+    CHECK(shares.owner(begin) == w && shares.owner(shares.begin(w + 1) - 1) == w,
+          "warp %d: owner() disagrees with begin()", w);
     walk_share(view, shares, w, first, [&](int32_t t, ChunkRange c) { parts.push_back(Part{w, t, c}); });
   }
   return parts;
@@ -91,7 +92,8 @@ void check_blob(const std::vector<TensorArg>& list, const ListPlan& plan) {
     const TensorArg& t = list[i];
     CHECK(view.data[i] == t.data && view.numel[i] == t.numel && view.dtype_of(static_cast<int32_t>(i)) == t.dtype,
           "blob round trip for tensor %zu", i);
-    CHECK(view.cost_begin[i] == cost, "tensor %zu: cost_begin %lld, want %lld", i, (long long)view.cost_begin[i], (long long)cost);
+    CHECK(view.cost_begin[i] == cost, "tensor %zu: cost_begin %lld, want %lld", i, (long long)view.cost_begin[i],
+          (long long)cost);
     chunks += num_chunks(t.numel, t.dtype);
     cost += tensor_cost(t.numel, t.dtype);
     CHECK(view.cost_begin[i + 1] > view.cost_begin[i], "tensor %zu costs nothing", i);
@@ -106,7 +108,8 @@ void check_shares(const std::vector<TensorArg>& list, int64_t warps) {
   const ListPlan plan = plan_of(list);
   const ListView view = plan.view();
   const Shares shares = Shares::of(plan.total_cost(), warps);
-  CHECK(shares.warps >= 1 && shares.warps <= warps && shares.warps <= plan.total_cost(), "active warps %d", shares.warps);
+  CHECK(shares.warps >= 1 && shares.warps <= warps && shares.warps <= plan.total_cost(), "active warps %d",
+        shares.warps);
   CHECK(shares.begin(0) == 0 && shares.begin(shares.warps) == plan.total_cost(), "shares do not tile the cost");
   const std::vector<Part> parts = walk_all(view, shares);
   std::vector<int64_t> next_chunk(list.size(), 0), next_element(list.size(), 0);
@@ -122,8 +125,8 @@ void check_shares(const std::vector<TensorArg>& list, int64_t warps) {
     CHECK(part.chunks.end >= part.chunks.begin && part.chunks.end <= view.chunks_of(t), "tensor %d: chunk range", t);
     for (int64_t j = part.chunks.begin; j < part.chunks.end; ++j) {
       const int64_t start = view.cost_begin[t] + j * kFullChunkCost;
-      CHECK(shares.begin(part.warp) <= start && start < shares.begin(part.warp + 1), "chunk %lld of tensor %d outside warp %d's share",
-            (long long)j, t, part.warp);
+      CHECK(shares.begin(part.warp) <= start && start < shares.begin(part.warp + 1),
+            "chunk %lld of tensor %d outside warp %d's share", (long long)j, t, part.warp);
     }
     next_chunk[t] = part.chunks.end;
     const ElementRange e = view.elements_of(t, part.chunks);
@@ -138,7 +141,8 @@ void check_shares(const std::vector<TensorArg>& list, int64_t warps) {
     const auto t = static_cast<int32_t>(i);
     CHECK(next_chunk[i] == view.chunks_of(t), "tensor %zu: %lld of %lld chunks scanned", i, (long long)next_chunk[i],
           (long long)view.chunks_of(t));
-    CHECK(next_element[i] == list[i].numel, "tensor %zu: %lld of %lld elements", i, (long long)next_element[i], (long long)list[i].numel);
+    CHECK(next_element[i] == list[i].numel, "tensor %zu: %lld of %lld elements", i, (long long)next_element[i],
+          (long long)list[i].numel);
     // The owners of its first and last chunk starts, and every warp between them.
     const int32_t first = shares.owner(view.cost_begin[t]);
     const int32_t last = shares.owner(view.cost_begin[t] + (view.chunks_of(t) - 1) * kFullChunkCost);
@@ -172,7 +176,8 @@ struct SequentialSync {
   }
   bool arrive_last(int64_t slot, const TensorStats& s, int64_t counter, int32_t expected) {
     CHECK(slot >= 0 && slot < static_cast<int64_t>(partials.size()), "slot %lld out of range", (long long)slot);
-    CHECK(counter >= 0 && counter < static_cast<int64_t>(partials.size()), "counter %lld out of range", (long long)counter);
+    CHECK(counter >= 0 && counter < static_cast<int64_t>(partials.size()), "counter %lld out of range",
+          (long long)counter);
     partials[slot] = s;
     written[slot] = true;
     const uint32_t before = counters[counter]++;

@@ -19,7 +19,6 @@ using namespace nanscan::cuda;
 
 namespace {
 
-
 // Storage 16-byte aligned like a CUDA allocation, of exactly the bytes asked for (rounded up to 16),
 // so that the sanitizers this test can be built with see an overrun.
 struct AlignedBytes {
@@ -60,12 +59,38 @@ HostTensor make_tensor(std::mt19937_64& rng, DType dtype, int64_t numel, size_t 
     const double v = normal(rng) * ((rng() % 97 == 0) ? 1e-6 : 1.0);
     unsigned char* p = t.data() + i * element_size(dtype);
     switch (dtype) {
-      case DType::Float32: { const uint32_t r = Float32Codec::encode(static_cast<float>(v)); memcpy(p, &r, 4); break; }
-      case DType::Float64: { const uint64_t r = Float64Codec::encode(v); memcpy(p, &r, 8); break; }
-      case DType::Float16: { const uint16_t r = Float16Codec::encode(static_cast<float>(v)); memcpy(p, &r, 2); break; }
-      case DType::BFloat16: { const uint16_t r = BFloat16Codec::encode(static_cast<float>(v)); memcpy(p, &r, 2); break; }
-      case DType::Float8E4M3FN: { uint8_t r = static_cast<uint8_t>(rng() % 256); if ((r & 0x7f) == 0x7f) r ^= 1; *p = r; break; }
-      case DType::Float8E5M2: { uint8_t r = static_cast<uint8_t>(rng() % 256); if ((r & 0x7c) == 0x7c) r ^= 0x04; *p = r; break; }
+      case DType::Float32: {
+        const uint32_t r = Float32Codec::encode(static_cast<float>(v));
+        memcpy(p, &r, 4);
+        break;
+      }
+      case DType::Float64: {
+        const uint64_t r = Float64Codec::encode(v);
+        memcpy(p, &r, 8);
+        break;
+      }
+      case DType::Float16: {
+        const uint16_t r = Float16Codec::encode(static_cast<float>(v));
+        memcpy(p, &r, 2);
+        break;
+      }
+      case DType::BFloat16: {
+        const uint16_t r = BFloat16Codec::encode(static_cast<float>(v));
+        memcpy(p, &r, 2);
+        break;
+      }
+      case DType::Float8E4M3FN: {
+        uint8_t r = static_cast<uint8_t>(rng() % 256);
+        if ((r & 0x7f) == 0x7f) r ^= 1;
+        *p = r;
+        break;
+      }
+      case DType::Float8E5M2: {
+        uint8_t r = static_cast<uint8_t>(rng() % 256);
+        if ((r & 0x7c) == 0x7c) r ^= 0x04;
+        *p = r;
+        break;
+      }
     }
   }
   return t;
@@ -74,10 +99,26 @@ HostTensor make_tensor(std::mt19937_64& rng, DType dtype, int64_t numel, size_t 
 void plant(HostTensor& t, int64_t i, bool nan) {
   unsigned char* p = t.data() + i * element_size(t.dtype);
   switch (t.dtype) {
-    case DType::Float32: { const uint32_t r = nan ? 0x7fc00000u : 0xff800000u; memcpy(p, &r, 4); break; }
-    case DType::Float64: { const uint64_t r = nan ? 0x7ff8000000000000ull : 0x7ff0000000000000ull; memcpy(p, &r, 8); break; }
-    case DType::Float16: { const uint16_t r = nan ? 0x7e00 : 0x7c00; memcpy(p, &r, 2); break; }
-    case DType::BFloat16: { const uint16_t r = nan ? 0x7fc0 : 0xff80; memcpy(p, &r, 2); break; }
+    case DType::Float32: {
+      const uint32_t r = nan ? 0x7fc00000u : 0xff800000u;
+      memcpy(p, &r, 4);
+      break;
+    }
+    case DType::Float64: {
+      const uint64_t r = nan ? 0x7ff8000000000000ull : 0x7ff0000000000000ull;
+      memcpy(p, &r, 8);
+      break;
+    }
+    case DType::Float16: {
+      const uint16_t r = nan ? 0x7e00 : 0x7c00;
+      memcpy(p, &r, 2);
+      break;
+    }
+    case DType::BFloat16: {
+      const uint16_t r = nan ? 0x7fc0 : 0xff80;
+      memcpy(p, &r, 2);
+      break;
+    }
     case DType::Float8E4M3FN: *p = 0xff; break;  // NaN: e4m3fn has no Inf
     case DType::Float8E5M2: *p = nan ? 0x7f : 0xfc; break;
   }
@@ -170,7 +211,8 @@ struct ScanOutput {
 };
 
 // The launcher's own sequence, as the binding drives it: plan, device blob when needed, workspace.
-ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int num_sms, const float* multiply_by = nullptr) {
+ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int num_sms,
+                    const float* multiply_by = nullptr) {
   const LaunchableList list(tensors);
   const ListPlan& plan = list.plan;
   Buffer workspace(scan_workspace_bytes(plan, kind, num_sms));
@@ -180,7 +222,8 @@ ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int n
   out.counts.assign((half_range ? 4 : 2) * n, -1);
   out.stats.assign(3 * n, -7.0);
   ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range};
-  const cudaError_t err = scan(plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, num_sms, nullptr, multiply_by);
+  const cudaError_t err =
+      scan(plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, num_sms, nullptr, multiply_by);
   CHECK(err == cudaSuccess, "scan returned %d", err);
   return out;
 }
@@ -191,29 +234,36 @@ void expect_matches(const char* what, const std::vector<HostTensor>& tensors, co
   for (int64_t i = 0; i < n; ++i) {
     const TensorStats want = reference(tensors[i], half_range);
     total = combine(total, want);
-    CHECK(out.counts[i] == want.nan_count, "%s: tensor %lld nan %lld, want %lld", what, (long long)i, (long long)out.counts[i], (long long)want.nan_count);
-    CHECK(out.counts[n + i] == want.inf_count, "%s: tensor %lld inf %lld, want %lld", what, (long long)i, (long long)out.counts[n + i], (long long)want.inf_count);
+    CHECK(out.counts[i] == want.nan_count, "%s: tensor %lld nan %lld, want %lld", what, (long long)i,
+          (long long)out.counts[i], (long long)want.nan_count);
+    CHECK(out.counts[n + i] == want.inf_count, "%s: tensor %lld inf %lld, want %lld", what, (long long)i,
+          (long long)out.counts[n + i], (long long)want.inf_count);
     if (half_range) {
       CHECK(out.counts[2 * n + i] == want.half_overflow, "%s: tensor %lld fp16 overflow", what, (long long)i);
       CHECK(out.counts[3 * n + i] == want.half_underflow, "%s: tensor %lld fp16 underflow", what, (long long)i);
     }
     CHECK(out.stats[i] == want.min, "%s: tensor %lld min %g, want %g", what, (long long)i, out.stats[i], want.min);
-    CHECK(out.stats[n + i] == want.max, "%s: tensor %lld max %g, want %g", what, (long long)i, out.stats[n + i], want.max);
-    CHECK(close(out.stats[2 * n + i], l2_norm(want), 1e-6), "%s: tensor %lld norm %.17g, want %.17g", what, (long long)i, out.stats[2 * n + i], l2_norm(want));
+    CHECK(out.stats[n + i] == want.max, "%s: tensor %lld max %g, want %g", what, (long long)i, out.stats[n + i],
+          want.max);
+    CHECK(close(out.stats[2 * n + i], l2_norm(want), 1e-6), "%s: tensor %lld norm %.17g, want %.17g", what,
+          (long long)i, out.stats[2 * n + i], l2_norm(want));
   }
-  CHECK(close(out.total_norm, l2_norm(total), 1e-6), "%s: total norm %.17g, want %.17g", what, out.total_norm, l2_norm(total));
+  CHECK(close(out.total_norm, l2_norm(total), 1e-6), "%s: total norm %.17g, want %.17g", what, out.total_norm,
+        l2_norm(total));
   CHECK(out.finite == all_finite(total), "%s: finite flag", what);
 }
 
 std::vector<HostTensor> random_list(std::mt19937_64& rng, int n, int64_t max_numel, bool with_fp8) {
-  const DType all[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16, DType::Float8E4M3FN, DType::Float8E5M2};
+  const DType all[] = {DType::Float32,  DType::Float64,      DType::Float16,
+                       DType::BFloat16, DType::Float8E4M3FN, DType::Float8E5M2};
   std::vector<HostTensor> list;
   for (int i = 0; i < n; ++i) {
     const DType d = all[rng() % (with_fp8 ? 6 : 4)];
     const int64_t numel = (rng() % 7 == 0) ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(max_numel)) + 1;
     const size_t offset = (rng() % 5 == 0) ? element_size(d) * (1 + rng() % 3) : 0;  // some unaligned starts
     list.push_back(make_tensor(rng, d, numel, offset));
-    if (numel > 0 && rng() % 4 == 0) plant(list.back(), static_cast<int64_t>(rng() % static_cast<uint64_t>(numel)), rng() % 2 == 0);
+    if (numel > 0 && rng() % 4 == 0)
+      plant(list.back(), static_cast<int64_t>(rng() % static_cast<uint64_t>(numel)), rng() % 2 == 0);
   }
   return list;
 }
@@ -230,8 +280,9 @@ void check_workspace_guard(std::mt19937_64& rng) {
   double total_norm = -1;
   bool finite = false;
   const ResultPointers ptrs{counts.data(), stats.data(), &total_norm, &finite, n, false};
-  CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
-        "a workspace one byte short was accepted");
+  CHECK(
+      scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
+      "a workspace one byte short was accepted");
   CHECK(counts[0] == -1 && total_norm == -1, "a refused scan wrote its outputs");
   CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess, "scan");
   CHECK(total_norm != -1, "the scan wrote no total");
@@ -317,17 +368,23 @@ void check_scale(std::mt19937_64& rng, int num_sms, int count) {
   std::vector<HostTensor> list;
   const DType dtypes[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
   for (int i = 0; i < count; ++i) {
-    list.push_back(make_tensor(rng, dtypes[i % 4], 1 + static_cast<int64_t>(rng() % 20000), (i / 4 % 8) * element_size(dtypes[i % 4])));
+    list.push_back(make_tensor(rng, dtypes[i % 4], 1 + static_cast<int64_t>(rng() % 20000),
+                               (i / 4 % 8) * element_size(dtypes[i % 4])));
   }
   const LaunchableList launchable(list);
   const std::vector<HostTensor> before = list;
   const float one = 1.0f;
-  CHECK(scale(launchable.plan, launchable.blob(), &one, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
+  CHECK(scale(launchable.plan, launchable.blob(), &one, DType::Float32, CoefRounding::ToTensorDtype, num_sms,
+              nullptr) == cudaSuccess,
+        "scale");
   for (size_t i = 0; i < list.size(); ++i) {
-    CHECK(memcmp(list[i].data(), before[i].data(), list[i].numel * element_size(list[i].dtype)) == 0, "scale by 1 wrote tensor %zu", i);
+    CHECK(memcmp(list[i].data(), before[i].data(), list[i].numel * element_size(list[i].dtype)) == 0,
+          "scale by 1 wrote tensor %zu", i);
   }
   const float coef = 0.3f;
-  CHECK(scale(launchable.plan, launchable.blob(), &coef, DType::Float32, CoefRounding::ToTensorDtype, num_sms, nullptr) == cudaSuccess, "scale");
+  CHECK(scale(launchable.plan, launchable.blob(), &coef, DType::Float32, CoefRounding::ToTensorDtype, num_sms,
+              nullptr) == cudaSuccess,
+        "scale");
   for (size_t i = 0; i < list.size(); ++i) {
     HostTensor want = before[i];
     // tensor.mul_(coef_tensor): the coefficient is first cast to the tensor's dtype.
@@ -335,16 +392,22 @@ void check_scale(std::mt19937_64& rng, int num_sms, int count) {
       case DType::Float32: unscale_reference<Float32Codec>(want, coef); break;
       case DType::Float64: {
         for (int64_t k = 0; k < want.numel; ++k) {
-          const uint64_t r = Float64Codec::encode(Float64Codec::decode(raw_at<Float64Codec>(want, k)) * static_cast<double>(coef));
+          const uint64_t r =
+              Float64Codec::encode(Float64Codec::decode(raw_at<Float64Codec>(want, k)) * static_cast<double>(coef));
           memcpy(want.data() + k * 8, &r, 8);
         }
         break;
       }
-      case DType::Float16: unscale_reference<Float16Codec>(want, Float16Codec::decode(Float16Codec::encode(coef))); break;
-      case DType::BFloat16: unscale_reference<BFloat16Codec>(want, BFloat16Codec::decode(BFloat16Codec::encode(coef))); break;
+      case DType::Float16:
+        unscale_reference<Float16Codec>(want, Float16Codec::decode(Float16Codec::encode(coef)));
+        break;
+      case DType::BFloat16:
+        unscale_reference<BFloat16Codec>(want, BFloat16Codec::decode(BFloat16Codec::encode(coef)));
+        break;
       default: break;
     }
-    CHECK(memcmp(list[i].data(), want.data(), want.numel * element_size(want.dtype)) == 0, "scale by %g: tensor %zu", coef, i);
+    CHECK(memcmp(list[i].data(), want.data(), want.numel * element_size(want.dtype)) == 0, "scale by %g: tensor %zu",
+          coef, i);
   }
 }
 
@@ -352,7 +415,8 @@ void check_scale(std::mt19937_64& rng, int num_sms, int count) {
 // and the chunk: the head before the first boundary (one element per lane), the 16-byte body and the
 // tail must visit each element exactly once. NaN/Inf planted in the head, the body and the tail.
 void check_misaligned_starts(std::mt19937_64& rng) {
-  const DType all[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16, DType::Float8E4M3FN, DType::Float8E5M2};
+  const DType all[] = {DType::Float32,  DType::Float64,      DType::Float16,
+                       DType::BFloat16, DType::Float8E4M3FN, DType::Float8E5M2};
   std::vector<HostTensor> list;
   for (const DType d : all) {
     const int64_t per_vector = 16 / element_size(d), per_chunk = kChunkBytes / element_size(d);
@@ -360,7 +424,8 @@ void check_misaligned_starts(std::mt19937_64& rng) {
       for (const int64_t numel : {int64_t{1}, per_vector - 1, per_vector + 1, int64_t{1000}, per_chunk + 3}) {
         list.push_back(make_tensor(rng, d, numel, static_cast<size_t>(k) * element_size(d)));
         const int64_t where = (k + numel) % 4;  // 3: none planted
-        if (where < 3 && numel > 2) plant(list.back(), where == 0 ? 0 : where == 1 ? numel / 2 : numel - 1, (k % 2) == 0);
+        if (where < 3 && numel > 2)
+          plant(list.back(), where == 0 ? 0 : where == 1 ? numel / 2 : numel - 1, (k % 2) == 0);
       }
     }
   }
@@ -383,10 +448,22 @@ double check_accuracy_on_constant_tensors(std::mt19937_64& rng) {
       for (int64_t k = 0; k < t.numel; ++k) {
         unsigned char* p = t.data() + k * element_size(d);
         switch (d) {
-          case DType::Float32: { const uint32_t r = Float32Codec::encode(static_cast<float>(v)); memcpy(p, &r, 4); break; }
-          case DType::Float16: { const uint16_t r = Float16Codec::encode(static_cast<float>(v)); memcpy(p, &r, 2); break; }
-          case DType::BFloat16: { const uint16_t r = BFloat16Codec::encode(static_cast<float>(v)); memcpy(p, &r, 2); break; }
-          case DType::Float8E4M3FN: *p = static_cast<uint8_t>(0x30 + i); break;  // 0.5 .. 1.375
+          case DType::Float32: {
+            const uint32_t r = Float32Codec::encode(static_cast<float>(v));
+            memcpy(p, &r, 4);
+            break;
+          }
+          case DType::Float16: {
+            const uint16_t r = Float16Codec::encode(static_cast<float>(v));
+            memcpy(p, &r, 2);
+            break;
+          }
+          case DType::BFloat16: {
+            const uint16_t r = BFloat16Codec::encode(static_cast<float>(v));
+            memcpy(p, &r, 2);
+            break;
+          }
+          case DType::Float8E4M3FN: *p = static_cast<uint8_t>(0x30 + i); break;    // 0.5 .. 1.375
           case DType::Float8E5M2: *p = static_cast<uint8_t>(0x38 + i % 8); break;  // 0.5 .. 1.75
           default: break;
         }
