@@ -45,7 +45,10 @@ def main() -> None:
     rows = [
         ("torch.ops.nanscan.scan", lambda: torch.ops.nanscan.scan.default(grads)),
         ("nanscan.scan", lambda: nanscan.scan(grads)),
-        ("torch._foreach_norm + stack + norm", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))),
+        (
+            "torch._foreach_norm + stack + norm",
+            lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
+        ),
         ("nanscan.clip_grad_norm_", lambda: nanscan.clip_grad_norm_(params, 1e30)),
         ("torch clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1e30)),
         ("nanscan.check(params, max_norm)", lambda: nanscan.check(params, max_norm=1e30)),

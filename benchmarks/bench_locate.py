@@ -52,11 +52,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import nanscan  # noqa: E402
-from nanscan.locate import locate  # noqa: E402
+import nanscan
+from nanscan.locate import locate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import Decoder  # noqa: E402
+from models import Decoder
 
 METHODS = ("plain", "locate", "detect_anomaly")
 Loss = Callable[[], torch.Tensor]  # one step's forward and loss
@@ -183,8 +183,14 @@ def main() -> int:
         f"{torch.get_num_threads()} threads, load {load:.2f}, "
         f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}"
     )
-    results: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "load": load,
-                                  "autocast": args.autocast, "rounds": rounds, "cases": {}}
+    results: dict[str, object] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load": load,
+        "autocast": args.autocast,
+        "rounds": rounds,
+        "cases": {},
+    }
     for name in ("decoder", "mlp") if args.model == "all" else (args.model,):
         model, loss, what, target = build(name, args.quick)
         answers = plant_and_ask(model, loss, args.autocast, target)
@@ -208,10 +214,18 @@ def main() -> int:
             f"locate costs {per_event_us:.1f} us per event"
         )
         results["cases"][name] = {  # type: ignore[index]
-            "model": what, "precision": precision, "events_per_step": events, "fault_target": target,
-            "answers": answers, "median_ms": median, "min_ms": {m: min(times[m]) for m in METHODS},
-            "overhead_ms": overhead, "anomaly_over_locate_overhead": overhead_ratio,
-            "anomaly_over_locate_step": step_ratio, "locate_us_per_event": per_event_us, "times_ms": times,
+            "model": what,
+            "precision": precision,
+            "events_per_step": events,
+            "fault_target": target,
+            "answers": answers,
+            "median_ms": median,
+            "min_ms": {m: min(times[m]) for m in METHODS},
+            "overhead_ms": overhead,
+            "anomaly_over_locate_overhead": overhead_ratio,
+            "anomaly_over_locate_step": step_ratio,
+            "locate_us_per_event": per_event_us,
+            "times_ms": times,
         }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

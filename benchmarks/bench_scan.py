@@ -127,7 +127,7 @@ class Inputs:
 
     def restore(self) -> None:
         """Undoes a method that rewrote the gradients, and gives the GradScalers a fresh unscale_ state."""
-        for grad, source in zip(self.grads, self.sources):
+        for grad, source in zip(self.grads, self.sources, strict=True):
             grad.copy_(source)
         if self.optimizer is not None:
             self.scaler = fresh_scaler(self.flat.device, torch.amp.GradScaler)
@@ -145,10 +145,10 @@ def build_inputs(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: to
     """Random normal gradients of ``shapes``, each its own allocation, plus the flat buffer of their values."""
     numels = [math.prod(shape) for shape in shapes]
     flat = torch.randn(sum(numels), dtype=dtype, device=device)
-    sources = [chunk.view(shape) for chunk, shape in zip(flat.split(numels), shapes)]
+    sources = [chunk.view(shape) for chunk, shape in zip(flat.split(numels), shapes, strict=True)]
     grads = [source.clone() for source in sources]
     params = [torch.nn.Parameter(grad, requires_grad=True) for grad in grads]  # shares the grad's storage
-    for param, grad in zip(params, grads):
+    for param, grad in zip(params, grads, strict=True):
         param.grad = grad
     inputs = Inputs(flat, grads, params, sources)
     if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
@@ -196,9 +196,7 @@ def torch_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     infs = torch.stack([torch.isinf(g).sum() for g in grads])
     mins = torch.stack([g.amin() for g in grads])
     maxs = torch.stack([g.amax() for g in grads])
-    norms = torch.stack(
-        [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
-    )
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads])
     return nans, infs, mins, maxs, norms, torch.linalg.vector_norm(norms)
 
 
@@ -251,7 +249,12 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
     if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
         found += [
             Method("nanscan.amp.unscale+clip(no-clip)", nanscan_unscale_clip(NO_CLIP), mutates=True),
-            Method("amp.unscale+clip(no-clip)", amp_unscale_clip(NO_CLIP), "nanscan.amp.unscale+clip(no-clip)", mutates=True),
+            Method(
+                "amp.unscale+clip(no-clip)",
+                amp_unscale_clip(NO_CLIP),
+                "nanscan.amp.unscale+clip(no-clip)",
+                mutates=True,
+            ),
             Method("nanscan.amp.unscale+clip(clip)", nanscan_unscale_clip(CLIP), mutates=True),
             Method("amp.unscale+clip(clip)", amp_unscale_clip(CLIP), "nanscan.amp.unscale+clip(clip)", mutates=True),
         ]
@@ -558,10 +561,10 @@ def select_cases(args: argparse.Namespace, zoo: dict[str, list[list[int]]]) -> l
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A plain-text table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
     lines = []
     for row in [headers, ["-" * w for w in widths], *rows]:
-        cells = [f"{row[0]:<{widths[0]}}"] + [f"{cell:>{w}}" for cell, w in zip(row[1:], widths[1:])]
+        cells = [f"{row[0]:<{widths[0]}}"] + [f"{cell:>{w}}" for cell, w in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells))
     return "\n".join(lines)
 
@@ -587,7 +590,9 @@ def case_table(case: Case) -> str:
             ratio(entry["counterpart_speedup"]),
         ]
         if case.split:
-            gpu = f"{entry['gpu_ms']:.4f}" + ("*" if entry["gpu_time_includes_idle"] else "") if "gpu_ms" in entry else ""
+            gpu = (
+                f"{entry['gpu_ms']:.4f}" + ("*" if entry["gpu_time_includes_idle"] else "") if "gpu_ms" in entry else ""
+            )
             host = f"{entry['host_ms']:.4f}" if "host_ms" in entry else ""
             per_tensor = f"{entry['host_us_per_tensor'] * 1e3:.0f}" if "host_ms" in entry else ""
             row += [gpu, host, per_tensor]
@@ -595,7 +600,11 @@ def case_table(case: Case) -> str:
     headers = ["method", "median ms", "min ms", "GB/s", "x ceiling", "scan speedup", "vs nanscan"]
     if case.split:
         headers += ["GPU ms", "host ms", "host ns/tensor"]
-    notes = "\n(GPU/host: medians with the GPU held busy while the host enqueues; * the GPU caught up)" if case.split else ""
+    notes = (
+        "\n(GPU/host: medians with the GPU held busy while the host enqueues; * the GPU caught up)"
+        if case.split
+        else ""
+    )
     return format_table(headers, rows) + "\n" + case.probe_summary + notes
 
 
@@ -607,19 +616,25 @@ def summary_table(cases: Sequence[Case]) -> str:
             rows.append([f"{case.model} {case.dtype}", "skipped", "", "", "", "", "", ""])
             continue
         m = case.median
-        rows.append([
-            f"{case.model} {case.dtype}",
-            ratio(m(SCAN) / m(CEILING)),
-            ratio(m("per_param_loop") / m(SCAN)),
-            ratio(m("foreach_norm+stack") / m(SCAN)),
-            ratio(m("torch.clip(no-clip)") / m("nanscan.clip(no-clip)")),
-            ratio(m("torch.clip(clip)") / m("nanscan.clip(clip)")),
-            f"{case.slow_probes}/{len(case.probe)}",
-            "STALLED" if case.stalled else "",
-        ])
+        rows.append(
+            [
+                f"{case.model} {case.dtype}",
+                ratio(m(SCAN) / m(CEILING)),
+                ratio(m("per_param_loop") / m(SCAN)),
+                ratio(m("foreach_norm+stack") / m(SCAN)),
+                ratio(m("torch.clip(no-clip)") / m("nanscan.clip(no-clip)")),
+                ratio(m("torch.clip(clip)") / m("nanscan.clip(clip)")),
+                f"{case.slow_probes}/{len(case.probe)}",
+                "STALLED" if case.stalled else "",
+            ]
+        )
         if any(c.split for c in cases):
             scan = case.to_json()["methods"][SCAN]
-            rows[-1] += [f"{scan['gpu_ms'] * 1e3:.1f}", f"{scan['host_us_per_tensor'] * 1e3:.0f}"] if "gpu_ms" in scan else ["", ""]
+            rows[-1] += (
+                [f"{scan['gpu_ms'] * 1e3:.1f}", f"{scan['host_us_per_tensor'] * 1e3:.0f}"]
+                if "gpu_ms" in scan
+                else ["", ""]
+            )
     headers = ["case", "scan/ceiling", "loop/scan", "foreach/scan", "torch/nanscan no-clip", "torch/nanscan clip"]
     headers += [f"probe >{STALL_PROBE_MS:g}ms", "stalled"]
     if any(c.split for c in cases):
@@ -703,8 +718,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for i, case in enumerate(cases, 1):
         run_case(case, device, args, f"[{i}/{len(cases)}]")
         print(f"\n== {case.title}\n{case_table(case)}", flush=True)
-    print("\n== summary: ratios of median times (scan/ceiling: 1x is one read of the bytes; the others: above 1x, "
-          f"nanscan is faster)\n{summary_table(cases)}")
+    print(
+        "\n== summary: ratios of median times (scan/ceiling: 1x is one read of the bytes; the others: above 1x, "
+        f"nanscan is faster)\n{summary_table(cases)}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

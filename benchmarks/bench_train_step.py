@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import nanscan  # noqa: E402
+import nanscan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import Decoder  # noqa: E402
+from models import Decoder
 
 
 def time_steps(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
@@ -98,7 +98,10 @@ def main() -> int:
         optimizer.step()
 
     n_params = sum(p.numel() for p in params)
-    print(f"model: {n_params / 1e6:.1f}M parameters, batch {args.batch} x {args.context} tokens, {device}", file=sys.stderr)
+    print(
+        f"model: {n_params / 1e6:.1f}M parameters, batch {args.batch} x {args.context} tokens, {device}",
+        file=sys.stderr,
+    )
     results = {}
     for name, step in (("none", step_none), ("torch", step_torch), ("nanscan", step_nanscan)):
         print(f"timing {name} ...", file=sys.stderr, flush=True)
@@ -118,20 +121,33 @@ def main() -> int:
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     # The budget for the check: one read of the gradients, timed as torch.sum of a buffer that size.
     flat = torch.ones(grad_bytes // 4, device=device)
-    one_read_ms = time_steps(lambda: torch.sum(flat), device, args.steps, args.warmup)
+    one_read_ms = time_steps(lambda buffer=flat: torch.sum(buffer), device, args.steps, args.warmup)
     del flat
     print(f"\n{'loop':<10}{'ms/step':>10}{'vs none':>10}")
     for name, ms in results.items():
         print(f"{name:<10}{ms:>10.3f}{(ms / results['none'] - 1) * 100:>9.2f}%")
     added = results["nanscan"] - results["none"]
-    print(f"\nnanscan vs torch clip: {results['nanscan'] / results['torch']:.3f}x step time; check adds "
-          f"{added:.3f} ms per step against one read of the gradients ({grad_bytes / 1e6:.0f} MB) taking "
-          f"{one_read_ms:.3f} ms; host syncs in check: {'0 (verified)' if syncs_checked else 'not checked on CPU'}")
+    print(
+        f"\nnanscan vs torch clip: {results['nanscan'] / results['torch']:.3f}x step time; check adds "
+        f"{added:.3f} ms per step against one read of the gradients ({grad_bytes / 1e6:.0f} MB) taking "
+        f"{one_read_ms:.3f} ms; host syncs in check: {'0 (verified)' if syncs_checked else 'not checked on CPU'}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"ms_per_step": results, "one_read_ms": one_read_ms, "params": n_params,
-                                         "batch": args.batch, "context": args.context, "device": str(device),
-                                         "grad_bytes": grad_bytes}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "ms_per_step": results,
+                    "one_read_ms": one_read_ms,
+                    "params": n_params,
+                    "batch": args.batch,
+                    "context": args.context,
+                    "device": str(device),
+                    "grad_bytes": grad_bytes,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -1,8 +1,8 @@
 """nanscan: the numeric health of every gradient in one fused pass.
 
-    report = nanscan.check(model, max_norm=1.0)   # scan + clip, no host sync
-    if not report.finite:
-        print(report.nonfinite)                    # names of the parameters that went bad
+report = nanscan.check(model, max_norm=1.0)   # scan + clip, no host sync
+if not report.finite:
+    print(report.nonfinite)                    # names of the parameters that went bad
 """
 
 from . import amp
@@ -13,11 +13,11 @@ from .report import Report, check
 from .scan import SUPPORTED_DTYPES, ScanResult, scan
 
 __all__ = [
+    "SUPPORTED_DTYPES",
     "Finding",
     "Locator",
     "NonFiniteGradientError",
     "Report",
-    "SUPPORTED_DTYPES",
     "ScanResult",
     "SkipGuard",
     "amp",

@@ -12,6 +12,9 @@ The ops themselves are declared once, in csrc/ops.cpp:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
@@ -20,15 +23,23 @@ scan_op = torch.ops.nanscan.scan.default
 scale_op = torch.ops.nanscan.scale_.default
 unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 
+_Fake = TypeVar("_Fake", bound=Callable[..., Any])
 
-@torch.library.register_fake("nanscan::scan")
+
+def register_fake(op: str) -> Callable[[_Fake], _Fake]:
+    """``torch.library.register_fake``, typed: torch leaves it unannotated, which would make every
+    fake kernel below untyped in the eyes of a type checker."""
+    return cast(Callable[[_Fake], _Fake], torch.library.register_fake(op))
+
+
+@register_fake("nanscan::scan")
 def _scan_fake(
     tensors: list[torch.Tensor], fp16_range: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _scan_outputs(tensors, 4 if fp16_range else 2)
 
 
-@torch.library.register_fake("nanscan::unscale_scan_")
+@register_fake("nanscan::unscale_scan_")
 def _unscale_scan_fake(
     tensors: list[torch.Tensor], inv_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,7 +53,10 @@ def _scan_outputs(
     n = len(tensors)
     device = tensors[0].device
     for i, t in enumerate(tensors):  # the real kernels refuse mixed devices; so must the fake one
-        torch._check(t.device == device, lambda: f"nanscan.scan: tensors[{i}] is on {t.device} but tensors[0] is on {device}")
+        torch._check(
+            t.device == device,
+            lambda i=i, t=t: f"nanscan.scan: tensors[{i}] is on {t.device} but tensors[0] is on {device}",
+        )
     return (
         torch.empty((count_rows, n), dtype=torch.int64, device=device),
         torch.empty((3, n), dtype=torch.float64, device=device),
@@ -51,6 +65,6 @@ def _scan_outputs(
     )
 
 
-@torch.library.register_fake("nanscan::scale_")
+@register_fake("nanscan::scale_")
 def _scale_fake(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
     return None

@@ -230,6 +230,43 @@ class Advice:
 _NAMED_AT_MOST = 8  # parameters named in a reason sentence; the rest are counted
 
 
+@dataclass(frozen=True)
+class _Evidence:
+    """What the Advisor has seen, as device tensors (per parameter unless said otherwise)."""
+
+    overflow: torch.Tensor  # finite values above fp16's 65504
+    underflow: torch.Tensor  # non-zero values below 2^-24
+    max_abs: torch.Tensor  # largest finite magnitude
+    nan_steps: torch.Tensor  # steps whose gradient held a NaN
+    inf_steps: torch.Tensor  # steps whose gradient held an Inf
+    nonfinite_steps: torch.Tensor  # scalar: steps with a NaN/Inf anywhere
+
+    @classmethod
+    def of(cls, r: ScanResult) -> _Evidence:
+        """One step's evidence, from a scan with the fp16-range counts."""
+        assert r.fp16_overflow is not None and r.fp16_underflow is not None, "scan(..., fp16_range=True)"
+        # Tensors with no finite value have min=+inf/max=-inf: nan_to_num turns those into 0.
+        finite_abs = torch.maximum(r.min.abs(), r.max.abs()).nan_to_num(0.0, 0.0, 0.0)
+        return cls(
+            r.fp16_overflow,
+            r.fp16_underflow,
+            finite_abs,
+            (r.nan_count > 0).to(torch.int64),
+            (r.inf_count > 0).to(torch.int64),
+            (~r.finite).to(torch.int64),
+        )
+
+    def plus(self, step: _Evidence) -> _Evidence:
+        return _Evidence(
+            self.overflow + step.overflow,
+            self.underflow + step.underflow,
+            torch.maximum(self.max_abs, step.max_abs),
+            self.nan_steps + step.nan_steps,
+            self.inf_steps + step.inf_steps,
+            self.nonfinite_steps + step.nonfinite_steps,
+        )
+
+
 class Advisor:
     """Watches gradients over steps and says whether fp16 (with a loss scale) can hold them.
 
@@ -245,13 +282,7 @@ class Advisor:
         self.names: Sequence[str] | None = None
         self.numels: list[int] = []
         self.steps = 0
-        self._overflow: torch.Tensor | None = None
-        self._underflow: torch.Tensor | None = None
-        self._max_abs: torch.Tensor | None = None
-        self._nonfinite_steps: torch.Tensor | None = None
-        # Per parameter: in how many observed steps its gradient held a NaN, and an Inf.
-        self._nan_steps: torch.Tensor | None = None
-        self._inf_steps: torch.Tensor | None = None
+        self._evidence: _Evidence | None = None
 
     def observe(self, model_or_params: torch.nn.Module | Any) -> ScanResult:
         """Scans the current gradients once and accumulates the fp16 evidence; returns the scan."""
@@ -259,49 +290,37 @@ class Advisor:
         if self.names is None:
             self.names, self.numels = names, [g.numel() for g in grads]
         elif names != self.names:
-            raise ValueError("nanscan.amp.Advisor: the set of parameters with gradients changed between observe() calls")
+            raise ValueError(
+                "nanscan.amp.Advisor: the set of parameters with gradients changed between observe() calls"
+            )
         with torch.no_grad():
             r = scan(grads, names, fp16_range=True)
-            finite_abs = torch.maximum(r.min.abs(), r.max.abs()).nan_to_num(0.0, 0.0, 0.0)
-            # Tensors with no finite value have min=+inf/max=-inf: nan_to_num turned those into 0.
-            assert r.fp16_overflow is not None and r.fp16_underflow is not None
-            step_bad = (~r.finite).to(torch.int64)
-            nan_seen, inf_seen = (r.nan_count > 0).to(torch.int64), (r.inf_count > 0).to(torch.int64)
-            if self._overflow is None:
-                self._overflow, self._underflow = r.fp16_overflow.clone(), r.fp16_underflow.clone()
-                self._max_abs, self._nonfinite_steps = finite_abs, step_bad
-                self._nan_steps, self._inf_steps = nan_seen, inf_seen
-            else:
-                self._overflow += r.fp16_overflow
-                self._underflow += r.fp16_underflow
-                self._max_abs = torch.maximum(self._max_abs, finite_abs)
-                self._nonfinite_steps = self._nonfinite_steps + step_bad
-                self._nan_steps = self._nan_steps + nan_seen
-                self._inf_steps = self._inf_steps + inf_seen
+            step = _Evidence.of(r)
+            self._evidence = step if self._evidence is None else self._evidence.plus(step)
         self.steps += 1
         return r
 
     def advise(self) -> Advice:
         """The recommendation and its reasons, from everything observed so far (one sync)."""
-        if self.names is None or self._overflow is None:
+        names, evidence = self.names, self._evidence
+        if names is None or evidence is None:
             raise RuntimeError("nanscan.amp.Advisor: call observe() at least once before advise()")
-        assert self._nan_steps is not None and self._inf_steps is not None and self._nonfinite_steps is not None
-        advice = self._range_advice()
-        nan_steps, inf_steps = self._nan_steps.tolist(), self._inf_steps.tolist()
-        bad = [i for i, (n, f) in enumerate(zip(nan_steps, inf_steps)) if n or f]
+        advice = self._range_advice(names, evidence)
+        nan_steps, inf_steps = evidence.nan_steps.tolist(), evidence.inf_steps.tolist()
+        bad = [i for i, (n, f) in enumerate(zip(nan_steps, inf_steps, strict=True)) if n or f]
         if not bad:
             return advice
-        nonfinite = [self.names[i] for i in bad]
+        nonfinite = [names[i] for i in bad]
 
         def describe(i: int) -> str:
             kinds = [f"NaN in {nan_steps[i]}"] * bool(nan_steps[i]) + [f"Inf in {inf_steps[i]}"] * bool(inf_steps[i])
-            return f"{self.names[i]} ({' and '.join(kinds)} step(s))"
+            return f"{names[i]} ({' and '.join(kinds)} step(s))"
 
         named = ", ".join(describe(i) for i in bad[:_NAMED_AT_MOST])
         more = f" and {len(bad) - _NAMED_AT_MOST} more" if len(bad) > _NAMED_AT_MOST else ""
         reasons = [
             advice.reasons[0],
-            f"{int(self._nonfinite_steps)} of {self.steps} observed step(s) had NaN/Inf gradients, in "
+            f"{int(evidence.nonfinite_steps)} of {self.steps} observed step(s) had NaN/Inf gradients, in "
             f"{len(bad)} parameter(s): {named}{more}",
             "no precision setting is advice enough until they are fixed: nanscan.locate(model) names the "
             "module that makes them; under a GradScaler, observe only the steps it did not skip "
@@ -311,48 +330,54 @@ class Advisor:
         ]
         return Advice("nonfinite", reasons, advice.fp32_modules, advice.suggested_init_scale, nonfinite)
 
-    def _range_advice(self) -> Advice:
+    def _range_advice(self, names: Sequence[str], evidence: _Evidence) -> Advice:
         """The advice that fp16's range alone gives, from the finite values observed."""
-        assert self.names is not None and self._overflow is not None
-        assert self._underflow is not None and self._max_abs is not None
-        overflow = self._overflow.tolist()
-        underflow = self._underflow.tolist()
-        max_abs = self._max_abs.tolist()
+        overflow = evidence.overflow.tolist()
+        underflow = evidence.underflow.tolist()
+        max_abs = evidence.max_abs.tolist()
         elements = sum(self.numels) * self.steps
         peak = max(max_abs) if max_abs else 0.0
         headroom = FP16_MAX / peak if peak > 0 else math.inf
         reasons = [
-            f"{self.steps} step(s) observed over {len(self.names)} gradients; largest finite |g| {peak:.4g} is "
+            f"{self.steps} step(s) observed over {len(names)} gradients; largest finite |g| {peak:.4g} is "
             f"{peak / FP16_MAX:.3g}x fp16's limit of 65504"
         ]
         total_overflow, total_underflow = sum(overflow), sum(underflow)
         if total_overflow:
-            modules = module_shares(self.names, self.numels, overflow)
+            modules = module_shares(names, self.numels, overflow)
             share = sum(self.numels[i] for i, n in enumerate(overflow) if n) / max(1, sum(self.numels))
             reasons.append(
                 f"{total_overflow} gradient values ({total_overflow / elements:.2e} of all) exceed 65504 and would be "
                 f"Inf in fp16, in {', '.join(modules)} ({share:.0%} of the parameters)"
             )
             if share <= self.module_share_threshold:
-                return Advice("fp32-modules", reasons + ["the overflow is confined to these modules: run them in fp32"], modules)
-            return Advice("bf16", reasons + ["the overflow is widespread: bf16 has fp32's range and needs no loss scale"])
+                return Advice(
+                    "fp32-modules", [*reasons, "the overflow is confined to these modules: run them in fp32"], modules
+                )
+            return Advice(
+                "bf16", [*reasons, "the overflow is widespread: bf16 has fp32's range and needs no loss scale"]
+            )
         flushed = total_underflow / max(1, elements)
         if flushed > self.underflow_threshold:
-            reasons.append(f"{flushed:.2%} of gradient values are non-zero but below 2^-24: fp16 would flush them to zero")
+            reasons.append(
+                f"{flushed:.2%} of gradient values are non-zero but below 2^-24: fp16 would flush them to zero"
+            )
             if headroom >= 4:
                 scale = 2.0 ** math.floor(math.log2(headroom / 2))
                 reasons.append(f"a loss scale up to {scale:g} keeps the largest value under 65504 with a 2x margin")
                 return Advice("loss-scale", reasons, suggested_init_scale=scale)
             reasons.append("there is no headroom to scale them up without overflowing: fp16's range is too narrow")
             return Advice("bf16", reasons)
-        reasons.append(f"only {flushed:.2e} of values underflow fp16 and none overflow it: fp16's range holds these gradients")
+        reasons.append(
+            f"only {flushed:.2e} of values underflow fp16 and none overflow it: fp16's range holds these gradients"
+        )
         return Advice("keep", reasons)
 
 
 def module_shares(names: Sequence[str], numels: list[int], counts: list[int]) -> list[str]:
     """Module names (parameter name minus its last component) that have a non-zero count, in order."""
     modules: list[str] = []
-    for name, count in zip(names, counts):
+    for name, count in zip(names, counts, strict=True):
         module = name.rsplit(".", 1)[0] if "." in name else name
         if count and module not in modules:
             modules.append(module)

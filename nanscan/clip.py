@@ -195,7 +195,9 @@ def gradients(parameters: TensorOrTensors) -> tuple[list[torch.Tensor], list[tor
     except AttributeError:
         for i, p in enumerate(parameters):
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"nanscan: {describe(None, i)} of parameters is a {type(p).__name__}, not a torch.Tensor") from None
+                raise TypeError(
+                    f"nanscan: {describe(None, i)} of parameters is a {type(p).__name__}, not a torch.Tensor"
+                ) from None
         raise
     return parameters, [g for g in grads if g is not None]
 

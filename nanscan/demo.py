@@ -45,7 +45,14 @@ def per_parameter_loop(model: torch.nn.Module) -> list[tuple[str, bool, bool, fl
         if g is None:
             continue
         out.append(
-            (name, torch.isnan(g).any().item(), torch.isinf(g).any().item(), g.min().item(), g.max().item(), g.norm().item())
+            (
+                name,
+                bool(torch.isnan(g).any().item()),
+                bool(torch.isinf(g).any().item()),
+                float(g.min().item()),
+                float(g.max().item()),
+                float(g.norm().item()),
+            )
         )
     return out
 
@@ -67,19 +74,24 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int = 30)
     return statistics.median(times)
 
 
-def run_demo(steps: int = 300, fault_step: int = 200, width: int = 384, depth: int = 4, device_name: str = "auto") -> int:
+def run_demo(
+    steps: int = 300, fault_step: int = 200, width: int = 384, depth: int = 4, device_name: str = "auto"
+) -> int:
     """Trains, injects an Inf into one layer's gradient at ``fault_step``, reports, times. Returns 0 on success."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device_name == "auto" else device_name)
     model = make_model(width, depth, device)
     task = TeacherStudentTask(width, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"nanscan demo: {depth + 1}-layer MLP ({n_params / 1e6:.2f}M parameters) on {device}, {steps} steps, "
-          f"nanscan.check(model, max_norm=1.0) every step")
+    print(
+        f"nanscan demo: {depth + 1}-layer MLP ({n_params / 1e6:.2f}M parameters) on {device}, {steps} steps, "
+        f"nanscan.check(model, max_norm=1.0) every step"
+    )
 
     # The fault: at one step, layer 4's weight gradient overflows (as an fp16 accumulation past 65504
     # would): every non-zero element becomes +-Inf. Nothing else in the model is touched.
     faulty = model[4].weight
+    assert isinstance(faulty, torch.Tensor)
     fault_name = "4.weight"
     current = {"step": -1}
     faulty.register_hook(lambda g: g * 1e39 if current["step"] == fault_step else g)
@@ -103,12 +115,17 @@ def run_demo(steps: int = 300, fault_step: int = 200, width: int = 384, depth: i
             continue
         optimizer.step()
         if step % 50 == 0 or step == steps - 1:
-            print(f"  step {step:4d}  loss {loss.item():.5f}  grad norm {report.total_norm:.4f}  "
-                  f"({time.perf_counter() - started:.1f}s)", flush=True)
+            print(
+                f"  step {step:4d}  loss {loss.item():.5f}  grad norm {report.total_norm:.4f}  "
+                f"({time.perf_counter() - started:.1f}s)",
+                flush=True,
+            )
 
     ok = found == [(fault_step, [fault_name])] if 0 <= fault_step < steps else not found
-    print(f"nanscan found {len(found)} bad step(s), {skipped} optimizer step(s) skipped: "
-          + ("the injected fault, named exactly" if ok else f"UNEXPECTED: {found}"))
+    print(
+        f"nanscan found {len(found)} bad step(s), {skipped} optimizer step(s) skipped: "
+        + ("the injected fault, named exactly" if ok else f"UNEXPECTED: {found}")
+    )
 
     print("\nper-step cost on this model's gradients (median of 30, ms):")
     params = list(model.parameters())
@@ -116,7 +133,10 @@ def run_demo(steps: int = 300, fault_step: int = 200, width: int = 384, depth: i
         ("nanscan.check(model)", median_ms(lambda: check(model), device)),
         ("nanscan.check(model, max_norm=...), no clip", median_ms(lambda: check(model, max_norm=1e9), device)),
         ("per-parameter isnan/isinf/min/max/norm loop", median_ms(lambda: per_parameter_loop(model), device)),
-        ("torch clip_grad_norm_(max_norm=...), no clip", median_ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1e9), device)),
+        (
+            "torch clip_grad_norm_(max_norm=...), no clip",
+            median_ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1e9), device),
+        ),
     ]
     base = rows[0][1]
     for name, ms in rows:
@@ -147,8 +167,10 @@ def scenario_fp16_overflow(device: torch.device) -> bool:
             report = scaler.last_report
             bad = report.nonfinite if report is not None else []
             skipped.append(step)
-            print(f"  step {step}: scale {scaler.get_scale():.3g} overflowed in {len(bad)} gradients "
-                  f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); step skipped")
+            print(
+                f"  step {step}: scale {scaler.get_scale():.3g} overflowed in {len(bad)} gradients "
+                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); step skipped"
+            )
         else:
             advisor.observe(model)
         scaler.step(optimizer)
@@ -171,13 +193,14 @@ def scenario_log_zero(device: torch.device) -> bool:
 
     print("\n[log(0) in one layer] a dead unit (softplus output 0) reaches torch.log inside `1.2`")
     torch.manual_seed(0)
+    before_softplus = torch.nn.Linear(16, 16)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 16),
-        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Softplus(), LogFeatures(), torch.nn.Linear(16, 1)),
+        torch.nn.Sequential(before_softplus, torch.nn.Softplus(), LogFeatures(), torch.nn.Linear(16, 1)),
     ).to(device)
     x = torch.randn(8, 16, device=device)
     with torch.no_grad():
-        model[1][0].weight[3].fill_(-1e4)  # one unit's pre-activation is hugely negative: softplus gives 0
+        before_softplus.weight[3].fill_(-1e4)  # one unit's pre-activation is hugely negative: softplus gives 0
     with locate(model) as trace:
         loss = model(x).square().mean()
         loss.backward()
@@ -199,9 +222,10 @@ def scenario_eval_fp16(device: torch.device) -> bool:
             return e / e.sum(-1, keepdim=True)
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), Energy(), torch.nn.Linear(256, 4)).to(device)
+    projection = torch.nn.Linear(32, 256)
+    model = torch.nn.Sequential(projection, Energy(), torch.nn.Linear(256, 4)).to(device)
     with torch.no_grad():
-        model[0].weight.mul_(1000.0)
+        projection.weight.mul_(1000.0)
     x = torch.randn(4, 32, device=device)
     print(f"  fp32 evaluation finite: {bool(torch.isfinite(model(x)).all())}")
     dtype = torch.float16
@@ -225,8 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--scenario", choices=["train", *SCENARIOS, "all"], default="all",
-                        help="train: the training run with an injected Inf; the others: AMP and localisation cases")
+    parser.add_argument(
+        "--scenario",
+        choices=["train", *SCENARIOS, "all"],
+        default="all",
+        help="train: the training run with an injected Inf; the others: AMP and localisation cases",
+    )
     args = parser.parse_args(argv)
     if args.steps <= 0:
         parser.error("--steps must be positive")

@@ -58,7 +58,9 @@ class SkipGuard:
         self._last_skipped: torch.Tensor | None = None
         # (host copy of the consecutive-skip counter, event marking the copy done; None on a CPU)
         self._copies: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
-        self._device_side = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+        self._device_side = bool(optimizer.defaults.get("fused")) and getattr(
+            optimizer, "_step_supports_amp_scaling", False
+        )
         original = optimizer.step
 
         @functools.wraps(original)
@@ -82,11 +84,12 @@ class SkipGuard:
         """Hands the guard this step's finite flag and updates the counters on the device."""
         self._finite = finite
         bad = (~finite).to(torch.int64)
-        if self._total is None:
-            self._total = torch.zeros((), dtype=torch.int64, device=finite.device)
-            self._consecutive = torch.zeros((), dtype=torch.int64, device=finite.device)
-        self._total = self._total + bad
-        self._consecutive = (self._consecutive + bad) * bad
+        if self._total is None or self._consecutive is None:
+            total = consecutive = torch.zeros((), dtype=torch.int64, device=finite.device)
+        else:
+            total, consecutive = self._total, self._consecutive
+        self._total = total + bad
+        self._consecutive = (consecutive + bad) * bad
         self._last_skipped = bad.bool()
         if self._device_side and self.max_consecutive_skips is not None:
             self._copy_counter_to_host()
@@ -128,7 +131,9 @@ class SkipGuard:
             # A GradScaler may have set found_inf / grad_scale for this step already: combine with its
             # found_inf, keep its grad_scale, and put back whatever was there.
             missing = object()
-            saved = {name: getattr(self.optimizer, name, missing) for name in ("found_inf", "grad_scale")}
+            saved: dict[str, Any] = {
+                name: getattr(self.optimizer, name, missing) for name in ("found_inf", "grad_scale")
+            }
             ours = (~finite).to(torch.float32)
             if saved["found_inf"] is not missing and saved["found_inf"] is not None:
                 ours = torch.maximum(ours, saved["found_inf"].to(ours.device, torch.float32))
@@ -176,8 +181,9 @@ class SkipGuard:
         return self._last_skipped is not None and bool(self._last_skipped)
 
 
-def act_on_nonfinite(report: Any, on_nonfinite: str, optimizer: torch.optim.Optimizer | None,
-                     max_consecutive_skips: int | None) -> None:
+def act_on_nonfinite(
+    report: Any, on_nonfinite: str, optimizer: torch.optim.Optimizer | None, max_consecutive_skips: int | None
+) -> None:
     """Applies ``on_nonfinite`` to a fresh Report (see ``check``)."""
     if on_nonfinite == "ignore":
         return

@@ -205,7 +205,7 @@ class Finding:
 class _Scan:
     """One scan call's raw results on the device, and the shape and dtype of each scanned tensor."""
 
-    __slots__ = ("counts", "stats", "metas")
+    __slots__ = ("counts", "metas", "stats")
 
     counts: torch.Tensor
     stats: torch.Tensor
@@ -247,7 +247,7 @@ _Ref = tuple[_Scan, int]
 class _Call:
     """One call of one module: who it is, its inputs' statistics, and its state between hooks."""
 
-    __slots__ = ("who", "inputs", "views", "grad_inputs", "grad_outputs", "received")
+    __slots__ = ("grad_inputs", "grad_outputs", "inputs", "received", "views", "who")
 
     def __init__(self, name: str, op: str, call: int) -> None:
         self.who = (name, op, call)  # what the events of this call keep: never its tensors
@@ -265,7 +265,7 @@ class _Call:
 class _Event:
     """A recorded event: references to the scanned tensors it produced and consumed."""
 
-    __slots__ = ("who", "kind", "outputs", "inputs", "context_known", "parameter")
+    __slots__ = ("context_known", "inputs", "kind", "outputs", "parameter", "who")
 
     def __init__(
         self,
@@ -291,9 +291,9 @@ def _scannable(t: object) -> bool:
     """A dense floating tensor nanscan can scan; tensor subclasses (DTensor, fakes) are left alone."""
     return (
         (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
-        and t.dtype in SUPPORTED_DTYPES  # type: ignore[union-attr]
-        and t.layout == torch.strided  # type: ignore[union-attr]
-        and not t.is_meta  # type: ignore[union-attr]
+        and t.dtype in SUPPORTED_DTYPES
+        and t.layout == torch.strided
+        and not t.is_meta
     )
 
 
@@ -314,7 +314,7 @@ def _flatten(obj: object, out: list[torch.Tensor]) -> None:
             _flatten(item, out)
 
 
-def _on_grads(tensors: Sequence[torch.Tensor], fn: Callable[[list[torch.Tensor | None]], None]) -> None:
+def _on_grads(tensors: Sequence[torch.Tensor], fn: Callable[[Sequence[torch.Tensor | None]], None]) -> None:
     """Calls ``fn(grads)`` once the gradient of every tensor of ``tensors`` that takes part is ready."""
     if len(tensors) > 1:
         register_multi_grad_hook(tensors, fn)
@@ -568,7 +568,7 @@ class Locator:
                 return scanned, j
         return None
 
-    def _on_grad_outputs(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
+    def _on_grad_outputs(self, call: _Call, grads: Sequence[torch.Tensor | None]) -> None:
         if not self._active:
             return
         received = [g for g in grads if g is not None and _scannable(g)]
@@ -581,7 +581,7 @@ class Locator:
             if received:
                 self._events.append(_Event(call, "output-gradient", call.received, [], False))
 
-    def _on_grad_inputs(self, call: _Call, grads: list[torch.Tensor | None]) -> None:
+    def _on_grad_inputs(self, call: _Call, grads: Sequence[torch.Tensor | None]) -> None:
         if not self._active or not call.grad_inputs:
             return
         produced = [g for g in grads if g is not None and _scannable(g)]
@@ -594,7 +594,7 @@ class Locator:
         # An input-gradient can itself be a recent one passed through (a module that returns its input).
         refs = self._resolve(produced + received, [self._grad_ref(g) for g in produced] + received_refs)
         k = len(produced)
-        for g, (scanned, j) in zip(produced, refs):
+        for g, (scanned, j) in zip(produced, refs[:k], strict=True):
             self._recent.append((g, g._version, scanned, j))
         del self._recent[:-_RECENT_GRADS]
         call.received = refs[k:]

@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, overload
+from typing import Any, TypedDict, overload
 
 import torch
 
-from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
 from .clip import (
     as_max_norm,
     as_norm_type,
     clip_grads_with_norm_,
     total_norm_of,
 )
+from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
 from .scan import ScanResult, scan
+
+
+class HostValues(TypedDict):
+    """A Report's statistics as Python values, copied from the device in one transfer."""
+
+    nan_count: list[int]
+    inf_count: list[int]
+    min: list[float]
+    max: list[float]
+    norm: list[float]
+    total_norm: float
+    finite: bool
+    clip_coef: float | None
 
 
 class Report:
@@ -45,7 +58,7 @@ class Report:
         self.norm_type = norm_type
         self.max_norm = max_norm
         self.clip_coef_tensor = clip_coef
-        self._host: dict[str, Any] | None = None
+        self._host: HostValues | None = None
 
     @property
     def names(self) -> list[str]:
@@ -53,7 +66,7 @@ class Report:
             self._names = list(self._names)
         return self._names
 
-    def _values(self) -> dict[str, Any]:
+    def _values(self) -> HostValues:
         """Copies every statistic to the host in one transfer (one sync), once."""
         if self._host is None:
             s = self.stats
@@ -101,7 +114,7 @@ class Report:
     def nonfinite(self) -> list[str]:
         """Names of the parameters whose gradient has a NaN or an Inf, in parameter order."""
         v = self._values()
-        return [name for name, nan, inf in zip(self.names, v["nan_count"], v["inf_count"]) if nan or inf]
+        return [name for name, nan, inf in zip(self.names, v["nan_count"], v["inf_count"], strict=True) if nan or inf]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values: totals, and per-parameter statistics keyed by name."""
@@ -128,11 +141,11 @@ class Report:
         )[:limit]
         width = max([len("parameter")] + [len(self.names[i]) for i in order])
         lines = [f"{'parameter':<{width}}  {'nan':>8} {'inf':>8} {'min':>11} {'max':>11} {'norm':>11}"]
-        for i in order:
-            lines.append(
-                f"{self.names[i]:<{width}}  {v['nan_count'][i]:>8} {v['inf_count'][i]:>8} "
-                f"{v['min'][i]:>11.4g} {v['max'][i]:>11.4g} {v['norm'][i]:>11.4g}"
-            )
+        lines += [
+            f"{self.names[i]:<{width}}  {v['nan_count'][i]:>8} {v['inf_count'][i]:>8} "
+            f"{v['min'][i]:>11.4g} {v['max'][i]:>11.4g} {v['norm'][i]:>11.4g}"
+            for i in order
+        ]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -212,7 +225,7 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
         grads = [g for g in all_grads if g is not None]
         if len(grads) == len(named):
             return [name for name, _ in named], grads
-        return [name for (name, _), g in zip(named, all_grads) if g is not None], grads
+        return [name for (name, _), g in zip(named, all_grads, strict=True) if g is not None], grads
     if isinstance(model_or_params, torch.Tensor):
         pairs: Iterable[Any] = [("[0]", model_or_params)]
     else:
@@ -274,7 +287,9 @@ def check(
         ...     print(report.nonfinite)
     """
     if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"nanscan.check: on_nonfinite must be one of {', '.join(map(repr, ON_NONFINITE))}, got {on_nonfinite!r}")
+        raise ValueError(
+            f"nanscan.check: on_nonfinite must be one of {', '.join(map(repr, ON_NONFINITE))}, got {on_nonfinite!r}"
+        )
     # Every argument is checked before any gradient is read or written.
     if on_nonfinite == "skip":
         if optimizer is None:

@@ -45,7 +45,9 @@ class ScanResult:
     fp16_underflow: torch.Tensor | None = None
 
     @classmethod
-    def from_op(cls, counts: torch.Tensor, stats: torch.Tensor, total_norm: torch.Tensor, finite: torch.Tensor) -> ScanResult:
+    def from_op(
+        cls, counts: torch.Tensor, stats: torch.Tensor, total_norm: torch.Tensor, finite: torch.Tensor
+    ) -> ScanResult:
         extra = (counts[2], counts[3]) if counts.shape[0] == 4 else (None, None)
         return cls(counts[0], counts[1], stats[0], stats[1], stats[2], total_norm, finite, *extra)
 
@@ -100,7 +102,9 @@ def validate(tensors: Sequence[object], names: Sequence[str] | None = None) -> N
         if t.is_meta:
             raise ValueError(f"nanscan: {describe(names, i)} is a meta tensor; it has no values to scan")
         if t.dim() > MAX_DIMS:
-            raise RuntimeError(f"nanscan: {describe(names, i)} has {t.dim()} dimensions; at most {MAX_DIMS} are supported")
+            raise RuntimeError(
+                f"nanscan: {describe(names, i)} has {t.dim()} dimensions; at most {MAX_DIMS} are supported"
+            )
 
 
 def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
@@ -162,7 +166,7 @@ def _gather_devices(tensors: list[torch.Tensor], groups: dict[torch.device, list
     stats = torch.empty((3, n), dtype=torch.float64, device=first)
     sumsq = torch.zeros((), dtype=torch.float64, device=first)
     finite = torch.ones((), dtype=torch.bool, device=first)
-    for device, indices in groups.items():
+    for indices in groups.values():
         c, s, total, fin = scan_op([tensors[i] for i in indices], fp16_range)
         index = torch.tensor(indices, device=first)
         counts[:, index] = c.to(first)

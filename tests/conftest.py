@@ -69,7 +69,9 @@ def assert_matches_reference(result, tensors: list[torch.Tensor], rtol: float = 
         assert got["max"][i] == ref["max"], f"tensor {i}: max {got['max'][i]} != {ref['max']}"
         assert_close_float(got["norm"][i], ref["norm"], rtol, f"tensor {i}: norm")
     total_sumsq = sum(r["sumsq"] for r in refs)
-    assert_close_float(float(result.total_norm), math.sqrt(total_sumsq) if total_sumsq == total_sumsq else math.nan, rtol, "total_norm")
+    assert_close_float(
+        float(result.total_norm), math.sqrt(total_sumsq) if total_sumsq == total_sumsq else math.nan, rtol, "total_norm"
+    )
     assert bool(result.finite) == all(r["nan_count"] == 0 and r["inf_count"] == 0 for r in refs)
 
 
@@ -93,10 +95,10 @@ def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], tim
     command = [compiler, *flags, "-o", str(binary)]
     for source in sources:
         command += ["-x", "c++", str(source)]
-    build = subprocess.run(command, capture_output=True, text=True)
+    build = subprocess.run(command, capture_output=True, text=True, check=False)  # its stderr is the message
     assert build.returncode == 0, build.stderr[-6000:]
     try:
-        run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
+        run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{binary.name} did not finish in {timeout:g} s: {hang_hint}")
     assert run.returncode == 0, run.stderr[-6000:]
@@ -109,6 +111,8 @@ def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], tim
 #     python -m pytest -q tests/test_properties.py --hypothesis-profile=long
 # The hypothesis pytest plugin loads the flag's profile after this file is imported, so the flag
 # overrides "ci".
-settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")

@@ -12,10 +12,13 @@ import torch
 
 import nanscan
 import nanscan.amp
+
 from conftest import DEVICES
 
 
-def model_and_optimizer(device: str, seed: int = 0, fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def model_and_optimizer(
+    device: str, seed: int = 0, fused: bool = False
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device)
     if fused:
@@ -88,7 +91,7 @@ def test_parity_with_torch_grad_scaler(device: str, dtype: torch.dtype, clip: st
     assert ours[0] == theirs[0], "scale trajectories differ"
     if clip != "none":
         assert ours[1] == [s in overflow for s in range(14)], "skipped flags"
-    for a, b in zip(ours[2], theirs[2]):
+    for a, b in zip(ours[2], theirs[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -144,9 +147,9 @@ def test_scaler_clip_grad_norm_is_one_pass_and_matches_torch(max_norm: float, mo
     ref_scaler.unscale_(ref_opt)
     ref_total = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
     torch.testing.assert_close(total, ref_total)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
-    written = [p.grad._version - v for p, v in zip(model.parameters(), versions)]
+    written = [p.grad._version - v for p, v in zip(model.parameters(), versions, strict=True)]
     assert written == [2 if max_norm < 1 else 1] * 4, "the unscale writes once; the clip only when it clips"
     report = scaler.last_report
     assert report is not None and report.finite and report.max_norm == max_norm
@@ -178,7 +181,7 @@ def test_disabled_scaler_clip_grad_norm_clips() -> None:
     ref_model(x).sum().backward()
     total = scaler.clip_grad_norm_(opt, 1e-2)
     torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e-2))
-    for p, q in zip(model.parameters(), ref_model.parameters()):
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
 
 
@@ -196,7 +199,7 @@ def test_report_of_fused_optimizer_describes_unscaled_gradients() -> None:
     want_total = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in unscaled])).item()
     assert report.total_norm == pytest.approx(want_total, rel=1e-6)
     values = report.to_dict()["parameters"]
-    for (name, stats), g in zip(values.items(), unscaled):
+    for (name, stats), g in zip(values.items(), unscaled, strict=True):
         assert stats["min"] == g.min().item() and stats["max"] == g.max().item(), name
         assert stats["norm"] == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-6), name
 
@@ -211,7 +214,7 @@ def test_unscale_bit_exact_and_report(device: str) -> None:
     found = torch.zeros((), device=device)
     torch._amp_foreach_non_finite_check_and_unscale_(expected, found, torch.tensor(1 / 1024.0, device=device))
     scaler.unscale_(opt)
-    for p, e in zip(model.parameters(), expected):
+    for p, e in zip(model.parameters(), expected, strict=True):
         assert torch.equal(p.grad.nan_to_num(), e.nan_to_num())
     report = scaler.last_report
     assert report is not None and not report.finite and report.nonfinite == ["group0.param1"]
@@ -233,9 +236,11 @@ def test_scaler_rejects_fp16_grads_like_torch() -> None:
 
 def advisor_for(grad_fn) -> nanscan.amp.Advice:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)
+    )
     advisor = nanscan.amp.Advisor()
-    for step in range(3):
+    for _ in range(3):
         for name, p in model.named_parameters():
             p.grad = grad_fn(name, p)
         advisor.observe(model)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import nanscan
+
 from conftest import DEVICES
 
 NORM_TYPES = [0.5, 1.0, 1.5, 2.0, 4.0, math.inf, -math.inf, 0.0, "inf"]
@@ -50,7 +51,7 @@ def test_clip_matches_torch(device: str, norm_type: float, max_norm: float) -> N
     want = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
     assert got.dtype == want.dtype and got.device == want.device and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
-    for a, b in zip(grads(ours), grads(theirs)):
+    for a, b in zip(grads(ours), grads(theirs), strict=True):
         if a is None:
             assert b is None
         else:
@@ -82,7 +83,7 @@ def test_no_clip_leaves_gradients_untouched(device: str) -> None:
     pointers = [p.grad.data_ptr() for p in params if p.grad is not None]
     nanscan.clip_grad_norm_(params, 1e9)
     after = [p.grad for p in params if p.grad is not None]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert pointers == [p.grad.data_ptr() for p in params if p.grad is not None]
     # What each backend promises about version counters (clip.py): on the CPU the coefficient is
     # known on the host, so a no-clip call leaves them alone; on CUDA the kernel decides on the
@@ -92,7 +93,7 @@ def test_no_clip_leaves_gradients_untouched(device: str) -> None:
     nanscan.clip_grad_norm_(params, 1e9)
     bumped = 1 if device == "cuda" else 0
     assert [v + bumped for v in versions] == [p.grad._version for p in params if p.grad is not None]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,7 +101,10 @@ def test_get_total_norm_matches_torch(device: str) -> None:
     tensors = [p.grad for p in make_params(device) if p.grad is not None]
     for norm_type in NORM_TYPES:
         torch.testing.assert_close(
-            nanscan.get_total_norm(tensors, norm_type), torch.nn.utils.get_total_norm(tensors, norm_type), rtol=2e-6, atol=0
+            nanscan.get_total_norm(tensors, norm_type),
+            torch.nn.utils.get_total_norm(tensors, norm_type),
+            rtol=2e-6,
+            atol=0,
         )
     single = tensors[0]
     torch.testing.assert_close(nanscan.get_total_norm(single), torch.nn.utils.get_total_norm(single))
@@ -135,7 +139,7 @@ def test_nonfinite_norm_and_error_if_nonfinite(device: str) -> None:
         got = nanscan.clip_grad_norm_(ours, 1.0)
         want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
         torch.testing.assert_close(got, want, equal_nan=True)
-        for a, b in zip(grads(ours), grads(theirs)):
+        for a, b in zip(grads(ours), grads(theirs), strict=True):
             if a is not None:
                 torch.testing.assert_close(a, b, equal_nan=True)
         ours = make_params(device)
@@ -145,15 +149,15 @@ def test_nonfinite_norm_and_error_if_nonfinite(device: str) -> None:
             nanscan.clip_grad_norm_(ours, 1.0, error_if_nonfinite=True)
         with pytest.raises(RuntimeError, match="non-finite"):
             torch.nn.utils.clip_grad_norm_(twin(ours), 1.0, error_if_nonfinite=True)
-        for a, b in zip(before, [p.grad for p in ours if p.grad is not None]):
+        for a, b in zip(before, [p.grad for p in ours if p.grad is not None], strict=True):
             torch.testing.assert_close(a, b, equal_nan=True)
 
 
 def test_inf_norm_of_empty_tensor_raises_like_torch() -> None:
     t = [torch.empty(0), torch.ones(3)]
-    with pytest.raises(RuntimeError, match="infinity norm|inf norm"):
+    with pytest.raises(RuntimeError, match=r"infinity norm|inf norm"):
         torch.nn.utils.get_total_norm(t, math.inf)
-    with pytest.raises(RuntimeError, match="infinity norm|inf norm"):
+    with pytest.raises(RuntimeError, match=r"infinity norm|inf norm"):
         nanscan.get_total_norm(t, math.inf)
     assert nanscan.get_total_norm(t, 2.0).item() == pytest.approx(math.sqrt(3))
 
@@ -163,7 +167,8 @@ def test_foreach_argument_accepted() -> None:
         params = make_params("cpu")
         others = twin(params)
         torch.testing.assert_close(
-            nanscan.clip_grad_norm_(params, 0.5, foreach=foreach), torch.nn.utils.clip_grad_norm_(others, 0.5, foreach=foreach)
+            nanscan.clip_grad_norm_(params, 0.5, foreach=foreach),
+            torch.nn.utils.clip_grad_norm_(others, 0.5, foreach=foreach),
         )
 
 
@@ -176,7 +181,7 @@ def test_bad_max_norm_raises_before_touching_gradients(max_norm: object, error: 
     before = [p.grad.clone() for p in params if p.grad is not None]
     with pytest.raises(ValueError, match=error):
         nanscan.clip_grad_norm_(params, max_norm)  # type: ignore[arg-type]
-    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None]))
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None], strict=True))
 
 
 @pytest.mark.parametrize("norm_type", ["fro", None, [2.0], object()])
@@ -190,7 +195,7 @@ def test_bad_norm_type_raises_like_torch(norm_type: object) -> None:
         nanscan.clip_grad_norm_(params, 1.0, norm_type)  # type: ignore[arg-type]
     with pytest.raises(theirs.type, match="norm_type must be a real number or 'inf'"):
         nanscan.get_total_norm(grads, norm_type)  # type: ignore[arg-type]
-    assert all(torch.equal(a, g) for a, g in zip(before, grads))
+    assert all(torch.equal(a, g) for a, g in zip(before, grads, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -205,11 +210,13 @@ def test_norm_type_accepts_what_torch_accepts(norm_type: object) -> None:
     got = nanscan.clip_grad_norm_(params, 0.5, norm_type)  # type: ignore[arg-type]
     want = torch.nn.utils.clip_grad_norm_(twins, 0.5, norm_type)  # type: ignore[arg-type]
     torch.testing.assert_close(got, want)
-    for p, t in zip(params, twins):
+    for p, t in zip(params, twins, strict=True):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, t.grad)
     grads = [t.grad for t in twins if t.grad is not None]
-    torch.testing.assert_close(nanscan.get_total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type))  # type: ignore[arg-type]
+    torch.testing.assert_close(
+        nanscan.get_total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type)
+    )  # type: ignore[arg-type]
 
 
 def test_non_tensor_parameter_is_named() -> None:
@@ -230,7 +237,9 @@ def test_dtypes_the_scan_does_not_read_behave_exactly_like_torch() -> None:
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 3.0, 0.5, 2.0, math.inf])
-def test_assigning_over_torchs_get_total_norm_does_not_recurse(norm_type: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_assigning_over_torchs_get_total_norm_does_not_recurse(
+    norm_type: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Users monkeypatch drop-ins; nanscan delegates to the torch function it took at import."""
     params = make_params("cpu")
     grads_ = [p.grad for p in params if p.grad is not None]
@@ -258,7 +267,7 @@ def test_expanded_gradient_is_refused_before_any_gradient_is_scaled() -> None:
         nanscan.clip_grad_norm_(params, 1e-3)
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         nanscan.check(params, max_norm=1e-3)
-    for p, b in zip(params, before):
+    for p, b in zip(params, before, strict=True):
         assert (p.grad is None and b is None) or torch.equal(p.grad, b)
 
 
@@ -273,7 +282,7 @@ def test_create_graph_gradient_after_a_no_clip_call(device: str) -> None:
         model = torch.nn.Linear(4, 2).to(device)
         loss = model(torch.randn(3, 4, device=device)).square().sum()
         grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
-        for p, g in zip(model.parameters(), grads):
+        for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g
         penalty = sum(g.square().sum() for g in grads)
         clip(model.parameters(), 1e9)  # type: ignore[operator]

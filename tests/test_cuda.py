@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nanscan
+
 from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, needs_cuda, random_tensor
 
 pytestmark = [pytest.mark.cuda, needs_cuda]
@@ -82,7 +83,7 @@ def test_device_list_cache_eviction_and_streams() -> None:
 def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     """Parameters whose .grad are ``grads`` (the drop-ins clip parameters' gradients)."""
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g
     return params
 
@@ -94,13 +95,13 @@ def test_long_list_clip_and_unscale() -> None:
     got = nanscan.clip_grad_norm_(with_grads(grads), 1.0)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert float(want) > 10  # so the gradients were scaled down
-    for g, e in zip(grads, expected):
+    for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
     found = torch.zeros((), device="cuda")
     inv_scale = torch.tensor(1 / 64.0, device="cuda")
     torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
     torch.ops.nanscan.unscale_scan_(grads, inv_scale)
-    for g, e in zip(grads, expected):
+    for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-9)
 
 
@@ -122,7 +123,23 @@ def test_fold_tree_edges(chunks: int) -> None:
 
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
-    d, layer = 768, [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,), (3072, 768), (768,)]
+    d, layer = (
+        768,
+        [
+            (768,),
+            (768,),
+            (768, 2304),
+            (2304,),
+            (768, 768),
+            (768,),
+            (768,),
+            (768,),
+            (768, 3072),
+            (3072,),
+            (3072, 768),
+            (768,),
+        ],
+    )
     return [(50257, d), (1024, d)] + layer * 12 + [(d,), (d,)]
 
 
@@ -147,7 +164,9 @@ def test_extra_memory_does_not_grow_with_gradient_bytes() -> None:
     """O(tensors + grid): the same 148 tensors at 1x and 4x their GPT-2-small sizes (bf16, 0.25 and
     1 GB) need the same scratch, to the caching allocator's rounding."""
     small = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in gpt2_small_shapes()]
-    large = [torch.randn((4 * shape[0], *shape[1:]), device="cuda", dtype=torch.bfloat16) for shape in gpt2_small_shapes()]
+    large = [
+        torch.randn((4 * shape[0], *shape[1:]), device="cuda", dtype=torch.bfloat16) for shape in gpt2_small_shapes()
+    ]
     extra_small, extra_large = extra_memory_of_scan(small), extra_memory_of_scan(large)
     assert extra_large <= extra_small + 4096, (extra_small, extra_large)
 
@@ -200,7 +219,7 @@ def test_scale_of_unaligned_views() -> None:
     ]
     expected = [v.clone() * 0.5 for v in views]
     torch.ops.nanscan.scale_(views, torch.tensor(0.5, device="cuda"))
-    for v, e in zip(views, expected):
+    for v, e in zip(views, expected, strict=True):
         assert torch.equal(v, e)
 
 
@@ -277,7 +296,7 @@ def test_more_than_2_31_elements() -> None:
     if free < 3 * n:
         pytest.skip("needs ~7 GB of free GPU memory")
     t = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 0x7F).view(torch.float8_e4m3fn)  # no NaN codes
-    t[-1:] .view(torch.uint8).fill_(0x7F)  # a NaN in the very last element
+    t[-1:].view(torch.uint8).fill_(0x7F)  # a NaN in the very last element
     t[2**31 + 7 : 2**31 + 8].view(torch.uint8).fill_(0xFE)  # -448, the minimum, past 2^31
     r = nanscan.scan([t])
     assert r.nan_count.item() == 1 and r.min.item() == -448.0
@@ -333,7 +352,7 @@ def test_cuda_graph_capture_and_replays() -> None:
             assert bool(report.stats.finite)
             torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=0)
             torch.nn.utils.clip_grad_norm_(list(twin.parameters()), 0.5)
-            for a, b in zip(grads_after, twin.parameters()):
+            for a, b in zip(grads_after, twin.parameters(), strict=True):
                 torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
 
 
@@ -444,12 +463,14 @@ def test_fused_unscale_matches_torch_bit_for_bit(dtype: torch.dtype, layout: str
     torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
     outputs: list[tuple[torch.Tensor, ...]] = []
     kernels = nanscan_kernels_launched(lambda: outputs.append(torch.ops.nanscan.unscale_scan_(grads, inv_scale)))
-    counts, stats, total, finite = outputs[0]
+    counts, _, _, finite = outputs[0]
     if layout == "dense":
         assert len(kernels) == 1 and "scan_kernel<false, true" in kernels[0], kernels
     else:
-        assert any("scale_kernel" in k for k in kernels) and any("scan_kernel<false, false" in k for k in kernels), kernels
-    for g, e in zip(grads, expected):
+        assert any("scale_kernel" in k for k in kernels) and any("scan_kernel<false, false" in k for k in kernels), (
+            kernels
+        )
+    for g, e in zip(grads, expected, strict=True):
         assert torch.equal(g.nan_to_num(), e.nan_to_num())
     assert bool(found) and not bool(finite) and counts[0].tolist() == [0, 0, 1] + [0] * (len(grads) - 3)
     assert counts[1].tolist()[5] == 1, "the Inf in the misaligned view's head"

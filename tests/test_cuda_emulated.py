@@ -18,8 +18,18 @@ from conftest import ROOT, build_and_run_cpp
 
 
 def test_kernels_on_emulated_gpu(tmp_path: Path) -> None:
-    flags = ["-std=c++20", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
-             "-Wno-unknown-pragmas", "-I", str(ROOT / "tests" / "cuda_emulator" / "include")]
+    flags = [
+        "-std=c++20",
+        "-O2",
+        "-pthread",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-Wno-unused-parameter",
+        "-Wno-unknown-pragmas",
+        "-I",
+        str(ROOT / "tests" / "cuda_emulator" / "include"),
+    ]
     sources = [ROOT / "csrc" / "cuda" / "scan_cuda.cu", ROOT / "tests" / "cuda_emulator" / "test_kernels.cpp"]
     hang = "a deadlock, e.g. a shuffle that not every lane of a warp reached"
     assert "all checks passed" in build_and_run_cpp(tmp_path, sources, flags, 600, hang)

@@ -14,7 +14,11 @@ from nanscan.guard import NonFiniteGradientError, SkipGuard
 def setup(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     return model, opt
 
 
@@ -43,9 +47,9 @@ def test_raise_and_warn_name_the_parameters() -> None:
     backward(model, False)
     nanscan.check(model, on_nonfinite="raise")  # finite: no error
     backward(model, True)
-    with pytest.raises(NonFiniteGradientError, match="non-finite gradients in 2.weight"):
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite gradients in 2\.weight"):
         nanscan.check(model, on_nonfinite="raise")
-    with pytest.warns(RuntimeWarning, match="non-finite gradients in 2.weight"):
+    with pytest.warns(RuntimeWarning, match=r"non-finite gradients in 2\.weight"):
         nanscan.check(model, on_nonfinite="warn")
     nanscan.check(model, on_nonfinite="ignore")
 
@@ -67,7 +71,7 @@ def test_skip_and_counters(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None
             nanscan.check(model, on_nonfinite="skip", optimizer=opt)
             opt.step()
         after = params(model)
-        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert changed == (not poison), f"poison={poison}: parameters {'changed' if changed else 'unchanged'}"
         assert all(torch.isfinite(p).all() for p in after)
     guard = SkipGuard.of(opt)
@@ -95,7 +99,7 @@ def test_unarmed_step_is_an_ordinary_step() -> None:
     backward(model, False)
     before = params(model)
     opt.step()  # no check this step: runs normally
-    assert any(not torch.equal(a, b) for a, b in zip(before, params(model)))
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
 
 
 @pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, nanscan.amp.GradScaler])
@@ -113,7 +117,7 @@ def test_skip_guard_composes_with_grad_scaler(scaler_cls: type, poison: bool) ->
     scaler.step(opt)
     scaler.update()
     after = params(model)
-    assert any(not torch.equal(a, b) for a, b in zip(before, after)) == (not poison)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)) == (not poison)
     assert all(torch.isfinite(p).all() for p in after)
     assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
     # With grad_scale kept, AdamW's first step moves each weight by about lr (0.1); with the scale

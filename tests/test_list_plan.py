@@ -14,5 +14,7 @@ from conftest import ROOT, build_and_run_cpp
 
 def test_list_plan_arithmetic(tmp_path: Path) -> None:
     flags = ["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror"]
-    out = build_and_run_cpp(tmp_path, [ROOT / "tests" / "cpp" / "test_list_plan.cpp"], flags, 120, "an endless search loop")
+    out = build_and_run_cpp(
+        tmp_path, [ROOT / "tests" / "cpp" / "test_list_plan.cpp"], flags, 120, "an endless search loop"
+    )
     assert "all checks passed" in out

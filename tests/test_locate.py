@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICES, reference_stats
 import nanscan
 from nanscan.locate import Locator, TensorStats, locate
+
+from conftest import DEVICES, reference_stats
 
 # ------------------------------------------------------------------------------- planted faults
 
@@ -427,9 +428,16 @@ def test_nonfinite_only_in_a_parameter_gradient(device: str) -> None:
     x = torch.randn(4, 8, device=device)
     with locate(model) as trace:
         model(x).sum().backward()
-    assert [f for f in trace.nonfinite if f.kind != "parameter-gradient"] == [], "activations and input-gradients are finite"
+    assert [f for f in trace.nonfinite if f.kind != "parameter-gradient"] == [], (
+        "activations and input-gradients are finite"
+    )
     first = trace.first
-    assert first is not None and (first.module, first.op, first.kind, first.phase) == ("1", "SqrtGain", "parameter-gradient", "backward")
+    assert first is not None and (first.module, first.op, first.kind, first.phase) == (
+        "1",
+        "SqrtGain",
+        "parameter-gradient",
+        "backward",
+    )
     assert first.parameter == "1.gain" and first.outputs[0].label == "grad gain"
     assert_stats(first.outputs[0], model[1].gain.grad)
     assert first.inputs_finite and len(first.inputs) == 1, "the gradient the module received, finite"
@@ -548,7 +556,7 @@ def test_model_without_parameters() -> None:
 
 @pytest.mark.parametrize("bad", [None, 3, torch.randn(2), [torch.nn.Linear(2, 2)]])
 def test_not_a_module_is_a_type_error(bad: object) -> None:
-    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
         locate(bad)  # type: ignore[arg-type]
 
 
@@ -575,9 +583,8 @@ def test_empty_block_and_reentry() -> None:
     with trace:
         pass
     assert trace.events == 0 and trace.finite and "no events recorded" in str(trace)
-    with trace:
-        with pytest.raises(RuntimeError, match="already active"):
-            trace.__enter__()
+    with trace, pytest.raises(RuntimeError, match="already active"):
+        trace.__enter__()
     assert hooks_of(model) == 0
 
 
@@ -588,11 +595,10 @@ def test_exception_in_block_removes_hooks_and_propagates() -> None:
     model, x = make()
     user_hook = model.blocks[1].register_forward_hook(lambda m, i, o: None)
     before = hooks_of(model)
-    with pytest.raises(ValueError, match="boom"):
-        with locate(model) as trace:
-            assert hooks_of(model) > before
-            train_step(model, x)
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), locate(model) as trace:
+        assert hooks_of(model) > before
+        train_step(model, x)
+        raise ValueError("boom")
     assert hooks_of(model) == before == 1, "only the user's own hook is left"
     assert isinstance(trace, Locator) and trace.events == 40, "what was recorded stays readable"
     trace.remove()  # removing twice is harmless
@@ -606,9 +612,8 @@ def test_exception_inside_forward_removes_hooks_and_next_locate_works() -> None:
             raise RuntimeError("bad shape")
 
     model, x = make({2: Raises()})
-    with pytest.raises(RuntimeError, match="bad shape"):
-        with locate(model):
-            train_step(model, x)
+    with pytest.raises(RuntimeError, match="bad shape"), locate(model):
+        train_step(model, x)
     assert hooks_of(model) == 0
     model.blocks[2].fault = ForwardFault()
     with locate(model) as trace:
@@ -645,7 +650,7 @@ def test_model_computes_the_same_with_and_without_locate() -> None:
     with locate(model) as trace:
         located = run()
     assert trace.finite and trace.events > 20
-    for a, b in zip(plain, located):
+    for a, b in zip(plain, located, strict=True):
         assert torch.equal(a, b)
     assert model.training and hooks_of(model) == 0
 
@@ -658,11 +663,10 @@ def test_hooks_do_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("a host sync inside the locate block")
 
-    with locate(model) as trace:
-        with monkeypatch.context() as patch:
-            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
-                patch.setattr(torch.Tensor, name, forbidden)
-            train_step(model, x)
+    with locate(model) as trace, monkeypatch.context() as patch:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+            patch.setattr(torch.Tensor, name, forbidden)
+        train_step(model, x)
     assert trace.first is not None and trace.first.module == "blocks.1.fault"
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nanscan
+
 from conftest import DEVICES, FP8_DTYPES, random_tensor
 
 
@@ -77,13 +78,15 @@ def test_scan_bad_input(bad: object, error: type, match: str) -> None:
 
 
 def test_scan_names_in_errors() -> None:
-    with pytest.raises(TypeError, match="'layer.bias' \\(entry 1\\)"):
+    with pytest.raises(TypeError, match=r"'layer\.bias' \(entry 1\)"):
         nanscan.scan([torch.ones(1), torch.ones(1, dtype=torch.int8)], names=["layer.weight", "layer.bias"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_rules(device: str) -> None:
-    e4m3 = torch.tensor([0x7F, 0xFF, 0x7E, 0xFE, 0x78, 0x01, 0x00], dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    e4m3 = torch.tensor([0x7F, 0xFF, 0x7E, 0xFE, 0x78, 0x01, 0x00], dtype=torch.uint8, device=device).view(
+        torch.float8_e4m3fn
+    )
     r = nanscan.scan([e4m3])
     assert r.nan_count.item() == 2 and r.inf_count.item() == 0  # no Inf in e4m3fn; 0x7e is 448, finite
     assert r.max.item() == 448.0 and r.min.item() == -448.0
@@ -145,7 +148,9 @@ def test_outputs_are_not_differentiable(device: str) -> None:
     for name in ("nan_count", "inf_count", "min", "max", "norm", "total_norm", "finite"):
         out = getattr(r, name)
         assert out.grad_fn is None and not out.requires_grad, name
-    counts, stats, total, finite = torch.ops.nanscan.unscale_scan_([torch.randn(4, device=device)], torch.tensor(0.5, device=device))
+    counts, stats, total, finite = torch.ops.nanscan.unscale_scan_(
+        [torch.randn(4, device=device)], torch.tensor(0.5, device=device)
+    )
     assert not any(t.requires_grad for t in (counts, stats, total, finite))
     # opcheck's autograd-registration test needs inputs that require grad.
     for sample in finite_samples(device):
@@ -159,14 +164,18 @@ def test_scale_validates_every_entry_before_writing(device: str) -> None:
     good = torch.randn(10, device=device)
     before = good.clone()
     expanded = torch.randn(1, device=device).expand(6)
-    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor refers to a single memory location"):
+    with pytest.raises(
+        RuntimeError, match="more than one element of the written-to tensor refers to a single memory location"
+    ):
         torch.ops.nanscan.scale_([good, expanded], torch.tensor(0.5, device=device))
     assert torch.equal(good, before)
     fp8 = torch.zeros(4, device=device).to(torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match=r"tensors\[1\] is float8"):
         torch.ops.nanscan.scale_([good, fp8], torch.tensor(0.5, device=device))
     with pytest.raises(RuntimeError, match=r"tensors\[1\] has dtype Long"):
-        torch.ops.nanscan.scale_([good, torch.ones(3, dtype=torch.int64, device=device)], torch.tensor(0.5, device=device))
+        torch.ops.nanscan.scale_(
+            [good, torch.ones(3, dtype=torch.int64, device=device)], torch.tensor(0.5, device=device)
+        )
     with pytest.raises(RuntimeError, match="more than one element"):
         torch.ops.nanscan.unscale_scan_([good, expanded], torch.tensor(0.5, device=device))
     assert torch.equal(good, before)
@@ -194,6 +203,6 @@ def test_a_build_without_cuda_says_so_at_the_first_cuda_call() -> None:
         lambda: torch.ops.nanscan.unscale_scan_.default.redispatch(cuda, [t], torch.tensor(0.5)),
     ]
     for call in calls:
-        with pytest.raises(RuntimeError, match="built without its CUDA backend.*CUDA_HOME"):
+        with pytest.raises(RuntimeError, match=r"built without its CUDA backend.*CUDA_HOME"):
             call()
     assert torch.equal(t, torch.ones(3))

@@ -38,11 +38,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-import nanscan  # noqa: E402
+import nanscan
 
 T = TypeVar("T")
 
@@ -134,7 +133,7 @@ class TensorSpec:
 # stride 0 over the first dim; windows: 2-D rows that overlap (stride (cols // 2, 1)). The last two
 # are legal read-only inputs, never a gradient anyone can scale.
 WRITABLE_LAYOUTS = ["contiguous", "strided", "transposed", "padded"]
-LAYOUTS = WRITABLE_LAYOUTS + ["expanded", "windows"]
+LAYOUTS = [*WRITABLE_LAYOUTS, "expanded", "windows"]
 
 
 def window_stride(shape: tuple[int, ...]) -> int:
@@ -302,7 +301,7 @@ def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers one contiguous memory span exactly once (in some order of its dims):
     then the kernel reads it in memory order, otherwise in logical order."""
     expected = 1
-    for stride, size in sorted((st_, sz) for sz, st_ in zip(t.shape, t.stride()) if sz != 1):
+    for stride, size in sorted((st_, sz) for sz, st_ in zip(t.shape, t.stride(), strict=True) if sz != 1):
         if stride != expected:
             return False
         expected *= size
@@ -314,7 +313,7 @@ def storage_index(view: torch.Tensor, position: int) -> int:
     if is_dense(view):
         return view.storage_offset() + position
     index, rest = view.storage_offset(), position
-    for size, stride in reversed(list(zip(view.shape, view.stride()))):
+    for size, stride in reversed(list(zip(view.shape, view.stride(), strict=True))):
         index += (rest % size) * stride
         rest //= size
     return index
@@ -452,7 +451,7 @@ def outcome(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the empty-generator warning is tested in test_clip.py
             return fn(), None
-    except Exception as e:  # noqa: BLE001 - the type is what gets compared
+    except Exception as e:
         return None, e
 
 
@@ -464,7 +463,7 @@ def check_scan_against_reference(tensors: list[torch.Tensor], result: nanscan.Sc
     refs = [reference(t) for t in tensors]
     assert len(result) == len(tensors)
     got = {k: v.tolist() for k, v in result_fields(result).items()}
-    for i, (t, ref) in enumerate(zip(tensors, refs)):
+    for i, (t, ref) in enumerate(zip(tensors, refs, strict=True)):
         what = f"tensor {i} ({t.dtype}, shape {tuple(t.shape)}, stride {t.stride()})"
         assert got["nan_count"][i] == ref.nan_count, f"{what}: nan_count {got['nan_count'][i]} != {ref.nan_count}"
         assert got["inf_count"][i] == ref.inf_count, f"{what}: inf_count {got['inf_count'][i]} != {ref.inf_count}"
@@ -487,12 +486,24 @@ def check_scan_against_reference(tensors: list[torch.Tensor], result: nanscan.Sc
 @example(
     specs=[
         TensorSpec(
-            torch.float8_e5m2, (262145,), "contiguous", 1, 1, "wide",
-            (Plant("chunk", 0, "snan", True, 0), Plant("chunk", -1, "inf", False, 0)), 7,
+            torch.float8_e5m2,
+            (262145,),
+            "contiguous",
+            1,
+            1,
+            "wide",
+            (Plant("chunk", 0, "snan", True, 0), Plant("chunk", -1, "inf", False, 0)),
+            7,
         ),
         TensorSpec(
-            torch.float8_e4m3fn, (262144,), "contiguous", 0, 1, "normal",
-            (Plant("chunk", -1, "qnan", True, 0), Plant("first", 0, "inf", False, 0)), 8,
+            torch.float8_e4m3fn,
+            (262144,),
+            "contiguous",
+            0,
+            1,
+            "normal",
+            (Plant("chunk", -1, "qnan", True, 0), Plant("first", 0, "inf", False, 0)),
+            8,
         ),
     ],
     fp16_range=False,
@@ -500,8 +511,18 @@ def check_scan_against_reference(tensors: list[torch.Tensor], result: nanscan.Sc
 @example(
     specs=[
         TensorSpec(
-            torch.float16, (131073,), "contiguous", 3, 1, "normal",
-            (Plant("chunk", 0, "qnan", False, 5), Plant("last", 0, "max", True, 0), Plant("first", 0, "subnormal", False, 1)), 1,
+            torch.float16,
+            (131073,),
+            "contiguous",
+            3,
+            1,
+            "normal",
+            (
+                Plant("chunk", 0, "qnan", False, 5),
+                Plant("last", 0, "max", True, 0),
+                Plant("first", 0, "subnormal", False, 1),
+            ),
+            1,
         ),
         TensorSpec(torch.float32, (65537,), "strided", 1, 3, "huge", (Plant("last", 0, "snan", True, 12345),), 2),
         TensorSpec(torch.bfloat16, (1,), "contiguous", 1, 1, "normal", (Plant("first", 0, "subnormal", True, 3),), 3),
@@ -520,7 +541,7 @@ def test_scan_matches_fp64_reference(specs: list[TensorSpec], fp16_range: bool) 
         event(f"layout={spec.layout}")
     result = nanscan.scan(tensors, fp16_range=fp16_range)
     check_scan_against_reference(tensors, result)
-    for (base, _), bits in zip(built, before):
+    for (base, _), bits in zip(built, before, strict=True):
         assert torch.equal(raw_bits(base), bits), "scan wrote to its input"
     assert_bit_identical(result, nanscan.scan(tensors, fp16_range=fp16_range), "a second scan of the same list")
     if fp16_range:  # the extra counts come from the same pass and change none of the other statistics
@@ -580,7 +601,7 @@ def clip_cases(draw: st.DrawFn) -> ClipCase:
     # writing anything (torch raises too, after scaling the gradients before that one). Not
     # "windows": ATen's overlap check cannot tell partial overlaps, so torch and nanscan both
     # multiply shared elements twice there; no gradient is laid out like that.
-    layouts = WRITABLE_LAYOUTS + ["expanded"] if draw(st.integers(0, 9)) == 0 else WRITABLE_LAYOUTS
+    layouts = [*WRITABLE_LAYOUTS, "expanded"] if draw(st.integers(0, 9)) == 0 else WRITABLE_LAYOUTS
     for _ in range(count):
         if draw(st.integers(0, 4)) == 0:
             grads.append(None)
@@ -656,7 +677,11 @@ def overlaps_itself(view: torch.Tensor, base: torch.Tensor) -> bool:
             None,
             TensorSpec(torch.bfloat16, (2, 3), "transposed", 1, 1, "normal", (), 4),
         ),
-        1.0, 2.0, True, None, "list",
+        1.0,
+        2.0,
+        True,
+        None,
+        "list",
     )
 )
 @example(  # an expanded gradient after a plain one: nanscan refuses before scaling either
@@ -665,7 +690,11 @@ def overlaps_itself(view: torch.Tensor, base: torch.Tensor) -> bool:
             TensorSpec(torch.float32, (5,), "contiguous", 0, 1, "normal", (), 1),
             TensorSpec(torch.float16, (3, 4), "expanded", 1, 1, "normal", (), 2),
         ),
-        1e-3, 2.0, False, None, "list",
+        1e-3,
+        2.0,
+        False,
+        None,
+        "list",
     )
 )
 def test_clip_grad_norm_matches_torch(case: ClipCase) -> None:
@@ -677,7 +706,7 @@ def test_clip_grad_norm_matches_torch(case: ClipCase) -> None:
     before = [(raw_bits(g), g._version) for g in grads]
     # The storage around strided gradients (their gaps and the misaligned start) must stay as it was.
     outside = []
-    for base, p in zip(bases, ours):
+    for base, p in zip(bases, ours, strict=True):
         if base is not None:
             mask = torch.ones(base.numel(), dtype=torch.bool)
             mask[storage_indices(p.grad, base.numel())] = False
@@ -716,23 +745,30 @@ def test_clip_grad_norm_matches_torch(case: ClipCase) -> None:
         expected_error: type | None = type(plain_error)
     elif case.error_if_nonfinite and not math.isfinite(expected_norm):
         expected_error = RuntimeError
-    elif any(overlaps_itself(p.grad, b) for p, b in zip(ours, bases) if b is not None):
+    elif any(overlaps_itself(p.grad, b) for p, b in zip(ours, bases, strict=True) if b is not None):
         expected_error = RuntimeError  # an expanded gradient cannot be scaled, even by 1
     else:
         expected_error = None
-    assert type(got_error) is (expected_error or type(None)), f"expected {expected_error}; nanscan: {got!r} / {got_error!r}"
+    assert type(got_error) is (expected_error or type(None)), (
+        f"expected {expected_error}; nanscan: {got!r} / {got_error!r}"
+    )
     if not torch_overflows:
         assert type(want_error) is type(got_error), f"torch: {want_error!r}, nanscan: {got_error!r}"
     # Shown by --hypothesis-show-statistics: how the drawn cases spread over the paths below.
-    event(f"norm_type={case.norm_type!r}: " + ("raised" if got_error else "torch overflows" if torch_overflows else "returned"))
+    event(
+        f"norm_type={case.norm_type!r}: "
+        + ("raised" if got_error else "torch overflows" if torch_overflows else "returned")
+    )
 
     if got_error is not None:  # raised: nothing written, not even a no-op write
-        for g, (bits, version) in zip(grads, before):
+        for g, (bits, version) in zip(grads, before, strict=True):
             assert torch.equal(raw_bits(g), bits) and g._version == version, "nanscan raised after writing gradients"
         return
 
     assert got is not None and plain is not None
-    assert got.dtype == plain.dtype and got.shape == plain.shape, f"{got.dtype}{tuple(got.shape)} vs torch's {plain.dtype}"
+    assert got.dtype == plain.dtype and got.shape == plain.shape, (
+        f"{got.dtype}{tuple(got.shape)} vs torch's {plain.dtype}"
+    )
     if truth is None:  # delegated to torch: bit for bit
         assert bits_equal(got, plain), f"norm {got!r} != torch's {plain!r}"
     elif norm_type == math.inf:  # a max of |elements|: exact
@@ -741,20 +777,24 @@ def test_clip_grad_norm_matches_torch(case: ClipCase) -> None:
         # Within 1e-6 before the one rounding to the result dtype (torch's fp32 norm is not: it can
         # be ~6e-6 off, and its bf16/fp16 norms are rounded per tensor first).
         finfo = torch.finfo(got.dtype)
-        ok = norm_close(got.item(), expected_norm, 0.0) or norm_close(got.item(), truth, 1e-6 + finfo.eps, finfo.tiny * finfo.eps)
+        ok = norm_close(got.item(), expected_norm, 0.0) or norm_close(
+            got.item(), truth, 1e-6 + finfo.eps, finfo.tiny * finfo.eps
+        )
         assert ok, f"L2 norm {got.item()!r} != {truth!r} ({got.dtype})"
 
     # The clipping: torch's own arithmetic (clip_grads_with_norm_) applied with nanscan's norm.
     expected = make_parameters(case)[0]
     torch.nn.utils.clip_grads_with_norm_(expected, case.max_norm, got, case.foreach)
-    for p, e in zip(ours, expected):
+    for p, e in zip(ours, expected, strict=True):
         assert (p.grad is None) == (e.grad is None)
         if p.grad is not None:
-            torch.testing.assert_close(p.grad, e.grad, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"clipped gradient: {m}")
+            torch.testing.assert_close(
+                p.grad, e.grad, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"clipped gradient: {m}"
+            )
     coef = torch.clamp(case.max_norm / (got + 1e-6), max=1.0).item()
     event("no clip" if coef == 1.0 else "clipped")
     if coef == 1.0:  # nothing to clip: bit-identical (NaN payloads too) and not written at all
-        for g, (bits, version) in zip(grads, before):
+        for g, (bits, version) in zip(grads, before, strict=True):
             assert torch.equal(raw_bits(g), bits), "a no-clip call changed a gradient's bits"
             assert g._version == version, "a no-clip call wrote a gradient"
     for base, mask, bits in outside:
@@ -767,11 +807,11 @@ def test_clip_grad_norm_matches_torch(case: ClipCase) -> None:
         return
     torch_grads = [p.grad for p in theirs if p.grad is not None]
     if bits_equal(got, want):
-        for a, b in zip(grads, torch_grads):
+        for a, b in zip(grads, torch_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     elif math.isfinite(got.item()) and math.isfinite(want.item()):
         spread = abs(got.item() - want.item()) / max(abs(got.item()), torch.finfo(got.dtype).tiny)
-        for a, b in zip(grads, torch_grads):
+        for a, b in zip(grads, torch_grads, strict=True):
             f = torch.finfo(a.dtype)
             rtol = spread + 2 * (torch.finfo(got.dtype).eps + f.eps)
             torch.testing.assert_close(a, b, rtol=rtol, atol=2 * f.tiny * f.eps, equal_nan=True)

@@ -10,14 +10,18 @@ import pytest
 import torch
 
 import nanscan
-from conftest import DEVICES
 from nanscan.report import named_gradients
+
+from conftest import DEVICES
 
 
 def tiny_model(device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()), torch.nn.Linear(16, 1)
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()),
+        torch.nn.Linear(16, 1),
     ).to(device)
     model(torch.randn(32, 8, device=device)).pow(2).mean().backward()
     return model
@@ -71,7 +75,7 @@ def test_check_with_max_norm_clips_like_torch(device: str, norm_type: float) -> 
     total = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05, norm_type)
     assert report.total_norm == pytest.approx(total.item(), rel=1e-6)
     assert report.clipped and report.clip_coef < 1
-    for a, b in zip(model.parameters(), twin.parameters()):
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-6, atol=1e-30)
 
 
@@ -101,9 +105,13 @@ def test_positional_names_read_like_a_list_of_strings() -> None:
         params[i].grad = torch.full((2,), float(i))
     params[3].grad[1] = math.nan
     names, _ = named_gradients(params)  # lazy: formed on reading
-    assert names == ["[0]", "[1]", "[3]"] and ["[0]", "[1]", "[3]"] == names and names != ["[0]"]
-    assert len(names) == 3 and names[-1] == "[3]" and names[1:] == ["[1]", "[3]"] and names[::-1] == ["[3]", "[1]", "[0]"]
-    assert "[3]" in names and names.index("[3]") == 2 and names != "[0][1][3]" and repr(names) == "['[0]', '[1]', '[3]']"
+    assert names == ["[0]", "[1]", "[3]"] and names == ["[0]", "[1]", "[3]"] and names != ["[0]"]
+    assert (
+        len(names) == 3 and names[-1] == "[3]" and names[1:] == ["[1]", "[3]"] and names[::-1] == ["[3]", "[1]", "[0]"]
+    )
+    assert (
+        "[3]" in names and names.index("[3]") == 2 and names != "[0][1][3]" and repr(names) == "['[0]', '[1]', '[3]']"
+    )
     report = nanscan.check(params)
     assert report.names == names and report.nonfinite == ["[3]"] and "[3]" in report.table()
     assert nanscan.check(iter(params)).names == names  # a one-shot iterator: read once
@@ -136,7 +144,7 @@ def test_report_names_are_a_list() -> None:
         p.grad = torch.ones(2)
     report = nanscan.check(params)
     assert type(report.names) is list and report.names == ["[1]", "[2]"]
-    assert json.loads(json.dumps(report.names)) == ["[1]", "[2]"] and report.names + ["x"] == ["[1]", "[2]", "x"]
+    assert json.loads(json.dumps(report.names)) == ["[1]", "[2]"] and [*report.names, "x"] == ["[1]", "[2]", "x"]
     names, _ = named_gradients(params)
     assert names == ["[1]", "[2]"] and names != ("[1]", "[2]")  # equal like a list: to lists only
     assert pickle.loads(pickle.dumps(names, protocol=0)) == names

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nanscan
+
 from conftest import DEVICES, FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, plant, random_tensor, reference_stats
 
 # Sizes straddling the SIMD lane width (32), the fast-run length (4096), the CPU chunk (256 KiB: 65536
@@ -82,12 +83,12 @@ def test_non_contiguous_views(device: str) -> None:
     base[5, 7, 1] = math.nan
     base[60, 90, 2] = math.inf
     views = [
-        base.transpose(0, 1),          # dense, permuted
-        base.permute(2, 0, 1),         # dense, permuted
-        base[:, ::3, :],               # strided, skips the NaN row? no: step 3 keeps index 90
-        base[1::2, 5:70, 1],           # strided, 2-D
-        base[:, :, 0].t(),             # strided transpose
-        base[3:4].expand(5, 96, 3),    # stride 0: overlapping, every element counted as it is seen
+        base.transpose(0, 1),  # dense, permuted
+        base.permute(2, 0, 1),  # dense, permuted
+        base[:, ::3, :],  # strided, skips the NaN row? no: step 3 keeps index 90
+        base[1::2, 5:70, 1],  # strided, 2-D
+        base[:, :, 0].t(),  # strided transpose
+        base[3:4].expand(5, 96, 3),  # stride 0: overlapping, every element counted as it is seen
         base.view(-1)[1::7],
         base.to(torch.bfloat16).transpose(1, 2)[:, 1:, ::2],
     ]

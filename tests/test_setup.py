@@ -18,7 +18,7 @@ def setup_functions() -> dict[str, Any]:
     tree = ast.parse((ROOT / "setup.py").read_text())
     kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assign))]
     namespace: dict[str, Any] = {"__file__": str(ROOT / "setup.py")}
-    exec(compile(ast.Module(body=kept, type_ignores=[]), "setup.py", "exec"), namespace)  # noqa: S102
+    exec(compile(ast.Module(body=kept, type_ignores=[]), "setup.py", "exec"), namespace)
     return namespace
 
 
@@ -34,7 +34,7 @@ def cuda_torch(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def test_cuda_torch_without_a_toolkit_fails_loudly(cuda_torch: dict[str, Any]) -> None:
-    with pytest.raises(SystemExit, match="no CUDA toolkit was found.*Set CUDA_HOME.*NANSCAN_CPU_ONLY=1"):
+    with pytest.raises(SystemExit, match=r"no CUDA toolkit was found.*Set CUDA_HOME.*NANSCAN_CPU_ONLY=1"):
         cuda_torch["cuda_build_reason"]()
 
 

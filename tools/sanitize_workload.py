@@ -47,7 +47,7 @@ class Views:
         """Random values (fp8 within its range) on the CPU; ``sizes[i]`` elements of ``dtypes[i]``."""
         totals: dict[torch.dtype, int] = {}
         layout = []
-        for n, dtype in zip(sizes, dtypes):
+        for n, dtype in zip(sizes, dtypes, strict=True):
             layout.append((dtype, totals.get(dtype, 0), n))
             totals[dtype] = totals.get(dtype, 0) + n
         flats = {
@@ -98,7 +98,7 @@ def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     """Parameters whose .grad are ``grads``: what the clip drop-ins take. Each parameter aliases its
     gradient's memory (nothing here reads or writes parameters): no allocation per parameter."""
     params = [torch.nn.Parameter(g) for g in grads]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g
     return params
 
@@ -132,7 +132,9 @@ def main() -> None:
 
     # The fused unscale against torch's, bit for bit: views into flat buffers, and one strided gradient
     # (the two-step path: multiply, then scan).
-    grads = Views.random([1, 555, 65_537, 300_001, 7, 40_000], [torch.float32] * 4 + [torch.bfloat16, torch.float16], gen)
+    grads = Views.random(
+        [1, 555, 65_537, 300_001, 7, 40_000], [torch.float32] * 4 + [torch.bfloat16, torch.float16], gen
+    )
     grads.plant(2, 17, math.inf)
     grads.plant(3, 0, math.nan)  # view 3 starts 4 bytes past a 16-byte boundary: a NaN in its head,
     grads.plant(5, 40_000 - 1, math.inf)  # and an Inf in a tail: both chunks are re-read after their rewrite
