@@ -11,9 +11,8 @@ import glob
 import os
 import sys
 
-from setuptools import setup
-
 import torch
+from setuptools import setup
 from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 

@@ -51,46 +51,45 @@ typename Codec::Raw raw_at(const HostTensor& t, int64_t i) {
   return r;
 }
 
+// Calls fn(Codec{}) with the codec of a dtype.
+template <class Fn>
+auto with_codec(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::Float32: return fn(Float32Codec{});
+    case DType::Float64: return fn(Float64Codec{});
+    case DType::Float16: return fn(Float16Codec{});
+    case DType::BFloat16: return fn(BFloat16Codec{});
+    case DType::Float8E4M3FN: return fn(Float8E4M3FNCodec{});
+    case DType::Float8E5M2: break;
+  }
+  return fn(Float8E5M2Codec{});
+}
+
+// Stores v, rounded to t's format as torch rounds it, at element i (formats with an encoder: not float8).
+void store(HostTensor& t, int64_t i, double v) {
+  with_codec(t.dtype, [&](auto codec) {
+    using Codec = decltype(codec);
+    if constexpr (HasEncode<Codec>::value) {
+      const typename Codec::Raw r = Codec::encode(static_cast<typename Codec::Wide>(v));
+      memcpy(t.data() + i * sizeof r, &r, sizeof r);
+    }
+  });
+}
+
 // Random finite values of each format (normal, subnormal and huge ones), then NaN/Inf where asked.
 HostTensor make_tensor(std::mt19937_64& rng, DType dtype, int64_t numel, size_t offset) {
   HostTensor t{dtype, numel, AlignedBytes(offset + static_cast<size_t>(numel) * element_size(dtype)), offset};
   std::normal_distribution<double> normal(0.0, 1.0);
   for (int64_t i = 0; i < numel; ++i) {
     const double v = normal(rng) * ((rng() % 97 == 0) ? 1e-6 : 1.0);
-    unsigned char* p = t.data() + i * element_size(dtype);
-    switch (dtype) {
-      case DType::Float32: {
-        const uint32_t r = Float32Codec::encode(static_cast<float>(v));
-        memcpy(p, &r, 4);
-        break;
-      }
-      case DType::Float64: {
-        const uint64_t r = Float64Codec::encode(v);
-        memcpy(p, &r, 8);
-        break;
-      }
-      case DType::Float16: {
-        const uint16_t r = Float16Codec::encode(static_cast<float>(v));
-        memcpy(p, &r, 2);
-        break;
-      }
-      case DType::BFloat16: {
-        const uint16_t r = BFloat16Codec::encode(static_cast<float>(v));
-        memcpy(p, &r, 2);
-        break;
-      }
-      case DType::Float8E4M3FN: {
-        uint8_t r = static_cast<uint8_t>(rng() % 256);
-        if ((r & 0x7f) == 0x7f) r ^= 1;
-        *p = r;
-        break;
-      }
-      case DType::Float8E5M2: {
-        uint8_t r = static_cast<uint8_t>(rng() % 256);
-        if ((r & 0x7c) == 0x7c) r ^= 0x04;
-        *p = r;
-        break;
-      }
+    if (dtype == DType::Float8E4M3FN || dtype == DType::Float8E5M2) {
+      // Random bits, the NaN (and e5m2's Inf) codes moved to a neighbouring finite code.
+      uint8_t r = static_cast<uint8_t>(rng() % 256);
+      if (dtype == DType::Float8E4M3FN && (r & 0x7f) == 0x7f) r ^= 1;
+      if (dtype == DType::Float8E5M2 && (r & 0x7c) == 0x7c) r ^= 0x04;
+      t.data()[i] = r;
+    } else {
+      store(t, i, v);
     }
   }
   return t;
@@ -122,20 +121,6 @@ void plant(HostTensor& t, int64_t i, bool nan) {
     case DType::Float8E4M3FN: *p = 0xff; break;  // NaN: e4m3fn has no Inf
     case DType::Float8E5M2: *p = nan ? 0x7f : 0xfc; break;
   }
-}
-
-// Calls fn(Codec{}) with the codec of a dtype.
-template <class Fn>
-auto with_codec(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::Float32: return fn(Float32Codec{});
-    case DType::Float64: return fn(Float64Codec{});
-    case DType::Float16: return fn(Float16Codec{});
-    case DType::BFloat16: return fn(BFloat16Codec{});
-    case DType::Float8E4M3FN: return fn(Float8E4M3FNCodec{});
-    case DType::Float8E5M2: break;
-  }
-  return fn(Float8E5M2Codec{});
 }
 
 TensorStats reference(const HostTensor& t, bool half_range) {
@@ -446,26 +431,10 @@ double check_accuracy_on_constant_tensors(std::mt19937_64& rng) {
       HostTensor t = make_tensor(rng, d, 3 * kChunkBytes / element_size(d) + 17, 0);
       const double v = value(rng);
       for (int64_t k = 0; k < t.numel; ++k) {
-        unsigned char* p = t.data() + k * element_size(d);
         switch (d) {
-          case DType::Float32: {
-            const uint32_t r = Float32Codec::encode(static_cast<float>(v));
-            memcpy(p, &r, 4);
-            break;
-          }
-          case DType::Float16: {
-            const uint16_t r = Float16Codec::encode(static_cast<float>(v));
-            memcpy(p, &r, 2);
-            break;
-          }
-          case DType::BFloat16: {
-            const uint16_t r = BFloat16Codec::encode(static_cast<float>(v));
-            memcpy(p, &r, 2);
-            break;
-          }
-          case DType::Float8E4M3FN: *p = static_cast<uint8_t>(0x30 + i); break;    // 0.5 .. 1.375
-          case DType::Float8E5M2: *p = static_cast<uint8_t>(0x38 + i % 8); break;  // 0.5 .. 1.75
-          default: break;
+          case DType::Float8E4M3FN: t.data()[k] = static_cast<uint8_t>(0x30 + i); break;    // 0.5 .. 1.375
+          case DType::Float8E5M2: t.data()[k] = static_cast<uint8_t>(0x38 + i % 8); break;  // 0.5 .. 1.75
+          default: store(t, k, v);
         }
       }
       list.push_back(std::move(t));
