@@ -34,10 +34,12 @@ import types
 import warnings
 from collections.abc import Callable, Iterable
 from functools import reduce
+from typing import Any
 
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
+from . import distributed
 from ._ops import scale_op
 from .scan import SUPPORTED_DTYPES, ScanResult, describe, group_by_device, scan, validate
 
@@ -99,14 +101,19 @@ def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
     return per_tensor.max()  # max propagates NaN, as vector_norm(stack(norms), inf) does
 
 
-def total_norm_of(grads: list[torch.Tensor], stats: ScanResult, norm_type: float) -> torch.Tensor:
+def total_norm_of(
+    grads: list[torch.Tensor], stats: ScanResult, norm_type: float, process_group: Any = None
+) -> torch.Tensor:
     """The total norm of ``grads`` (scanned into ``stats``) in torch's result dtype: from the scan
-    when it answers ``norm_type``, else torch's own; float64 zero for an empty list."""
-    if not grads:
+    when it answers ``norm_type``, else torch's own (made global over ``process_group``); float64
+    zero for an empty list."""
+    if not grads and process_group is None:
         return torch.zeros((), dtype=torch.float64)
     if scan_answers(grads, norm_type):
-        return total_norm_from_scan(stats, norm_type).to(result_dtype(grads))
-    return torch_get_total_norm(grads, norm_type)
+        dtype = result_dtype(grads) if grads else torch.float64
+        return total_norm_from_scan(stats, norm_type).to(dtype)
+    local = torch_get_total_norm(grads, norm_type) if grads else torch.zeros((), dtype=torch.float64)
+    return distributed.global_norm(local, norm_type, process_group)
 
 
 def scan_answers(tensors: list[torch.Tensor], norm_type: float) -> bool:
@@ -131,11 +138,18 @@ def get_total_norm(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: Any = None,
 ) -> torch.Tensor:
-    """Drop-in for ``torch.nn.utils.get_total_norm``: the norm of all tensors viewed as one vector."""
+    """Drop-in for ``torch.nn.utils.get_total_norm``: the norm of all tensors viewed as one vector.
+
+    DTensors give the norm of the whole (global) tensors, as a plain tensor on every rank (torch's
+    gives a DTensor). With ``process_group``, the tensors of every rank of the group count (pipeline
+    stages: each rank holds different ones); every rank of the group must call it.
+    """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     norm_type = as_norm_type(norm_type)
-    if not tensors:
+    if not tensors and process_group is None:
         return torch.tensor(0.0)
     try:
         dtypes = {t.dtype for t in tensors}
@@ -145,10 +159,19 @@ def get_total_norm(
     check_foreach(tensors, foreach)
     if not dtypes <= NORM_DTYPES or not scan_answers(tensors, norm_type):
         # Norms the scan does not compute, and dtypes without a torch norm to match (complex, integer,
-        # float8): torch's own code, so results and errors are torch's exactly.
-        return torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        # float8): torch's own code, so results and errors are torch's exactly (then made global).
+        if process_group is None:
+            return distributed.global_norm(
+                torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach), norm_type
+            )
+        local = torch_get_total_norm(tensors, norm_type, False, foreach) if tensors else torch.tensor(0.0)
+        total = distributed.global_norm(local, norm_type, process_group)
+        if error_if_nonfinite:
+            raise_if_nonfinite(total, norm_type)
+        return total
     with torch.no_grad():
-        total = total_norm_from_scan(scan(tensors), norm_type).to(reduce(torch.promote_types, dtypes))
+        stats = scan(tensors, process_group=process_group)
+        total = total_norm_from_scan(stats, norm_type).to(reduce(torch.promote_types, dtypes or {torch.float32}))
     if error_if_nonfinite:
         raise_if_nonfinite(total, norm_type)
     return total
@@ -167,6 +190,8 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     try:
         scale_op(grads, clip_coef)
     except RuntimeError:
+        if distributed.has_dtensor(grads):  # each rank scales its local shards
+            return clip_grads_with_norm_(distributed.to_local(grads), max_norm, total_norm)
         if not {g.dtype for g in grads} <= SUPPORTED_DTYPES:
             for g in grads:  # torch's own multiply, as in its clip_grads_with_norm_
                 g.mul_(clip_coef.to(g.device))
@@ -208,16 +233,21 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: Any = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_``; returns the total norm of the gradients.
 
     The gradients are read once (for L2 and inf norms) and written only when clipping is needed.
-    Raises ValueError for a negative or NaN ``max_norm`` before any gradient is touched.
+    Raises ValueError for a negative or NaN ``max_norm`` before any gradient is touched. DTensor
+    gradients (FSDP2, tensor parallel) are clipped by their global norm, returned as a plain tensor
+    with the global value on every rank; with ``process_group``, by the norm over every rank of the
+    group (pipeline stages).
     """
     max_norm = as_max_norm(max_norm)
     norm_type = as_norm_type(norm_type)
     _, grads = gradients(parameters)
-    total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    total_norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach, process_group=process_group)
     if grads:
         with torch.no_grad():
             clip_grads_with_norm_(grads, max_norm, total_norm)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict, overload
 
 import torch
+import torch.distributed as dist
 
 from .clip import (
     as_max_norm,
@@ -14,6 +15,7 @@ from .clip import (
     clip_grads_with_norm_,
     total_norm_of,
 )
+from .distributed import Attribution
 from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
 from .scan import ScanResult, scan
 
@@ -29,6 +31,8 @@ class HostValues(TypedDict):
     total_norm: float
     finite: bool
     clip_coef: float | None
+    # Which ranks held each tensor's NaN/Inf, one list per tensor; None for a single process.
+    ranks: list[list[int]] | None
 
 
 class Report:
@@ -36,7 +40,8 @@ class Report:
 
     Attributes:
         names: parameter names, one per scanned gradient (parameters without a gradient are skipped);
-            a list, formed on first reading when the names are positions (``check(params)``).
+            a list, formed on first reading when the names are positions (``check(params)``). With
+            ``process_group``, every rank's parameters, in rank order.
         stats: the ScanResult, per tensor in ``names`` order.
         norm_type: the norm type of ``total_norm`` (and of the clipping, when ``max_norm`` was given).
         max_norm: the clipping threshold, or None when ``check`` did not clip.
@@ -52,7 +57,7 @@ class Report:
         max_norm: float | None = None,
         clip_coef: torch.Tensor | None = None,
     ) -> None:
-        self._names = names
+        self._names = stats.names if stats.names is not None else names
         self.stats = stats
         self.total_norm_tensor = total_norm
         self.norm_type = norm_type
@@ -73,19 +78,36 @@ class Report:
             scalars = [self.total_norm_tensor.double().reshape(1), s.finite.double().reshape(1)]
             if self.clip_coef_tensor is not None:
                 scalars.append(self.clip_coef_tensor.double().reshape(1))
-            packed = torch.cat([s.nan_count.double(), s.inf_count.double(), s.min, s.max, s.norm, *scalars]).cpu()
+            rows = [s.nan_count.double(), s.inf_count.double(), s.min, s.max, s.norm]
+            if s.ranks is not None and s.consistent is not None:
+                rows += [*s.ranks.rows(), s.consistent.double().reshape(1)]
+            packed = torch.cat([*rows, *scalars]).cpu()
             n = len(self._names)
-            rows = packed[: 5 * n].view(5, n).tolist()
-            tail = packed[5 * n :].tolist()
+            table = packed[: 5 * n].view(5, n).tolist()
+            rest = packed[5 * n :].tolist()
+            ranks = None
+            if s.ranks is not None:
+                count, rank_sum, rank_square_sum = (rest[k * n : (k + 1) * n] for k in range(3))
+                world = s.ranks.any_by_rank.numel()
+                any_by_rank, consistent = rest[3 * n : 3 * n + world], rest[3 * n + world]
+                rest = rest[3 * n + world + 1 :]
+                if not consistent:
+                    raise RuntimeError(
+                        "nanscan: the ranks scanned different lists (shapes or placements differ between "
+                        "ranks of one mesh), so the reduced statistics mean nothing: every rank must check "
+                        "the same parameters in the same order"
+                    )
+                ranks = [Attribution.ranks(count[i], rank_sum[i], rank_square_sum[i], any_by_rank) for i in range(n)]
             self._host = {
-                "nan_count": [int(v) for v in rows[0]],
-                "inf_count": [int(v) for v in rows[1]],
-                "min": rows[2],
-                "max": rows[3],
-                "norm": rows[4],
-                "total_norm": tail[0],
-                "finite": bool(tail[1]),
-                "clip_coef": tail[2] if len(tail) > 2 else None,
+                "nan_count": [int(v) for v in table[0]],
+                "inf_count": [int(v) for v in table[1]],
+                "min": table[2],
+                "max": table[3],
+                "norm": table[4],
+                "total_norm": rest[0],
+                "finite": bool(rest[1]),
+                "clip_coef": rest[2] if len(rest) > 2 else None,
+                "ranks": ranks,
             }
         return self._host
 
@@ -116,6 +138,20 @@ class Report:
         v = self._values()
         return [name for name, nan, inf in zip(self.names, v["nan_count"], v["inf_count"], strict=True) if nan or inf]
 
+    @property
+    def nonfinite_ranks(self) -> dict[str, list[int]]:
+        """For each parameter in ``nonfinite``, the ranks whose local data (a DTensor's shard, a
+        pipeline stage's gradient) held its NaN/Inf; the same on every rank. A single process is rank
+        0 (or its rank in an initialized process group). Exact for one or two ranks, for all of them,
+        and when the ranks with any NaN/Inf are exactly the ones; otherwise those ranks (a superset)."""
+        v = self._values()
+        ranks = v["ranks"]
+        if ranks is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            return {name: [rank] for name in self.nonfinite}
+        bad = zip(self.names, v["nan_count"], v["inf_count"], ranks, strict=True)
+        return {name: held for name, nan, inf, held in bad if nan or inf}
+
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values: totals, and per-parameter statistics keyed by name."""
         v = self._values()
@@ -126,6 +162,7 @@ class Report:
             "max_norm": self.max_norm,
             "clip_coef": v["clip_coef"],
             "nonfinite": self.nonfinite,
+            "nonfinite_ranks": self.nonfinite_ranks,
             "parameters": {
                 name: {key: v[key][i] for key in ("nan_count", "inf_count", "min", "max", "norm")}
                 for i, name in enumerate(self.names)
@@ -264,6 +301,7 @@ def check(
     on_nonfinite: str = "ignore",
     optimizer: torch.optim.Optimizer | None = None,
     max_consecutive_skips: int | None = None,
+    process_group: Any = None,
 ) -> Report:
     """Scans every gradient in one fused pass and returns a Report, without a host sync.
 
@@ -280,6 +318,10 @@ def check(
         optimizer: the optimizer whose step ``"skip"`` guards.
         max_consecutive_skips: with ``"skip"``, raise NonFiniteGradientError after more consecutive
             skipped steps than this.
+        process_group: ranks that each hold different parameters (pipeline stages): the report covers
+            every rank's parameters (``names`` in rank order), and the clip uses the norm over all of
+            them. DTensor gradients (FSDP2, tensor parallel) need no argument: their statistics are
+            reduced over their meshes. Every rank of the group (or mesh) must call ``check``.
 
     Example:
         >>> report = nanscan.check(model, max_norm=1.0)
@@ -302,13 +344,15 @@ def check(
         max_norm = as_max_norm(max_norm)
     names, grads = named_gradients(model_or_params)
     with torch.no_grad():
-        stats = scan(grads, names)
-        total = total_norm_of(grads, stats, norm_type)
-        if on_nonfinite == "raise" and max_norm is not None and grads and not bool(stats.finite):
+        stats = scan(grads, names, process_group=process_group)
+        total = total_norm_of(grads, stats, norm_type, process_group)
+        # (Across processes the flag and the total are global, so every rank takes the same branch.)
+        clips = max_norm is not None and (bool(grads) or process_group is not None)
+        if on_nonfinite == "raise" and clips and not bool(stats.finite):
             # Before the clip, as torch's error_if_nonfinite: a NaN coefficient would rewrite every
             # gradient, and the error is there to stop the step with the gradients as they came.
             raise_on_nonfinite(Report(names, stats, total, norm_type))
-        coef = clip_grads_with_norm_(grads, max_norm, total) if max_norm is not None and grads else None
+        coef = clip_grads_with_norm_(grads, max_norm, total) if clips and max_norm is not None else None
     report = Report(names, stats, total, norm_type, max_norm, coef)
     act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
     return report

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._ops import scan_op
+
+if TYPE_CHECKING:
+    from .distributed import Attribution
 
 SUPPORTED_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
@@ -32,6 +38,12 @@ class ScanResult:
         fp16_overflow: int64 [N], finite elements above fp16's 65504 (only with ``fp16_range=True``).
         fp16_underflow: int64 [N], non-zero elements below fp16's smallest subnormal 2^-24, which fp16
             would flush to zero (only with ``fp16_range=True``).
+        names: the names of the tensors described, when they are not the caller's list: with
+            ``process_group``, every rank's tensors, in rank order. None otherwise.
+        ranks: for a distributed scan, which ranks' local data held each tensor's NaN/Inf
+            (nanscan.distributed.Attribution). None for a single process.
+        consistent: for a distributed scan, bool []: every rank of every reduction scanned the same
+            layout (shapes and placements); statistics of ranks that did not are meaningless.
     """
 
     nan_count: torch.Tensor
@@ -43,6 +55,9 @@ class ScanResult:
     finite: torch.Tensor
     fp16_overflow: torch.Tensor | None = None
     fp16_underflow: torch.Tensor | None = None
+    names: tuple[str, ...] | None = None
+    ranks: Attribution | None = None
+    consistent: torch.Tensor | None = None
 
     @classmethod
     def from_op(
@@ -58,16 +73,12 @@ class ScanResult:
         """The statistics of these tensors multiplied by a positive ``factor`` (a device scalar): min,
         max and the norms scale, the counts do not. Exact for a power of two, as loss scales are."""
         factor = factor.to(self.norm.device, torch.float64)
-        return ScanResult(
-            self.nan_count,
-            self.inf_count,
-            self.min * factor,
-            self.max * factor,
-            self.norm * factor,
-            self.total_norm * factor,
-            self.finite,
-            self.fp16_overflow,
-            self.fp16_underflow,
+        return dataclasses.replace(
+            self,
+            min=self.min * factor,
+            max=self.max * factor,
+            norm=self.norm * factor,
+            total_norm=self.total_norm * factor,
         )
 
 
@@ -116,31 +127,64 @@ def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[
 
 
 def scan(
-    tensors: torch.Tensor | Iterable[torch.Tensor], names: Sequence[str] | None = None, *, fp16_range: bool = False
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    names: Sequence[str] | None = None,
+    *,
+    fp16_range: bool = False,
+    process_group: Any = None,
 ) -> ScanResult:
     """Scans every tensor in one fused pass per device; returns device tensors without a host sync.
 
     Args:
         tensors: a tensor or an iterable of tensors (typically gradients); any mix of float32, float64,
-            float16, bfloat16 and float8 dtypes, any shapes and strides, on one or several devices.
+            float16, bfloat16 and float8 dtypes, any shapes and strides, on one or several devices;
+            DTensors (FSDP2, tensor parallel) of any placements.
         names: optional names of the tensors, one per tensor (else ValueError), used in error messages.
         fp16_range: also count, in the same pass, the finite values an fp16 could not hold
             (``fp16_overflow``, ``fp16_underflow``): the evidence ``nanscan.amp.Advisor`` works from.
+        process_group: ranks that each hold different tensors (pipeline stages): every rank gets the
+            statistics of every rank's tensors (``result.names`` names them). See nanscan.distributed.
 
     Tensors on several devices are scanned once per device and the results gathered on the device of
     the first tensor (like ``torch.nn.utils.clip_grad_norm_`` does with its norms). An empty list
-    gives empty statistics on the CPU with ``total_norm == 0`` and ``finite == True``.
+    gives empty statistics on the CPU with ``total_norm == 0`` and ``finite == True``. DTensors are
+    scanned on each rank's local shard, and the statistics reduced over their mesh in two
+    collectives, so every rank gets each tensor's global statistics, as plain tensors.
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if names is not None and len(names) != len(tensors):
         raise ValueError(f"nanscan.scan: got {len(names)} names for {len(tensors)} tensors; give one name per tensor")
+    if process_group is not None:
+        from . import distributed
+
+        return distributed.scan(tensors, names, fp16_range, process_group)
+    try:
+        return scan_local(tensors, names, fp16_range)
+    except (RuntimeError, TypeError):
+        # A DTensor has no kernel of its own (its dispatch refuses the op): it is scanned by its
+        # shards. None can exist before torch.distributed.tensor is loaded.
+        if "torch.distributed.tensor" in sys.modules:
+            from . import distributed
+
+            if distributed.has_dtensor(tensors):
+                return distributed.scan(tensors, names, fp16_range)
+        raise
+
+
+def empty_result(fp16_range: bool, device: torch.device | None = None) -> ScanResult:
+    """The statistics of an empty list: no tensors, total norm 0, finite (on the CPU by default)."""
+    return ScanResult.from_op(
+        torch.zeros((4 if fp16_range else 2, 0), dtype=torch.int64, device=device),
+        torch.zeros((3, 0), dtype=torch.float64, device=device),
+        torch.zeros((), dtype=torch.float64, device=device),
+        torch.ones((), dtype=torch.bool, device=device),
+    )
+
+
+def scan_local(tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool) -> ScanResult:
+    """``scan`` of plain tensors in this process: one fused pass per device, nothing reduced."""
     if not tensors:
-        return ScanResult.from_op(
-            torch.zeros((4 if fp16_range else 2, 0), dtype=torch.int64),
-            torch.zeros((3, 0), dtype=torch.float64),
-            torch.zeros((), dtype=torch.float64),
-            torch.ones((), dtype=torch.bool),
-        )
+        return empty_result(fp16_range)
     if torch.compiler.is_compiling():
         validate(tensors, names)  # traced once, costs nothing at run time
         return ScanResult.from_op(*scan_op(tensors, fp16_range))

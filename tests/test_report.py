@@ -177,3 +177,17 @@ def test_bad_inputs_are_named() -> None:
     q.grad = torch.ones(2, dtype=torch.float64).to_sparse()
     with pytest.raises(TypeError, match=r"'sparse' \(entry 1\) is a torch.sparse_coo tensor"):
         nanscan.check([("dense", p), ("sparse", q)])
+
+
+def test_nonfinite_ranks_of_a_single_process() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model(torch.randn(2, 3)).sum().backward()
+    model[1].bias.grad[0] = math.inf
+    report = nanscan.check(model)
+    assert report.nonfinite_ranks == {"1.bias": [0]}  # rank 0: no process group in this test
+    assert report.to_dict()["nonfinite_ranks"] == {"1.bias": [0]}
+
+
+def test_process_group_needs_torch_distributed() -> None:
+    with pytest.raises(RuntimeError, match=r"torch\.distributed to be initialized"):
+        nanscan.scan([torch.ones(2)], process_group=object())

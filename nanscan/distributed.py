@@ -1,0 +1,395 @@
+"""Gradients spread over processes: DTensor shards (FSDP2, tensor parallel, HSDP) and hand-made
+sharding (pipeline stages, ``process_group=``), reduced in at most two collectives per mesh.
+
+The kernel does not change: each rank scans its local data (a DTensor's local shard, its own
+parameters' gradients) in the same one fused pass. What differs from a single process is the
+reduction of the per-tensor results, all of it here:
+
+* Every statistic that sums (NaN and Inf counts, sums of squares, the attribution rows below) goes
+  into one float64 buffer, reduced by one SUM all-reduce; every one that takes a maximum (max, -min,
+  the layout fingerprint) into another, reduced by one MAX all-reduce. So two collectives per
+  distinct device mesh (and two more across ``process_group``), with a payload of O(tensors + ranks),
+  never O(tensors x ranks), issued on the device's stream: no host sync (with NCCL; gloo on the CPU
+  is synchronous by nature).
+* Replicated mesh dims are counted once: only the replica at coordinate 0 of each of a tensor's
+  Replicate dims adds its counts and squares (the max and min are the same on every replica).
+* Partial placements are reduced first (redistributed to Replicate, one collective per such tensor;
+  gradients of FSDP2 and tensor parallel are Shard or Replicate, so this is rare).
+* Which rank held a NaN/Inf, per tensor, without a per-rank row per tensor: each rank adds, for each
+  tensor whose local part is non-finite, 1, its rank and its rank squared (three SUM rows), and a 1 at
+  its own position of a per-rank row of the length of the world. From the count n, the sum s1 and
+  the sum of squares s2 the ranks are exact for one rank (s1) or two (the roots of a quadratic);
+  for more, the n-subsets of the ranks flagged in the per-rank row whose sums match (searched on the
+  host, on the rare path, while the search is small) are, in practice, one; otherwise their union,
+  a superset (Attribution.ranks).
+* Every rank must scan the same list for a mesh's reduction to mean anything: a fingerprint of the
+  group's shapes and placements travels in the MAX buffer (as h and -h), and a Report refuses to
+  read statistics whose ranks disagreed.
+
+With ``process_group``, each rank's list is its own (a pipeline stage's parameters): the lists of all
+ranks are laid end to end (their names gathered once per distinct list, a host collective), each rank
+fills its own segment and the union is reduced, so every rank gets every rank's statistics under
+their names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .scan import ScanResult, empty_result, scan_local
+
+# SUM rows, per tensor: statistics that add up over shards, then the attribution rows.
+_NAN, _INF, _SUMSQ, _BAD, _RANK_SUM, _RANK_SQUARE_SUM = range(6)
+_COUNTED_ROWS = (_NAN, _INF, _SUMSQ)  # masked on replicas; attribution rows are not
+_FP16_OVERFLOW, _FP16_UNDERFLOW = 6, 7  # only with fp16_range
+_PLANS = 8  # cached reduction plans (one per distinct list layout)
+_SUBSETS_SEARCHED = 200_000  # rank subsets tried when attributing a NaN held by three ranks or more
+
+
+def dtensor_class() -> type[torch.Tensor] | None:
+    """torch's DTensor class if its module was imported (no DTensor can exist otherwise), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls
+
+
+def has_dtensor(tensors: Sequence[object]) -> bool:
+    cls = dtensor_class()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
+def to_local(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The local part of each tensor: a DTensor's local shard (no copy), other tensors as they are."""
+    cls = dtensor_class()
+    if cls is None:
+        return list(tensors)
+    with torch.no_grad():  # DTensor.to_local is a plain attribute read without autograd
+        return [t.to_local() if isinstance(t, cls) else t for t in tensors]  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Which ranks' local data held a NaN/Inf, per tensor (device tensors, reduced over the ranks).
+
+    Attributes:
+        count: float64 [N], how many ranks' local part of the tensor held a NaN/Inf.
+        rank_sum: float64 [N], the sum of those ranks.
+        rank_square_sum: float64 [N], the sum of their squares.
+        any_by_rank: float64 [world], 1 for every rank whose local data held any NaN/Inf.
+    """
+
+    count: torch.Tensor
+    rank_sum: torch.Tensor
+    rank_square_sum: torch.Tensor
+    any_by_rank: torch.Tensor
+
+    def rows(self) -> list[torch.Tensor]:
+        """The device tensors a Report copies to the host (with the rest, in one transfer)."""
+        return [self.count, self.rank_sum, self.rank_square_sum, self.any_by_rank]
+
+    @staticmethod
+    def ranks(count: float, rank_sum: float, rank_square_sum: float, any_by_rank: Sequence[float]) -> list[int]:
+        """The ranks of one tensor, from its host values (see the module notes on when exact)."""
+        n = round(count)
+        if n <= 0:
+            return []
+        if n == 1:
+            return [round(rank_sum)]
+        if n == 2:  # r1 + r2 = s1, r1^2 + r2^2 = s2: the roots of r^2 - s1 r + (s1^2 - s2) / 2
+            spread = math.sqrt(max(0.0, 2 * rank_square_sum - rank_sum * rank_sum))
+            return sorted({round((rank_sum - spread) / 2), round((rank_sum + spread) / 2)})
+        candidates = [r for r, flagged in enumerate(any_by_rank) if flagged > 0]
+        if n >= len(candidates):
+            return candidates
+        # The n-subsets of the ranks with any NaN/Inf whose sum and sum of squares match: one, in
+        # practice; their union otherwise. Only while the search is small (this runs on a rare path).
+        if math.comb(len(candidates), n) > _SUBSETS_SEARCHED:
+            return candidates
+        s1, s2 = round(rank_sum), round(rank_square_sum)
+        matches = [c for c in itertools.combinations(candidates, n) if sum(c) == s1 and sum(r * r for r in c) == s2]
+        return sorted({r for c in matches for r in c}) if matches else candidates
+
+
+@dataclass
+class _Group:
+    """Tensors reduced together over one process group: a mesh's, or ``process_group``'s."""
+
+    indices: list[int]
+    group: Any  # a ProcessGroup, or None for the default (world) group
+    counted: list[bool]  # per tensor: this rank adds its counts and squares (False on extra replicas)
+    fingerprint: float  # the same on every rank that scans the same layout
+    # Made once, on the buffers' device (a host-to-device copy per call would be a sync point):
+    index: torch.Tensor | None = None  # the indices
+    row_masks: dict[int, torch.Tensor] | None = None  # by row count: 0/1 per (row, tensor); 0 on
+    # the counted rows of the tensors this rank does not count
+    fingerprints: torch.Tensor | None = None  # [h, -h]
+
+    def on(self, device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indices, row mask, fingerprints) on ``device``, made on first use."""
+        if self.index is None or self.index.device != device:
+            self.index = torch.tensor(self.indices, device=device)
+            self.fingerprints = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.float64, device=device)
+            self.row_masks = {}
+        assert self.row_masks is not None and self.fingerprints is not None
+        if rows not in self.row_masks:
+            mask = torch.ones((rows, len(self.indices)), dtype=torch.float64)
+            counted = torch.tensor(self.counted, dtype=torch.float64)
+            for row in (*_COUNTED_ROWS, _FP16_OVERFLOW, _FP16_UNDERFLOW):
+                if row < rows:
+                    mask[row] = counted
+            self.row_masks[rows] = mask.to(device)
+        return self.index, self.row_masks[rows], self.fingerprints
+
+
+@dataclass
+class _Plan:
+    """How one list layout is reduced: its mesh groups, made once per distinct layout."""
+
+    groups: list[_Group]
+
+
+_plans: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
+_unions: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
+
+
+def _mesh_group(mesh: Any) -> Any:
+    """The process group spanning every rank of a mesh."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return None  # the default group
+    return mesh._flatten().get_group()  # an N-d sub-mesh: torch makes (and caches) the flattened group
+
+
+def _fingerprint(layout: Sequence[Any]) -> float:
+    """48 bits of a hash of a group's layout: exact in float64, equal on ranks with equal layouts."""
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "little"))
+
+
+def _plan(layouts: list[tuple[Any, Any, Any] | None]) -> _Plan:
+    """The reduction plan of a list layout (mesh, placements, global shape per DTensor), cached."""
+    key = tuple(layouts)
+    plan = _plans.get(key)
+    if plan is not None:
+        _plans.move_to_end(key)
+        return plan
+    by_mesh: dict[Any, list[int]] = {}
+    for i, layout in enumerate(layouts):
+        if layout is not None:
+            by_mesh.setdefault(layout[0], []).append(i)
+    groups = []
+    for mesh, indices in by_mesh.items():
+        coordinate = mesh.get_coordinate()
+        counted = []
+        for i in indices:
+            placements = layouts[i][1]  # type: ignore[index]
+            counted.append(all(coordinate[d] == 0 for d, p in enumerate(placements) if p.is_replicate()))
+        description = [(layouts[i][1], layouts[i][2]) for i in indices]  # type: ignore[index]
+        groups.append(_Group(indices, _mesh_group(mesh), counted, _fingerprint(description)))
+    plan = _Plan(groups)
+    _plans[key] = plan
+    if len(_plans) > _PLANS:
+        _plans.popitem(last=False)
+    return plan
+
+
+def _without_partial(t: Any) -> Any:
+    """A DTensor with its Partial placements reduced to Replicate (one collective), else itself."""
+    if not any(p.is_partial() for p in t.placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+
+def _local_rows(local: ScanResult, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's SUM rows [R, N] and MAX rows [2, N] of its local scan (float64, on its device)."""
+    bad = (local.nan_count + local.inf_count) > 0
+    rows = [
+        local.nan_count.double(),
+        local.inf_count.double(),
+        # A non-finite local part adds no squares: its counts carry the NaN/Inf to the norm rule.
+        torch.where(bad, 0.0, local.norm.square()),
+        bad.double(),
+    ]
+    rows += [rows[_BAD] * rank, rows[_BAD] * (rank * rank)]
+    if local.fp16_overflow is not None and local.fp16_underflow is not None:
+        rows += [local.fp16_overflow.double(), local.fp16_underflow.double()]
+    return torch.stack(rows), torch.stack([local.max, -local.min])
+
+
+def _all_reduce(sums: torch.Tensor, maxes: torch.Tensor, group: Any) -> None:
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+
+
+def _reduce_groups(
+    plan: _Plan, sums: torch.Tensor, maxes: torch.Tensor, any_by_rank: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduces each mesh group's columns of ``sums``/``maxes`` in place. Returns the per-rank row,
+    reduced, and whether every group's ranks scanned the same layout (both on the device)."""
+    world = any_by_rank.numel()
+    reduced_any = any_by_rank
+    consistent = torch.ones((), dtype=torch.bool, device=sums.device)
+    for g in plan.groups:
+        index, row_mask, fingerprints = g.on(sums.device, len(sums))
+        n = len(g.indices)
+        whole = n == sums.shape[1]  # the usual case: one mesh holds every tensor
+        group_sums = (sums if whole else sums.index_select(1, index)) * row_mask
+        group_maxes = maxes if whole else maxes.index_select(1, index)
+        flat_sums = torch.cat([group_sums.flatten(), any_by_rank])
+        flat_maxes = torch.cat([group_maxes.flatten(), fingerprints])
+        _all_reduce(flat_sums, flat_maxes, g.group)
+        reduced_sums, reduced_maxes = flat_sums[:-world].view(-1, n), flat_maxes[:-2].view(2, n)
+        if whole:
+            sums.copy_(reduced_sums)
+            maxes.copy_(reduced_maxes)
+        else:
+            sums.index_copy_(1, index, reduced_sums)
+            maxes.index_copy_(1, index, reduced_maxes)
+        reduced_any = torch.maximum(reduced_any, flat_sums[-world:].clamp(max=1.0))
+        consistent = consistent & (flat_maxes[-2] == -flat_maxes[-1])  # max(h) == min(h)
+    return reduced_any, consistent
+
+
+def _union(group: Any, names: Sequence[str]) -> tuple[list[str], list[int]]:
+    """The names of every rank's tensors, in rank order, and where each rank's segment starts.
+
+    Gathered once per (group, local names): a host collective, made at the first call with a new list.
+    Every rank of the group must make its first call with a given list together (as every call's
+    all-reduces require anyway)."""
+    key = (group, tuple(names))
+    union = _unions.get(key)
+    if union is None:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, list(names), group=group)
+        starts: list[int] = []
+        all_names: list[str] = []
+        for rank_names in gathered:
+            starts.append(len(all_names))
+            all_names.extend(rank_names)
+        union = (all_names, starts)
+        _unions[key] = union
+    return union
+
+
+def global_norm(total: torch.Tensor, norm_type: float, process_group: Any = None) -> torch.Tensor:
+    """A norm torch computed on this rank's tensors, made global and plain: a DTensor's full value;
+    with ``process_group``, combined over the group's ranks (one collective): the p-norms by their
+    p-th powers, the infinity norms by max/min, the 0-"norm" (a count) by a sum."""
+    cls = dtensor_class()
+    if cls is not None and isinstance(total, cls):
+        total = total.full_tensor()  # type: ignore[attr-defined]
+    if process_group is None:
+        return total
+    value = total.double().to(_group_device(process_group))
+    if norm_type == math.inf:
+        op = dist.ReduceOp.MAX
+    elif norm_type == -math.inf:
+        op = dist.ReduceOp.MIN
+    else:
+        op = dist.ReduceOp.SUM
+        if norm_type != 0:
+            value = value.pow(norm_type)
+    dist.all_reduce(value, op=op, group=process_group)
+    if norm_type not in (0, math.inf, -math.inf):
+        value = value.pow(1.0 / norm_type)
+    return value.to(total.dtype)
+
+
+def _group_device(group: Any) -> torch.device:
+    """Where a group's collectives take their buffers: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def scan(
+    tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool, process_group: Any = None
+) -> ScanResult:
+    """``nanscan.scan`` of a list that holds DTensors or is reduced over ``process_group``: every rank
+    gets the global statistics of every tensor (see the module notes)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("nanscan: DTensors and process_group need torch.distributed to be initialized")
+    cls = dtensor_class()
+    locals_: list[torch.Tensor] = []
+    layouts: list[tuple[Any, Any, Any] | None] = []
+    with torch.no_grad():
+        for t in tensors:
+            if cls is not None and isinstance(t, cls):
+                whole = _without_partial(t)
+                layouts.append((whole.device_mesh, whole.placements, whole.shape))
+                locals_.append(whole.to_local())
+            else:
+                layouts.append(None)
+                locals_.append(t)
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    # A rank with nothing to scan still takes part in the group's collectives, on the group's device.
+    local = (
+        scan_local(locals_, names, fp16_range) if locals_ else empty_result(fp16_range, _group_device(process_group))
+    )
+    device = local.norm.device
+    sums, maxes = _local_rows(local, rank)
+    # This rank's position in the per-rank row: 1 if any of its local parts held a NaN/Inf.
+    any_by_rank = torch.zeros(world, dtype=torch.float64, device=device)
+    any_by_rank[rank] = sums[_BAD].amax() if sums.shape[1] else 0.0
+    consistent = torch.ones((), dtype=torch.bool, device=device)
+    plan = _plan(layouts)
+    if plan.groups:
+        any_by_rank, consistent = _reduce_groups(plan, sums, maxes, any_by_rank)
+    result_names: tuple[str, ...] | None = None
+    if process_group is not None:
+        local_names = list(names) if names is not None else [f"[{i}]@rank{rank}" for i in range(len(tensors))]
+        all_names, starts = _union(process_group, local_names)
+        start, n = starts[dist.get_rank(process_group)], len(all_names)
+        union_sums = torch.zeros((len(sums), n), dtype=torch.float64, device=device)
+        union_maxes = torch.full((2, n), -math.inf, dtype=torch.float64, device=device)
+        union_sums[:, start : start + len(tensors)] = sums
+        union_maxes[:, start : start + len(tensors)] = maxes
+        flat_sums = torch.cat([union_sums.flatten(), any_by_rank])
+        _all_reduce(flat_sums, union_maxes, process_group)
+        sums, maxes = flat_sums[:-world].view(-1, n), union_maxes
+        any_by_rank = flat_sums[-world:].clamp(max=1.0)
+        result_names = tuple(all_names)
+    return _result(sums, maxes, any_by_rank, consistent, result_names)
+
+
+def _result(
+    sums: torch.Tensor,
+    maxes: torch.Tensor,
+    any_by_rank: torch.Tensor,
+    consistent: torch.Tensor,
+    names: tuple[str, ...] | None,
+) -> ScanResult:
+    nan, inf, sumsq = sums[_NAN], sums[_INF], sums[_SUMSQ]
+    norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, sumsq.sqrt()))
+    total_nan, total_inf, total_sumsq = nan.sum(), inf.sum(), sumsq.sum()
+    total_norm = torch.where(total_nan > 0, math.nan, torch.where(total_inf > 0, math.inf, total_sumsq.sqrt()))
+    extra: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if len(sums) > _FP16_OVERFLOW:
+        extra = (sums[_FP16_OVERFLOW].to(torch.int64), sums[_FP16_UNDERFLOW].to(torch.int64))
+    return ScanResult(
+        nan.to(torch.int64),
+        inf.to(torch.int64),
+        -maxes[1],
+        maxes[0],
+        norm,
+        total_norm,
+        (total_nan + total_inf) == 0,
+        *extra,
+        names=names,
+        ranks=Attribution(sums[_BAD], sums[_RANK_SUM], sums[_RANK_SQUARE_SUM], any_by_rank),
+        consistent=consistent,
+    )

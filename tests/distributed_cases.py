@@ -1,0 +1,358 @@
+"""Cases run by tests/test_distributed.py in real processes (torch.distributed with gloo, on the CPU).
+
+Each case is a function of the world size, run on every rank; every rank runs every case in the same
+order (collectives must match). A case raises AssertionError on a rank where something is wrong; its
+assertions come after its collectives, so that a failing rank does not leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import nanscan
+
+CASES: dict[str, Callable[[int], None]] = {}
+
+
+def case(fn: Callable[[int], None]) -> Callable[[int], None]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@contextlib.contextmanager
+def counted_all_reduces() -> Iterator[list[int]]:
+    """Counts the all-reduces issued inside the block (nanscan calls torch.distributed.all_reduce)."""
+    calls = [0]
+    real = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
+def mlp(dims: list[int], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for a, b in itertools.pairwise(dims):
+        layers += [torch.nn.Linear(a, b, dtype=dtype), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def backward(model: torch.nn.Module, dim: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> None:
+    """The same loss on every rank (same seed): data parallel ranks then hold equal gradients."""
+    torch.manual_seed(seed)
+    model(torch.randn(8, dim, dtype=dtype)).float().square().mean().backward()
+
+
+def full_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of the whole gradients (a Replicate DTensor's full_tensor() is its local tensor itself)."""
+    return [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for p in model.parameters()]
+
+
+def assert_close(got: Any, want: Any, what: str, rtol: float = 1e-5) -> None:
+    got_t, want_t = torch.as_tensor(got).double(), torch.as_tensor(want).double()
+    assert torch.allclose(got_t, want_t, rtol=rtol, atol=1e-7, equal_nan=True), f"{what}: {got_t} != {want_t}"
+
+
+def fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def compare_with_torch(
+    make: Callable[[], torch.nn.Module], dim: int, max_norm: float, name: str, rtol: float = 1e-5
+) -> None:
+    """nanscan's clip and torch's on twin models: equal global norms and clipped gradients (within
+    ``rtol``: torch rounds a bf16 gradient's norm to bf16 before combining), a plain total on every
+    rank, and per-parameter statistics equal to those of the full (gathered) gradients."""
+    ours, theirs = make(), make()
+    backward(ours, dim)
+    backward(theirs, dim)
+    report = nanscan.check(ours)
+    full = full_grads(ours)
+    got = nanscan.clip_grad_norm_(ours.parameters(), max_norm)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
+    want = want.full_tensor() if isinstance(want, DTensor) else want
+    assert type(got) is torch.Tensor, f"{name}: the total norm is a {type(got).__name__}, not a plain tensor"
+    assert_close(got, want, f"{name}: total norm", rtol)
+    for a, b in zip(full_grads(ours), full_grads(theirs), strict=True):
+        assert_close(a, b, f"{name}: clipped gradient", max(rtol, 1e-5 if a.dtype == torch.float32 else 1e-2))
+    values = report.to_dict()["parameters"]
+    assert report.finite and report.nonfinite == [] and report.nonfinite_ranks == {}
+    for (pname, stats), g in zip(values.items(), full, strict=True):
+        assert_close(stats["norm"], g.double().norm(), f"{name}: norm of {pname}", 1e-6)
+        assert stats["max"] == g.double().max().item(), f"{name}: max of {pname}"
+        assert stats["min"] == g.double().min().item(), f"{name}: min of {pname}"
+
+
+# ----------------------------------------------------------------------------------------- FSDP2
+
+
+@case
+def fsdp_matches_torch(world: int) -> None:
+    # Linear(16, 3): 3 rows over the ranks, uneven; with 4 ranks the last one's shard is empty.
+    mesh = init_device_mesh("cpu", (world,))
+    compare_with_torch(lambda: fsdp(mlp([16, 24, 3]), mesh), 16, 0.05, "fsdp")
+    compare_with_torch(lambda: fsdp(mlp([16, 24, 3]), mesh), 16, 1e6, "fsdp, no clip")
+
+
+@case
+def fsdp_mixed_dtypes(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+
+    def make() -> torch.nn.Module:
+        model = mlp([16, 24, 8])
+        model[2].to(torch.bfloat16)  # a bf16 layer among fp32 ones
+        model.insert(2, _Cast(torch.bfloat16))
+        model.append(_Cast(torch.float32))
+        return fsdp(model, mesh)
+
+    compare_with_torch(make, 16, 0.05, "fsdp, mixed dtypes", rtol=1e-3)
+
+
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+@case
+def fsdp_nan_in_one_rank_shard_is_named_everywhere(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([16, 24, 6]), mesh)
+    backward(model, 16)
+    bad = 1 % world
+    if dist.get_rank() == bad:
+        model[2].weight.grad.to_local()[0, 1] = math.nan
+    with counted_all_reduces() as calls:
+        report = nanscan.check(model)
+        report.finite  # noqa: B018  (reading it must not add a collective)
+    assert calls[0] == 2, f"{calls[0]} all-reduces for one check on one mesh"
+    assert not report.finite and report.nonfinite == ["2.weight"], report.nonfinite
+    assert report.nonfinite_ranks == {"2.weight": [bad]}, report.nonfinite_ranks
+    assert math.isnan(report.total_norm)
+
+
+@case
+def nan_on_several_ranks(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([16, 24, 6]), mesh)
+    backward(model, 16)
+    holders = [0, world - 1] if world > 1 else [0]
+    if dist.get_rank() in holders:
+        model[0].weight.grad.to_local()[0, 0] = math.inf
+    every = list(range(world))
+    model[2].bias.grad.to_local().fill_(math.nan) if model[2].bias.grad.to_local().numel() else None
+    bias_holders = [r for r in every if _local_rows(6, world, r) > 0]
+    report = nanscan.check(model)
+    assert report.nonfinite == ["0.weight", "2.bias"], report.nonfinite
+    assert report.nonfinite_ranks == {"0.weight": holders, "2.bias": bias_holders}, report.nonfinite_ranks
+
+
+def _local_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of a Shard(0) tensor on ``rank`` (torch's split: ceil-sized chunks, the last ones short)."""
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+# -------------------------------------------------------------------------------- tensor parallel
+
+
+@case
+def tensor_parallel_matches_torch(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+
+    def make() -> torch.nn.Module:
+        model = mlp([16, 32, 16])
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    compare_with_torch(make, 16, 0.05, "tensor parallel")
+    model = make()
+    backward(model, 16)
+    placements = {n: p.grad.placements for n, p in model.named_parameters()}
+    assert placements["2.bias"] == (Replicate(),), placements  # a replicated gradient, counted once
+    with counted_all_reduces() as calls:
+        nanscan.clip_grad_norm_(model.parameters(), 1.0)
+    assert calls[0] == 2, f"{calls[0]} all-reduces"
+
+
+@case
+def fsdp_and_tensor_parallel_on_a_2d_mesh(world: int) -> None:
+    if world != 4:
+        return
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def make() -> torch.nn.Module:
+        model = mlp([16, 32, 16])
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return fsdp(model, mesh["dp"])
+
+    compare_with_torch(make, 16, 0.05, "fsdp + tp")
+    model = make()
+    backward(model, 16)
+    with counted_all_reduces() as calls:
+        report = nanscan.check(model)
+        report.finite  # noqa: B018
+    assert calls[0] == 2, f"{calls[0]} all-reduces for a 2-d mesh"
+
+
+@case
+def hsdp_replicated_dim_counted_once(world: int) -> None:
+    if world != 4:
+        return
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    compare_with_torch(lambda: fsdp(mlp([16, 24, 6]), mesh), 16, 0.05, "hsdp")
+
+
+# ------------------------------------------------------------------------------ placements, layout
+
+
+@case
+def any_placement_on_a_list_of_dtensors(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(3)
+    full = [torch.randn(7, 5), torch.randn(5, 9), torch.randn(11), torch.randn(2, 3)]
+    full[1][4, 8] = math.inf
+    tensors = [
+        distribute_tensor(full[0], mesh, [Shard(0)]),
+        distribute_tensor(full[1], mesh, [Shard(1)]),
+        distribute_tensor(full[2], mesh, [Replicate()]),
+        # A Partial tensor: its value is the sum of the ranks' local parts (here 1/world each).
+        DTensor.from_local(full[3] / world, mesh, [Partial()]),
+        torch.ones(4),  # a plain tensor beside them: local
+    ]
+    result = nanscan.scan(tensors)
+    want = nanscan.scan([*full, torch.ones(4)])
+    for field in ("nan_count", "inf_count", "min", "max"):
+        assert torch.equal(getattr(result, field), getattr(want, field)), field
+    assert_close(result.norm, want.norm, "norms")
+    assert_close(result.total_norm, want.total_norm, "total")
+    assert not bool(result.finite)
+
+
+@case
+def ranks_that_scan_different_lists_are_refused(world: int) -> None:
+    if world < 2:
+        return
+    mesh = init_device_mesh("cpu", (world,))
+    shape = (8, 4) if dist.get_rank() == 0 else (4, 8)  # same element count, different layouts
+    grads = [distribute_tensor(torch.ones(shape), mesh, [Shard(0)])]
+    report = nanscan.check([("g", _with_grad(g)) for g in grads])
+    try:
+        report.finite  # noqa: B018
+    except RuntimeError as e:
+        assert "scanned different lists" in str(e), e
+    else:
+        raise AssertionError("a check of different lists on different ranks was not refused")
+
+
+def _with_grad(grad: torch.Tensor) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad
+    return p
+
+
+# -------------------------------------------------------------------- pipeline: process_group
+
+
+@case
+def pipeline_stages_with_process_group(world: int) -> None:
+    rank = dist.get_rank()
+    # Stage `rank` owns its own layers (different sizes on each rank), named as in the whole model.
+    torch.manual_seed(10 + rank)
+    stage = torch.nn.Linear(8 + rank, 4 + 2 * rank)
+    names = [f"stage{rank}.{n}" for n, _ in stage.named_parameters()]
+    stage(torch.randn(3, 8 + rank)).square().sum().backward()
+    if rank == world - 1:
+        stage.bias.grad[0] = math.nan
+    grads = [p.grad for p in stage.parameters()]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, [g.clone() for g in grads])
+    with counted_all_reduces() as calls:
+        report = nanscan.check(list(zip(names, stage.parameters(), strict=True)), process_group=dist.group.WORLD)
+        report.finite  # noqa: B018
+    assert calls[0] == 2, f"{calls[0]} all-reduces across the stages"
+    want_names = [f"stage{r}.{n}" for r in range(world) for n in ("weight", "bias")]
+    assert report.names == want_names, report.names
+    assert report.nonfinite == [f"stage{world - 1}.bias"], report.nonfinite
+    assert report.nonfinite_ranks == {f"stage{world - 1}.bias": [world - 1]}, report.nonfinite_ranks
+    flat = [g for rank_grads in everyone for g in rank_grads]
+    values = report.to_dict()["parameters"]
+    for pname, g in zip(want_names, flat, strict=True):
+        assert_close(values[pname]["norm"], g.double().norm(), f"norm of {pname}")
+    # Without the NaN: the total over every stage, and every stage clipped by it.
+    if rank == world - 1:
+        stage.bias.grad[0] = 0.0
+    flat[-1][0] = 0.0  # the gathered copy, on every rank
+    total = nanscan.clip_grad_norm_(stage.parameters(), 0.1, process_group=dist.group.WORLD)
+    want_total = torch.cat([g.reshape(-1) for g in flat]).double().norm()
+    assert_close(total, want_total, "total norm over the stages")
+    coef = 0.1 / (want_total + 1e-6)
+    for g, before in zip(stage.parameters(), everyone[rank], strict=True):
+        assert_close(g.grad, before.double() * coef, "clipped stage gradient", rtol=1e-4)
+    # Other norm types take torch's norm of each stage, combined over the group: one more collective.
+    one = nanscan.get_total_norm(grads, 1.0, process_group=dist.group.WORLD)
+    assert_close(one, torch.cat([g.reshape(-1) for g in flat]).double().abs().sum() * coef, "1-norm", rtol=1e-4)
+
+
+@case
+def a_rank_with_nothing_to_scan_still_takes_part(world: int) -> None:
+    rank = dist.get_rank()
+    grads = [torch.full((3,), float(rank + 1))] if rank != 0 else []
+    total = nanscan.get_total_norm(grads, process_group=dist.group.WORLD)
+    want = math.sqrt(sum(3 * (r + 1) ** 2 for r in range(1, world)))
+    assert_close(total, want, "total norm with an empty rank")
+
+
+# ------------------------------------------------------------------------------------ the runner
+
+
+def run(rank: int, world: int, init: str, cases: list[str], out: str) -> None:
+    """One process: joins the group, runs every case in order, writes '<case>\\t<error or empty>'."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    with Path(out, f"rank{rank}.tsv").open("w") as results:  # a line per case, as it ends
+        for name in cases:
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
+            try:
+                CASES[name](world)
+                error = ""
+            except Exception:
+                error = traceback.format_exc().replace("\n", "\\n")
+            results.write(f"{name}\t{error}\n")
+            results.flush()
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # python tests/distributed_cases.py RANK WORLD INIT OUTDIR [CASE ...]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    rank, world, init, out, *names = sys.argv[1:]
+    run(int(rank), int(world), init, names or list(CASES), out)

@@ -1,0 +1,64 @@
+"""nanscan across real processes: torch.distributed with gloo on the CPU, 2 and 4 ranks.
+
+Every case of tests/distributed_cases.py (FSDP2, tensor parallel, FSDP2 + TP on a 2x2 mesh, HSDP,
+DTensors of every placement, pipeline stages with process_group) runs on every rank, all cases of a
+world size in one launch of that many processes (their start-up, importing torch, is most of the
+cost); each case is then one test here. NCCL takes the same code path; no multi-GPU machine runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from distributed_cases import CASES
+
+from conftest import ROOT
+
+WORLDS = [2, 4]
+LAUNCH_TIMEOUT_S = 400  # every case of a world size, on 2 shared cores
+
+
+@functools.cache
+def results(world: int) -> dict[str, list[str]]:
+    """Runs every case on ``world`` processes once; per case, each rank's error ('' when it passed)."""
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{Path(out, 'store')}"
+        script = str(ROOT / "tests" / "distributed_cases.py")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, script, str(rank), str(world), init, out],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+        try:
+            logs = [proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for proc in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{world} processes did not finish in {LAUNCH_TIMEOUT_S} s (a collective waiting forever?)")
+        by_case: dict[str, list[str]] = {name: [] for name in CASES}
+        for rank in range(world):
+            path = Path(out, f"rank{rank}.tsv")
+            if not path.exists():
+                pytest.fail(f"rank {rank} of {world} wrote no results; its output:\n{logs[rank][-4000:]}")
+            for line in path.read_text().splitlines():
+                name, _, error = line.partition("\t")
+                by_case[name].append(error.replace("\\n", "\n"))
+        return by_case
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_distributed(case: str, world: int) -> None:
+    errors = results(world)[case]
+    assert len(errors) == world, f"{len(errors)} of {world} ranks reported"
+    failed = {rank: error for rank, error in enumerate(errors) if error}
+    assert not failed, "\n".join(f"rank {rank}:\n{error}" for rank, error in failed.items())
