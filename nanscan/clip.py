@@ -184,6 +184,8 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     equal torch's; a coefficient of exactly 1 leaves the gradients unwritten.
     """
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    if grads and distributed.dtensor_class() is not None and distributed.has_dtensor(grads[:1]):
+        grads = distributed.to_local(grads)  # each rank scales its local shards (see scan's routing)
     # One op call for the usual single-device list: it validates every entry (before writing any) in
     # C++, so Python does no per-tensor work here. A list that spans devices, or holds dtypes the op
     # does not write (complex: torch's norm was used for it), is handled on the op's error.

@@ -41,7 +41,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -69,12 +69,12 @@ def has_dtensor(tensors: Sequence[object]) -> bool:
 
 
 def to_local(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The local part of each tensor: a DTensor's local shard (no copy), other tensors as they are."""
-    cls = dtensor_class()
-    if cls is None:
-        return list(tensors)
-    with torch.no_grad():  # DTensor.to_local is a plain attribute read without autograd
-        return [t.to_local() if isinstance(t, cls) else t for t in tensors]  # type: ignore[attr-defined]
+    """The local part of each tensor: a DTensor's local shard (no copy), other tensors as they are.
+
+    Read from the DTensor's ``_local_tensor`` attribute: what ``to_local()`` returns outside autograd,
+    without its Python method call (a microsecond per tensor, most of a check's host time on a list
+    of thousands of DTensors)."""
+    return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -156,9 +156,15 @@ class _Plan:
     """How one list layout is reduced: its mesh groups, made once per distinct layout."""
 
     groups: list[_Group]
+    partial: list[int]  # indices of DTensors with a Partial placement (reduced before the scan)
+    specs: list[Any]  # the DTensorSpecs of the layout, held so that their ids stay theirs
 
 
-_plans: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
+# Plans by the ids of the tensors' DTensorSpecs (None for plain tensors). FSDP2 gives a parameter's
+# gradient the same spec object every step, so the key is found with no per-tensor work beyond id():
+# placements and meshes hash in Python, at a microsecond per tensor. A plan holds its specs, so an id
+# in a key cannot be another object's while the plan is cached.
+_plans: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
 _unions: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
 
 
@@ -177,40 +183,41 @@ def _fingerprint(layout: Sequence[Any]) -> float:
     return float(int.from_bytes(digest, "little"))
 
 
-def _plan(layouts: list[tuple[Any, Any, Any] | None]) -> _Plan:
-    """The reduction plan of a list layout (mesh, placements, global shape per DTensor), cached."""
-    key = tuple(layouts)
+def _plan(specs: list[Any]) -> _Plan:
+    """The reduction plan of a list of DTensorSpecs (None for plain tensors), cached."""
+    key = tuple(map(id, specs))
     plan = _plans.get(key)
     if plan is not None:
         _plans.move_to_end(key)
         return plan
     by_mesh: dict[Any, list[int]] = {}
-    for i, layout in enumerate(layouts):
-        if layout is not None:
-            by_mesh.setdefault(layout[0], []).append(i)
+    for i, spec in enumerate(specs):
+        if spec is not None:
+            by_mesh.setdefault(spec.mesh, []).append(i)
     groups = []
     for mesh, indices in by_mesh.items():
         coordinate = mesh.get_coordinate()
-        counted = []
-        for i in indices:
-            placements = layouts[i][1]  # type: ignore[index]
-            counted.append(all(coordinate[d] == 0 for d, p in enumerate(placements) if p.is_replicate()))
-        description = [(layouts[i][1], layouts[i][2]) for i in indices]  # type: ignore[index]
+        counted = [
+            all(coordinate[d] == 0 for d, p in enumerate(specs[i].placements) if p.is_replicate() or p.is_partial())
+            for i in indices
+        ]
+        description = [(specs[i].placements, specs[i].shape) for i in indices]
         groups.append(_Group(indices, _mesh_group(mesh), counted, _fingerprint(description)))
-    plan = _Plan(groups)
+    partial = [i for i, spec in enumerate(specs) if spec is not None and any(p.is_partial() for p in spec.placements)]
+    plan = _Plan(groups, partial, list(specs))
     _plans[key] = plan
     if len(_plans) > _PLANS:
         _plans.popitem(last=False)
     return plan
 
 
-def _without_partial(t: Any) -> Any:
-    """A DTensor with its Partial placements reduced to Replicate (one collective), else itself."""
-    if not any(p.is_partial() for p in t.placements):
-        return t
+def _without_partial(t: Any) -> torch.Tensor:
+    """The local part of a DTensor with Partial placements once they are reduced (one collective):
+    afterwards the tensor is Replicate on those mesh dims, and counted once there like any replica."""
     from torch.distributed.tensor import Replicate
 
-    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    placements = [Replicate() if p.is_partial() else p for p in t.placements]
+    return cast(torch.Tensor, t.redistribute(t.device_mesh, placements).to_local())
 
 
 def _local_rows(local: ScanResult, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,18 +329,11 @@ def scan(
     gets the global statistics of every tensor (see the module notes)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("nanscan: DTensors and process_group need torch.distributed to be initialized")
-    cls = dtensor_class()
-    locals_: list[torch.Tensor] = []
-    layouts: list[tuple[Any, Any, Any] | None] = []
-    with torch.no_grad():
-        for t in tensors:
-            if cls is not None and isinstance(t, cls):
-                whole = _without_partial(t)
-                layouts.append((whole.device_mesh, whole.placements, whole.shape))
-                locals_.append(whole.to_local())
-            else:
-                layouts.append(None)
-                locals_.append(t)
+    specs = [getattr(t, "_spec", None) for t in tensors]  # a DTensor's layout; plain tensors have none
+    plan = _plan(specs)
+    locals_ = to_local(tensors)
+    for i in plan.partial:
+        locals_[i] = _without_partial(tensors[i])
     rank = dist.get_rank()
     world = dist.get_world_size()
     # A rank with nothing to scan still takes part in the group's collectives, on the group's device.
@@ -346,7 +346,6 @@ def scan(
     any_by_rank = torch.zeros(world, dtype=torch.float64, device=device)
     any_by_rank[rank] = sums[_BAD].amax() if sums.shape[1] else 0.0
     consistent = torch.ones((), dtype=torch.bool, device=device)
-    plan = _plan(layouts)
     if plan.groups:
         any_by_rank, consistent = _reduce_groups(plan, sums, maxes, any_by_rank)
     result_names: tuple[str, ...] | None = None

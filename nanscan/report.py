@@ -20,23 +20,32 @@ from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, 
 from .scan import ScanResult, scan
 
 
+class HostScalars(TypedDict):
+    """A Report's totals as Python values: what every step reads."""
+
+    total_norm: float
+    finite: bool
+    clip_coef: float | None
+
+
 class HostValues(TypedDict):
-    """A Report's statistics as Python values, copied from the device in one transfer."""
+    """A Report's per-tensor statistics as Python values: what a look at the gradients reads."""
 
     nan_count: list[int]
     inf_count: list[int]
     min: list[float]
     max: list[float]
     norm: list[float]
-    total_norm: float
-    finite: bool
-    clip_coef: float | None
-    # Which ranks held each tensor's NaN/Inf, one list per tensor; None for a single process.
-    ranks: list[list[int]] | None
+    # Per tensor, the attribution sums (count, rank sum, rank square sum) and the per-rank row, for
+    # nonfinite_ranks; None for a single process.
+    attribution: tuple[list[float], list[float], list[float], list[float]] | None
 
 
 class Report:
-    """The health of one step's gradients. Holds device tensors; the first Python value read syncs once.
+    """The health of one step's gradients. Holds device tensors; reading a Python value syncs: the
+    totals (``finite``, ``total_norm``, ``clip_coef``) in one small copy, and the first per-parameter
+    value (``nonfinite``, ``table()``, ...) in one more, of everything, so that a step that only asks
+    ``finite`` does not copy and convert thousands of per-parameter rows.
 
     Attributes:
         names: parameter names, one per scanned gradient (parameters without a gradient are skipped);
@@ -63,6 +72,7 @@ class Report:
         self.norm_type = norm_type
         self.max_norm = max_norm
         self.clip_coef_tensor = clip_coef
+        self._scalars: HostScalars | None = None
         self._host: HostValues | None = None
 
     @property
@@ -71,60 +81,68 @@ class Report:
             self._names = list(self._names)
         return self._names
 
-    def _values(self) -> HostValues:
-        """Copies every statistic to the host in one transfer (one sync), once."""
-        if self._host is None:
+    def _totals(self) -> HostScalars:
+        """Copies the totals to the host in one small transfer (one sync), once."""
+        if self._scalars is None:
             s = self.stats
             scalars = [self.total_norm_tensor.double().reshape(1), s.finite.double().reshape(1)]
+            if s.consistent is not None:
+                scalars.append(s.consistent.double().reshape(1))
             if self.clip_coef_tensor is not None:
                 scalars.append(self.clip_coef_tensor.double().reshape(1))
+            values = torch.cat(scalars).cpu().tolist()
+            if s.consistent is not None and not values.pop(2):
+                raise RuntimeError(
+                    "nanscan: the ranks scanned different lists (shapes or placements differ between "
+                    "ranks of one mesh), so the reduced statistics mean nothing: every rank must check "
+                    "the same parameters in the same order"
+                )
+            self._scalars = {
+                "total_norm": values[0],
+                "finite": bool(values[1]),
+                "clip_coef": values[2] if len(values) > 2 else None,
+            }
+        return self._scalars
+
+    def _values(self) -> HostValues:
+        """Copies every per-tensor statistic to the host in one transfer (one sync), once."""
+        if self._host is None:
+            self._totals()  # the consistency check, and the totals beside them
+            s = self.stats
             rows = [s.nan_count.double(), s.inf_count.double(), s.min, s.max, s.norm]
-            if s.ranks is not None and s.consistent is not None:
-                rows += [*s.ranks.rows(), s.consistent.double().reshape(1)]
-            packed = torch.cat([*rows, *scalars]).cpu()
+            if s.ranks is not None:
+                rows += s.ranks.rows()
+            packed = torch.cat(rows).cpu()
             n = len(self._names)
             table = packed[: 5 * n].view(5, n).tolist()
-            rest = packed[5 * n :].tolist()
-            ranks = None
+            attribution = None
             if s.ranks is not None:
-                count, rank_sum, rank_square_sum = (rest[k * n : (k + 1) * n] for k in range(3))
-                world = s.ranks.any_by_rank.numel()
-                any_by_rank, consistent = rest[3 * n : 3 * n + world], rest[3 * n + world]
-                rest = rest[3 * n + world + 1 :]
-                if not consistent:
-                    raise RuntimeError(
-                        "nanscan: the ranks scanned different lists (shapes or placements differ between "
-                        "ranks of one mesh), so the reduced statistics mean nothing: every rank must check "
-                        "the same parameters in the same order"
-                    )
-                ranks = [Attribution.ranks(count[i], rank_sum[i], rank_square_sum[i], any_by_rank) for i in range(n)]
+                rest = packed[5 * n :].tolist()
+                attribution = (rest[:n], rest[n : 2 * n], rest[2 * n : 3 * n], rest[3 * n :])
             self._host = {
                 "nan_count": [int(v) for v in table[0]],
                 "inf_count": [int(v) for v in table[1]],
                 "min": table[2],
                 "max": table[3],
                 "norm": table[4],
-                "total_norm": rest[0],
-                "finite": bool(rest[1]),
-                "clip_coef": rest[2] if len(rest) > 2 else None,
-                "ranks": ranks,
+                "attribution": attribution,
             }
         return self._host
 
     @property
     def finite(self) -> bool:
         """True when no gradient holds a NaN or an Inf."""
-        return self._values()["finite"]
+        return self._totals()["finite"]
 
     @property
     def total_norm(self) -> float:
         """The total gradient norm of order ``norm_type`` (before clipping)."""
-        return self._values()["total_norm"]
+        return self._totals()["total_norm"]
 
     @property
     def clip_coef(self) -> float | None:
         """The factor the gradients were scaled by (1.0 when nothing was clipped), None without max_norm."""
-        return self._values()["clip_coef"]
+        return self._totals()["clip_coef"]
 
     @property
     def clipped(self) -> bool:
@@ -145,22 +163,25 @@ class Report:
         0 (or its rank in an initialized process group). Exact for one or two ranks, for all of them,
         and when the ranks with any NaN/Inf are exactly the ones; otherwise those ranks (a superset)."""
         v = self._values()
-        ranks = v["ranks"]
-        if ranks is None:
+        if v["attribution"] is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             return {name: [rank] for name in self.nonfinite}
-        bad = zip(self.names, v["nan_count"], v["inf_count"], ranks, strict=True)
-        return {name: held for name, nan, inf, held in bad if nan or inf}
+        count, rank_sum, rank_square_sum, any_by_rank = v["attribution"]
+        return {
+            self.names[i]: Attribution.ranks(count[i], rank_sum[i], rank_square_sum[i], any_by_rank)
+            for i, (nan, inf) in enumerate(zip(v["nan_count"], v["inf_count"], strict=True))
+            if nan or inf
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values: totals, and per-parameter statistics keyed by name."""
-        v = self._values()
+        v, totals = self._values(), self._totals()
         return {
-            "finite": v["finite"],
-            "total_norm": v["total_norm"],
+            "finite": totals["finite"],
+            "total_norm": totals["total_norm"],
             "norm_type": self.norm_type,
             "max_norm": self.max_norm,
-            "clip_coef": v["clip_coef"],
+            "clip_coef": totals["clip_coef"],
             "nonfinite": self.nonfinite,
             "nonfinite_ranks": self.nonfinite_ranks,
             "parameters": {
@@ -186,7 +207,7 @@ class Report:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        v = self._values()
+        v = self._totals()
         status = "finite" if v["finite"] else f"NON-FINITE in {len(self.nonfinite)} of {len(self.names)} gradients"
         head = f"nanscan report: {status}; total norm ({_norm_name(self.norm_type)}) {v['total_norm']:.6g}"
         if v["clip_coef"] is not None:
@@ -194,7 +215,9 @@ class Report:
         return head + "\n" + self.table() if self.names else head
 
     def __repr__(self) -> str:
-        synced = "synced" if self._host is not None else "not yet synced"
+        synced = (
+            "synced" if self._host is not None else "totals synced" if self._scalars is not None else "not yet synced"
+        )
         return f"<nanscan.Report of {len(self.names)} gradients, {synced}>"
 
 

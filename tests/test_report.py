@@ -55,15 +55,28 @@ def test_names_the_bad_parameters(device: str) -> None:
     assert lines[2].startswith("2.0.weight") and lines[3].startswith("3.bias"), "worst first"
 
 
-def test_building_a_report_does_not_sync_and_syncs_once() -> None:
+def test_building_a_report_does_not_sync_and_reading_copies_once_per_stage() -> None:
+    """Building syncs nothing; the totals come in one small copy; the per-parameter rows in one more,
+    once, however many values are read."""
     model = tiny_model()
     report = nanscan.check(model)
-    assert report._host is None and "not yet synced" in repr(report)
-    _ = report.finite
-    host = report._host
-    assert host is not None
-    _ = report.total_norm, report.nonfinite, report.to_dict(), str(report)
-    assert report._host is host, "values were fetched again"
+    assert report._scalars is None and report._host is None and "not yet synced" in repr(report)
+    copies = []
+    real_cpu = torch.Tensor.cpu
+
+    def counting_cpu(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        copies.append(self.numel())
+        return real_cpu(self, *args, **kwargs)
+
+    torch.Tensor.cpu = counting_cpu  # type: ignore[method-assign]
+    try:
+        _ = report.finite, report.total_norm, report.clip_coef
+        assert len(copies) == 1 and copies[0] <= 3 and report._host is None, "the totals alone, in one copy"
+        _ = report.nonfinite, report.to_dict(), str(report), report.table()
+        assert len(copies) == 2, f"{len(copies)} copies"
+    finally:
+        torch.Tensor.cpu = real_cpu  # type: ignore[method-assign]
+    assert "synced" in repr(report)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,128 @@
+"""The cost of checking and clipping FSDP2 (DTensor) gradients: nanscan against torch, 2 processes.
+
+    python benchmarks/bench_distributed.py                    # launches 2 ranks itself (torchrun)
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --tensors 100,1000,5000
+    python benchmarks/bench_distributed.py --quick            # a smoke run (seconds)
+
+A model of 16x16 Linear layers is sharded with ``fully_shard`` (gloo, on the CPU), so every gradient
+is a DTensor with Shard(0) placement; one backward, then each method is timed on the same gradients
+(nothing is clipped, max_norm 1e9, so every call sees the same values), in interleaved rounds:
+
+* ``torch``: ``torch.nn.utils.clip_grad_norm_(params, 1e9)`` and ``.full_tensor()`` of the norm it
+  returns (a DTensor), which is how one gets the value.
+* ``nanscan.clip``: ``nanscan.clip_grad_norm_(params, 1e9)``, and ``float()`` of its plain norm.
+* ``nanscan.check``: ``nanscan.check(model, max_norm=1e9)`` and ``report.finite`` (global statistics
+  of every parameter, read on the host).
+
+Times are of the whole call on rank 0 (gloo collectives are synchronous on the CPU, so host time is
+the time). Collectives per call are counted with the profiler (gloo's collective events). What this
+cannot show: NCCL on GPUs, where nanscan's collectives are asynchronous on the stream and torch's
+per-tensor DTensor dispatch is the same host work as here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import nanscan
+
+
+def model_of(tensors: int) -> torch.nn.Module:
+    """Linear(16, 16) layers: two parameters (weight, bias) each."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(tensors // 2)])
+
+
+def collectives(fn: Callable[[], object]) -> int:
+    """Collective events (gloo's all-reduce, all-gather, ...) one call of ``fn`` records."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+    return sum(1 for e in prof.events() if e.name.startswith("gloo:") and any(n in e.name for n in names))
+
+
+def time_methods(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median milliseconds per call of each method, from interleaved rounds after a warm-up round."""
+    for fn in methods.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            methods[name]()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure(tensors: int, rounds: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = model_of(tensors)
+    fully_shard(model)
+    model(torch.randn(4, 16)).square().mean().backward()
+    params = list(model.parameters())
+    methods: dict[str, Callable[[], object]] = {
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).full_tensor(),
+        "nanscan.clip": lambda: float(nanscan.clip_grad_norm_(params, 1e9)),
+        "nanscan.check": lambda: nanscan.check(model, max_norm=1e9).finite,
+    }
+    torch_norm = float(methods["torch"]())  # type: ignore[arg-type]
+    ours = float(nanscan.clip_grad_norm_(params, 1e9))
+    assert abs(ours - torch_norm) <= 1e-5 * torch_norm, f"norms differ: {ours} vs {torch_norm}"
+    counts = {name: collectives(fn) for name, fn in methods.items()}
+    medians = time_methods(methods, rounds)
+    return {"tensors": len(params), "median_ms": medians, "collectives": counts}
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'DTensors':>9} {'method':<14} {'median ms':>10} {'us/tensor':>10} {'vs torch':>9} {'collectives':>12}")
+    for row in rows:
+        n, base = row["tensors"], row["median_ms"]["torch"]
+        for name, ms in row["median_ms"].items():
+            speed = f"{base / ms:.1f}x" if name != "torch" else ""
+            print(f"{n:>9} {name:<14} {ms:>10.2f} {ms * 1e3 / n:>10.2f} {speed:>9} {row['collectives'][name]:>12}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", default="100,1000,5000", help="DTensor counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="100 and 1,000 tensors, 3 rounds")
+    parser.add_argument("--json", type=Path, help="write the results here (rank 0)")
+    args = parser.parse_args()
+    if "RANK" not in os.environ:  # not under torchrun: launch 2 ranks of this script
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, *sys.argv[1:]]
+        return subprocess.call(command)
+    counts = [100, 1000] if args.quick else [int(n) for n in args.tensors.split(",")]
+    rounds = 3 if args.quick else args.rounds
+    dist.init_process_group("gloo")
+    rows = [measure(n, rounds) for n in counts]
+    if dist.get_rank() == 0:
+        print(
+            f"nanscan {nanscan.__version__}, torch {torch.__version__}, gloo, {dist.get_world_size()} processes (CPU)"
+        )
+        report(rows)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(rows, indent=2))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
