@@ -5,7 +5,7 @@ if not report.finite:
     print(report.nonfinite)                    # names of the parameters that went bad
 """
 
-from . import amp
+from . import amp, ddp, distributed
 from .clip import clip_grad_norm_, get_total_norm
 from .guard import NonFiniteGradientError, SkipGuard
 from .locate import Finding, Locator, locate
@@ -23,6 +23,8 @@ __all__ = [
     "amp",
     "check",
     "clip_grad_norm_",
+    "ddp",
+    "distributed",
     "get_total_norm",
     "locate",
     "scan",

@@ -9,6 +9,7 @@ from typing import Any, TypedDict, overload
 import torch
 import torch.distributed as dist
 
+from . import ddp
 from .clip import (
     as_max_norm,
     as_norm_type,
@@ -368,6 +369,10 @@ def check(
     names, grads = named_gradients(model_or_params)
     with torch.no_grad():
         stats = scan(grads, names, process_group=process_group)
+        scanner = ddp.scanner_of(model_or_params)
+        if scanner is not None:  # DDP with nanscan's hook: which ranks' own gradients held a NaN/Inf
+            params = [p for _, p in model_or_params.named_parameters() if p.grad is not None]  # type: ignore[union-attr]
+            stats = ddp.with_attribution(stats, scanner, params)
         total = total_norm_of(grads, stats, norm_type, process_group)
         # (Across processes the flag and the total are global, so every rank takes the same branch.)
         clips = max_norm is not None and (bool(grads) or process_group is not None)

@@ -332,6 +332,72 @@ def a_rank_with_nothing_to_scan_still_takes_part(world: int) -> None:
     assert_close(total, want, "total norm with an empty rank")
 
 
+# ------------------------------------------------------------------------------------------- DDP
+
+
+def ddp_model(hook: Any = None, attach: bool = True) -> torch.nn.parallel.DistributedDataParallel:
+    model = torch.nn.parallel.DistributedDataParallel(mlp([12, 20, 20, 4]), bucket_cap_mb=0.001)  # several buckets
+    if attach:
+        nanscan.ddp.attach(model, hook=hook)
+    return model
+
+
+@case
+def ddp_hook_names_the_rank_that_made_the_nan(world: int) -> None:
+    bad = world - 1
+    model = ddp_model()
+    culprit = model.module[2].weight
+    if dist.get_rank() == bad:  # this rank's own gradient of 2.weight goes NaN, before the all-reduce
+        culprit.register_hook(lambda g: g * math.nan)
+    for _ in range(2):  # the second step: buckets rebuilt by DDP after the first
+        model.zero_grad()
+        backward(model, 12)
+        with counted_all_reduces() as calls:
+            report = nanscan.check(model)
+            report.nonfinite_ranks  # noqa: B018
+        assert calls[0] == 1, f"{calls[0]} all-reduces: one for the attribution"
+        assert report.nonfinite == ["module.2.weight"], report.nonfinite  # every rank holds it now
+        assert report.nonfinite_ranks == {"module.2.weight": [bad]}, report.nonfinite_ranks
+    # Without the hook the reduced gradient holds the NaN on every rank, and nothing says who made it.
+    plain = ddp_model(attach=False)
+    if dist.get_rank() == bad:
+        plain.module[2].weight.register_hook(lambda g: g * math.nan)
+    backward(plain, 12)
+    assert nanscan.check(plain).nonfinite_ranks == {"module.2.weight": [dist.get_rank()]}
+
+
+@case
+def ddp_hook_changes_no_gradient(world: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    for hook in (None, fp16_compress_hook):
+        ours, theirs = ddp_model(hook), ddp_model(attach=False)
+        if hook is not None:
+            theirs.register_comm_hook(dist.group.WORLD, hook)
+        torch.manual_seed(100 + dist.get_rank())  # different data per rank, as in training
+        x = torch.randn(8, 12)
+        ours(x).square().mean().backward()
+        theirs(x).square().mean().backward()
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), f"the hook changed a gradient (inner hook {hook})"
+        report = nanscan.check(ours)
+        assert report.finite and report.nonfinite_ranks == {}
+
+
+@case
+def ddp_nan_on_two_ranks_in_two_parameters(world: int) -> None:
+    model = ddp_model()
+    rank = dist.get_rank()
+    if rank in (0, world - 1):
+        model.module[0].bias.register_hook(lambda g: g * math.nan)
+    if rank == world // 2:
+        model.module[4].weight.register_hook(lambda g: g * math.inf)
+    backward(model, 12)
+    report = nanscan.check(model)
+    want = {"module.0.bias": sorted({0, world - 1}), "module.4.weight": [world // 2]}
+    assert report.nonfinite_ranks == want, report.nonfinite_ranks
+
+
 # ------------------------------------------------------------------------------------ the runner
 
 
