@@ -25,6 +25,12 @@ CSRC = os.path.join("csrc")
 # -fopenmp: at::parallel_for runs on OpenMP in torch's CPU builds and is serial without it.
 CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno"]
+# libstdc++ by its soname, ahead of the -lstdc++ the compiler driver appends: where that finds only the
+# static archive (a toolchain without the libstdc++.so link, or -static-libstdc++ in LDFLAGS), nanscan
+# would carry a private copy of libstdc++ beside the shared one torch uses, and the two copies' locale
+# facets mix: formatting a number into an error message then crashed the process (seen on an H100
+# machine's image, benchmarks/NOTES.md entry 17). tests/test_setup.py checks the built library.
+LINK_FLAGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 def log(message: str) -> None:
@@ -58,7 +64,7 @@ def extension():
         sources = [s for s in sources if not s.endswith("cuda_binding.cpp")]
         log(f"building CPU backend only ({reason})")
         log(f"sources: {', '.join(sources)}")
-        return CppExtension("nanscan._C", sources, extra_compile_args={"cxx": CXX_FLAGS})
+        return CppExtension("nanscan._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS)
 
     # Without an explicit list, torch probes the local GPU, which fails on a build machine without one.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -70,6 +76,7 @@ def extension():
         sources,
         define_macros=[("NANSCAN_WITH_CUDA", "1")],
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+        extra_link_args=LINK_FLAGS,
     )
 
 

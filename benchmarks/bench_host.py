@@ -42,6 +42,23 @@ def main() -> None:
         p.grad = torch.randn(1)
     grads = [p.grad for p in params]
     model = torch.nn.ParameterList(params)  # the same parameters as a module: names from named_parameters()
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    one = torch.ones(())
+    # Scale 1 and no growth, so that repeated calls leave the gradients as they are.
+    ours = nanscan.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+    theirs = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+
+    def ours_unscale_clip() -> None:
+        ours.scale(one)
+        ours.clip_grad_norm_(optimizer, 1e30)
+        ours.update()
+
+    def theirs_unscale_clip() -> None:
+        theirs.scale(one)
+        theirs.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, 1e30)
+        theirs.update()
+
     rows = [
         ("torch.ops.nanscan.scan", lambda: torch.ops.nanscan.scan.default(grads)),
         ("nanscan.scan", lambda: nanscan.scan(grads)),
@@ -55,10 +72,12 @@ def main() -> None:
         ("nanscan.check(model, max_norm)", lambda: nanscan.check(model, max_norm=1e30)),
         ("torch clip_grad_norm_(model.parameters())", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e30)),
         ("model.named_parameters() alone", lambda: list(model.named_parameters())),
+        ("nanscan.amp.GradScaler: scale, clip_grad_norm_, update", ours_unscale_clip),
+        ("torch GradScaler: scale, unscale_, clip_grad_norm_, update", theirs_unscale_clip),
     ]
     print(f"host ns per tensor, {args.tensors} one-element CPU tensors, torch {torch.__version__}, 1 thread")
     for name, call in rows:
-        print(f"{name:<44}{best_ns_per_tensor(call, args.tensors, args.repeats):>8.0f}")
+        print(f"{name:<60}{best_ns_per_tensor(call, args.tensors, args.repeats):>8.0f}")
 
 
 if __name__ == "__main__":

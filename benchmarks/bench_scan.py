@@ -200,6 +200,19 @@ def torch_stats(grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return nans, infs, mins, maxs, norms, torch.linalg.vector_norm(norms)
 
 
+def torch_can_unscale(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's GradScaler can unscale gradients of ``dtype`` on ``device`` (its CUDA kernel has
+    no bf16 in torch 2.11: then nanscan's AMP methods are timed without a torch peer)."""
+    probe = torch.ones(1, dtype=dtype, device=device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [probe], torch.zeros((), device=device), torch.ones((), device=device)
+        )
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
 def amp_unscale_clip(max_norm: float) -> Callable[[Inputs], torch.Tensor]:
     """The AMP step's gradient handling: GradScaler.unscale_ (inf check + multiply), then torch's clip:
     3 reads + 2 writes of the gradients."""
@@ -247,17 +260,21 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
         Method("foreach_norm+stack", lambda x: foreach_total_norm(x.grads), SCAN),
     ]
     if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
-        found += [
-            Method("nanscan.amp.unscale+clip(no-clip)", nanscan_unscale_clip(NO_CLIP), mutates=True),
-            Method(
-                "amp.unscale+clip(no-clip)",
-                amp_unscale_clip(NO_CLIP),
-                "nanscan.amp.unscale+clip(no-clip)",
-                mutates=True,
-            ),
-            Method("nanscan.amp.unscale+clip(clip)", nanscan_unscale_clip(CLIP), mutates=True),
-            Method("amp.unscale+clip(clip)", amp_unscale_clip(CLIP), "nanscan.amp.unscale+clip(clip)", mutates=True),
-        ]
+        found.append(Method("nanscan.amp.unscale+clip(no-clip)", nanscan_unscale_clip(NO_CLIP), mutates=True))
+        if torch_can_unscale(dtype, device):
+            found.append(
+                Method(
+                    "amp.unscale+clip(no-clip)",
+                    amp_unscale_clip(NO_CLIP),
+                    "nanscan.amp.unscale+clip(no-clip)",
+                    mutates=True,
+                )
+            )
+        found.append(Method("nanscan.amp.unscale+clip(clip)", nanscan_unscale_clip(CLIP), mutates=True))
+        if torch_can_unscale(dtype, device):
+            found.append(
+                Method("amp.unscale+clip(clip)", amp_unscale_clip(CLIP), "nanscan.amp.unscale+clip(clip)", mutates=True)
+            )
     if device.type == "cuda" and num_tensors <= COMPILE_MAX_TENSORS:
         compiled = torch.compile(torch_stats)
         found.append(Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN))

@@ -214,10 +214,15 @@ void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, c
     } else if (rounding == cuda::CoefRounding::ToTensorDtype) {
       const_cast<at::Tensor&>(t).mul_(coef.to(t.scalar_type()));
     } else {
-      // torch's own unscale for the rare strided gradient: its arithmetic (an fp32 factor) exactly.
-      at::Tensor unused_found_inf = at::zeros({}, coef.options().dtype(at::kFloat));
-      std::vector<at::Tensor> one{t};
-      at::_amp_foreach_non_finite_check_and_unscale_(one, unused_found_inf, coef);
+      // torch's unscale arithmetic for the rare strided gradient: the fp32 factor times the value in
+      // float (double for fp64), rounded once. Not torch's own unscale op: its CUDA kernel has no bf16
+      // (torch 2.11); and not a plain mul_, which would round a 0-dim CUDA factor to fp16/bf16 first.
+      at::Tensor& target = const_cast<at::Tensor&>(t);
+      if (target.scalar_type() == at::kHalf || target.scalar_type() == at::kBFloat16) {
+        target.copy_(target.to(at::kFloat).mul_(coef));
+      } else {
+        target.mul_(coef);
+      }
     }
   }
   if (dense.empty()) return;

@@ -28,7 +28,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -68,7 +68,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scanning_scaled: torch.Tensor | None = None
         # Set only inside clip_grad_norm_, between its unscale and its clip: the names and gradients the
         # unscale scanned, and their statistics. Never outlives the call, so never describes stale values.
-        self._scanned: tuple[list[str], list[torch.Tensor], ScanResult] | None = None
+        self._scanned: tuple[Sequence[str], list[torch.Tensor], ScanResult] | None = None
         self._keep_scan = False
 
     def watch(self, model: torch.nn.Module) -> GradScaler:
@@ -146,25 +146,18 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
         names, grads = self._optimizer_gradients(optimizer, allow_fp16)
-        if grads is None:
+        report_parts = self._unscale_scan(grads, inv_scale) if grads is not None else None
+        if grads is None or report_parts is None:
             # Sparse (coalesced by torch) or exotic gradients: torch's own path, without a report.
             self.last_report = None
             self._last_found_inf = []
             result = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
             self._last_found_inf = list(result.values())
             return result
-
-        by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for index, grad in enumerate(grads):
-            by_device[grad.device].append(index)
         found_per_device: dict[torch.device, torch.Tensor] = {}
-        report_parts: list[tuple[list[int], tuple[torch.Tensor, ...]]] = []
-        with torch.no_grad():
-            for device, indices in by_device.items():
-                outputs = unscale_scan_op([grads[i] for i in indices], inv_scale.to(device))
-                # torch's found_inf is a float32 scalar per device: 1.0 when anything was not finite.
-                found_per_device[device] = (~outputs[3]).to(torch.float32)
-                report_parts.append((indices, outputs))
+        for _, outputs in report_parts:
+            # torch's found_inf is a float32 scalar per device: 1.0 when anything was not finite.
+            found_per_device[outputs[3].device] = (~outputs[3]).to(torch.float32)
         self._last_found_inf = list(found_per_device.values())
         if len(report_parts) == 1 and report_parts[0][0] == list(range(len(grads))):
             stats = ScanResult.from_op(*report_parts[0][1])
@@ -177,26 +170,96 @@ class GradScaler(torch.amp.GradScaler):
             self.last_report = None  # several devices: found_inf is exact, the per-device stats are not merged
         return found_per_device
 
+    @staticmethod
+    def _unscale_scan(
+        grads: list[torch.Tensor], inv_scale: torch.Tensor
+    ) -> list[tuple[list[int], tuple[torch.Tensor, ...]]] | None:
+        """The fused unscale + scan, one call per device: (indices into ``grads``, op outputs) per
+        device, or None when a gradient is sparse (torch's own unscale handles those)."""
+        with torch.no_grad():
+            try:
+                # One call for the usual list, all on one device and dense: the op validates every entry
+                # (its device and layout too) before it writes any, so a refused list is as it was.
+                return [(list(range(len(grads))), unscale_scan_op(grads, inv_scale.to(grads[0].device)))]
+            except (RuntimeError, TypeError):
+                if any(g.is_sparse for g in grads):
+                    return None
+                by_device: dict[torch.device, list[int]] = defaultdict(list)
+                for index, grad in enumerate(grads):
+                    by_device[grad.device].append(index)
+                if len(by_device) == 1:
+                    raise
+                return [
+                    (indices, unscale_scan_op([grads[i] for i in indices], inv_scale.to(device)))
+                    for device, indices in by_device.items()
+                ]
+
     def _optimizer_gradients(
         self, optimizer: torch.optim.Optimizer, allow_fp16: bool
-    ) -> tuple[list[str], list[torch.Tensor] | None]:
+    ) -> tuple[Sequence[str], list[torch.Tensor] | None]:
         """Names and gradients of the optimizer's parameters that have one, in torch's order and with
-        torch's errors; gradients None when one of them needs torch's own unscale."""
-        names: list[str] = []
-        grads: list[torch.Tensor] = []
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if not isinstance(param, torch.Tensor):
-                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                if param.grad is None:
-                    continue
-                if (not allow_fp16) and param.grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if param.grad.is_sparse or param.grad.dtype not in _SCANNED_DTYPES:
-                    return names, None
-                names.append(self._names.get(id(param), f"group{g}.param{i}"))
-                grads.append(param.grad)
+        torch's errors; gradients None when one of them needs torch's own unscale.
+
+        Runs every step over every parameter, so it is comprehensions (each ``.grad`` read once) and
+        the names are formed only when a report is read (``OptimizerNames``)."""
+        groups = [group["params"] for group in optimizer.param_groups]
+        params = [p for group_params in groups for p in group_params]
+        try:
+            all_grads = [p.grad for p in params]
+        except AttributeError:
+            bad = next(p for p in params if not isinstance(p, torch.Tensor))
+            raise AssertionError(f"expected param to be torch.Tensor, got {type(bad).__name__}") from None
+        grads = [g for g in all_grads if g is not None]
+        if len(grads) < len(params):
+            params = [p for p, g in zip(params, all_grads, strict=True) if g is not None]
+        dtypes = {g.dtype for g in grads}
+        if not allow_fp16 and torch.float16 in dtypes:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        names = OptimizerNames(params, groups, self._names)
+        if not grads or not dtypes.issubset(_SCANNED_DTYPES):
+            return names, None
+        # A sparse gradient is found by the op's validation, before it writes (_unscale_grads_).
         return names, grads
+
+
+class OptimizerNames(Sequence[str]):
+    """The names of an optimizer's parameters, formed on first reading: the name ``watch`` gave a
+    parameter, else its place in the optimizer, ``"group0.param3"``. The scaler unscales every step and
+    a report's names are read only when it is shown."""
+
+    __slots__ = ("_groups", "_known", "_names", "_params")
+
+    def __init__(self, params: list[Any], groups: list[list[Any]], known: dict[int, str]) -> None:
+        self._params = params
+        self._groups = [list(group_params) for group_params in groups]  # as they were at this step
+        self._known = dict(known) if known else known
+        self._names: list[str] | None = None
+
+    def _resolved(self) -> list[str]:
+        if self._names is None:
+            places = {id(p): f"group{g}.param{i}" for g, ps in enumerate(self._groups) for i, p in enumerate(ps)}
+            self._names = [self._known.get(id(p)) or places[id(p)] for p in self._params]
+        return self._names
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        return self._resolved()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, OptimizerNames)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(self._resolved())
 
 
 FP16_MAX = 65504.0

@@ -375,7 +375,7 @@ def check(
             stats = ddp.with_attribution(stats, scanner, params)
         total = total_norm_of(grads, stats, norm_type, process_group)
         # (Across processes the flag and the total are global, so every rank takes the same branch.)
-        clips = max_norm is not None and (bool(grads) or process_group is not None)
+        clips = max_norm is not None and (len(grads) > 0 or process_group is not None)
         if on_nonfinite == "raise" and clips and not bool(stats.finite):
             # Before the clip, as torch's error_if_nonfinite: a NaN coefficient would rewrite every
             # gradient, and the error is there to stop the step with the gradients as they came.

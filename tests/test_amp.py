@@ -316,3 +316,38 @@ def test_advisor_names_parameters_with_nonfinite_gradients() -> None:
     advice = advisor_for(one_nan_step)
     assert advice.recommendation == "nonfinite" and advice.nonfinite == ["0.bias"], str(advice)
     assert "1 of 3 observed step(s)" in str(advice) and "0.bias (NaN in 1 step(s))" in str(advice)
+
+
+def test_sparse_gradient_takes_torchs_unscale_and_each_gradient_is_unscaled_once() -> None:
+    """A sparse gradient is refused by the fused op before it writes anything; the whole list then goes
+    through torch's unscale, so no gradient is divided twice."""
+
+    def unscaled(scaler_type: type[torch.amp.GradScaler]) -> list[torch.Tensor]:
+        dense = torch.nn.Parameter(torch.zeros(3))
+        dense.grad = torch.tensor([4.0, 8.0, -12.0])
+        sparse = torch.nn.Parameter(torch.zeros(5, 2))
+        sparse.grad = torch.sparse_coo_tensor([[1, 3]], torch.tensor([[4.0, 4.0], [8.0, 8.0]]), (5, 2))
+        optimizer = torch.optim.SGD([dense, sparse], lr=0.1)
+        scaler = scaler_type("cpu", init_scale=4.0)
+        scaler.scale(torch.ones(()))
+        scaler.unscale_(optimizer)
+        return [dense.grad, sparse.grad.to_dense()]
+
+    ours, theirs = unscaled(nanscan.amp.GradScaler), unscaled(torch.amp.GradScaler)
+    assert torch.equal(ours[0], torch.tensor([1.0, 2.0, -3.0]))
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_report_names_skip_parameters_without_a_gradient() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(4)]
+    params[0].grad = torch.ones(2)
+    params[2].grad = torch.tensor([1.0, math.nan])
+    params[3].grad = torch.ones(2)
+    optimizer = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(optimizer)
+    report = scaler.last_report
+    assert report is not None and report.names == ["group0.param0", "group1.param0", "group1.param1"]
+    assert report.nonfinite == ["group1.param0"]

@@ -396,7 +396,7 @@ def test_amp_clip_and_fused_skip_limit_do_not_sync() -> None:
         for step in range(12):
             model.zero_grad()
             model(x).sum().backward()
-            model[0].weight.grad[0, 0] = math.nan
+            model[0].weight.grad[0, 0].fill_(math.nan)  # (an indexed assignment copies from the host: a sync)
             try:
                 nanscan.check(model, on_nonfinite="skip", optimizer=optimizer, max_consecutive_skips=3)
             except nanscan.NonFiniteGradientError:
@@ -460,7 +460,13 @@ def test_fused_unscale_matches_torch_bit_for_bit(dtype: torch.dtype, layout: str
     expected = [g.clone() for g in grads]
     found = torch.zeros((), device="cuda")
     inv_scale = torch.tensor(1 / 1024.0, device="cuda")
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
+    except NotImplementedError:
+        # torch's CUDA unscale has no bf16 kernel (torch 2.11): its formula for the others, in float
+        # (the opmath type) and rounded once, which nanscan's unscale must give bit for bit.
+        expected = [(g.float() * inv_scale).to(dtype) for g in grads]
+        found.fill_(1.0)
     outputs: list[tuple[torch.Tensor, ...]] = []
     kernels = nanscan_kernels_launched(lambda: outputs.append(torch.ops.nanscan.unscale_scan_(grads, inv_scale)))
     counts, _, _, finite = outputs[0]

@@ -4,6 +4,9 @@ silent CPU-only build (whose first CUDA call would fail far from the cause)."""
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +76,22 @@ def test_cpu_torch_builds_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.version, "cuda", None)
     with_cuda, reason = setup["cuda_build_reason"]()
     assert not with_cuda and "has no CUDA support" in reason
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or shutil.which("readelf") is None or shutil.which("nm") is None,
+    reason="needs readelf and nm",
+)
+def test_library_links_the_shared_libstdcxx() -> None:
+    """nanscan._C must use the libstdc++ that torch uses, not a private static copy: with two copies,
+    formatting a number into an error message crashed the process (an H100 machine's image, where the
+    link found only libstdc++.a). setup.py names the shared library; this checks the result."""
+    import nanscan._C
+
+    dynamic = subprocess.run(["readelf", "-dW", nanscan._C.__file__], capture_output=True, text=True, check=True)
+    needed = [line.split("[")[-1].rstrip("]") for line in dynamic.stdout.splitlines() if "(NEEDED)" in line]
+    assert any(name.startswith("libstdc++.so") for name in needed), f"libstdc++ not a dynamic dependency: {needed}"
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", "-C", nanscan._C.__file__], capture_output=True, text=True, check=True
+    )
+    assert "std::locale::classic()" not in symbols.stdout, "nanscan._C defines libstdc++'s own symbols"
