@@ -236,7 +236,7 @@ void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, c
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multiply(at::TensorList tensors,
-                                                                                   bool fp16_range,
+                                                                                   ScanOptions options,
                                                                                    const float* multiply_by) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
@@ -244,23 +244,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multip
   copies.reserve(tensors.size());
   const cuda::ListPlan& plan = plan_of(tensor_args(tensors, tags, copies));
   const cuda::ScanKind kind = multiply_by != nullptr ? cuda::ScanKind::Unscale
-                              : fp16_range           ? cuda::ScanKind::HalfRange
+                              : options.half_range   ? cuda::ScanKind::HalfRange
+                              : options.checksum     ? cuda::ScanKind::Checksum
                                                      : cuda::ScanKind::Plain;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto device = at::TensorOptions().device(tensors[0].device());
-  ScanOutputs out = allocate_scan_outputs(n, device, fp16_range);
+  ScanOutputs out = allocate_scan_outputs(n, device, options);
   const DeviceList list = device_list(plan, tensors[0].device());
   const int num_sms = sm_count();
   at::Tensor workspace =
       at::empty({static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms))}, device.dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n), workspace.data_ptr(),
+  C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data_ptr(),
                             static_cast<size_t>(workspace.numel()), num_sms, c10::cuda::getCurrentCUDAStream(),
                             multiply_by));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors, bool fp16_range) {
-  return scan_and_maybe_multiply(tensors, fp16_range, nullptr);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors, bool fp16_range,
+                                                                     bool checksum) {
+  return scan_and_maybe_multiply(tensors, scan_options(fp16_range, checksum), nullptr);
 }
 
 void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
@@ -283,11 +285,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cuda(at:
   for (const at::Tensor& t : tensors) {
     if (t.numel() > 0 && !t.is_non_overlapping_and_dense()) {
       multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None);
-      return scan_cuda(tensors, false);
+      return scan_cuda(tensors, false, false);
     }
   }
   const at::Tensor factor = inv_scale.contiguous();
-  auto outputs = scan_and_maybe_multiply(tensors, false, factor.const_data_ptr<float>());
+  auto outputs = scan_and_maybe_multiply(tensors, ScanOptions{}, factor.const_data_ptr<float>());
   bump_versions_of_dense(tensors);  // whether the kernel wrote is decided on the device
   return outputs;
 }

@@ -116,28 +116,37 @@ void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const
               " but the tensors are on ", first.device());
 }
 
-ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, bool half_range) {
-  return ScanOutputs{at::empty({half_range ? 4 : 2, num_tensors}, device.dtype(at::kLong)),
+ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, ScanOptions options) {
+  const int64_t count_rows = 2 + (options.half_range ? 2 : 0) + (options.checksum ? 1 : 0);
+  return ScanOutputs{at::empty({count_rows, num_tensors}, device.dtype(at::kLong)),
                      at::empty({3, num_tensors}, device.dtype(at::kDouble)), at::empty({}, device.dtype(at::kDouble)),
                      at::empty({}, device.dtype(at::kBool))};
 }
 
-ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors) {
+ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors, ScanOptions options) {
   return ResultPointers{o.counts.data_ptr<int64_t>(),
                         o.stats.data_ptr<double>(),
                         o.total_norm.data_ptr<double>(),
                         o.finite.data_ptr<bool>(),
                         num_tensors,
-                        o.counts.size(0) == 4};
+                        options.half_range,
+                        options.checksum};
+}
+
+ScanOptions scan_options(bool fp16_range, bool checksum) {
+  TORCH_CHECK(!(fp16_range && checksum), "nanscan.scan: fp16_range and checksum are separate scans; ask for one");
+  return ScanOptions{fp16_range, checksum};
 }
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorList tensors, bool fp16_range) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorList tensors, bool fp16_range,
+                                                                    bool checksum) {
+  const ScanOptions options = scan_options(fp16_range, checksum);
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), fp16_range);
-  cpu::scan(tensors, tags, result_pointers(out, n));
+  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), options);
+  cpu::scan(tensors, tags, result_pointers(out, n, options));
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
 
@@ -156,8 +165,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::
       const_cast<at::Tensor&>(t).mul_(inv_scale);
   }
   const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), false);
-  cpu::scan(tensors, tags, result_pointers(out, n), factor);
+  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), ScanOptions{});
+  cpu::scan(tensors, tags, result_pointers(out, n, ScanOptions{}), factor);
   if (factor != 1.0f) bump_versions_of_dense(tensors);  // written by the kernel, not through ATen
   return {out.counts, out.stats, out.total_norm, out.finite};
 }
@@ -183,10 +192,10 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
 
 using ScanResultTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-ScanResultTuple scan_autograd(at::TensorList tensors, bool fp16_range) {
-  static const auto op = op_handle<ScanResultTuple(at::TensorList, bool)>("nanscan::scan");
+ScanResultTuple scan_autograd(at::TensorList tensors, bool fp16_range, bool checksum) {
+  static const auto op = op_handle<ScanResultTuple(at::TensorList, bool, bool)>("nanscan::scan");
   const at::AutoDispatchBelowAutograd below_autograd;
-  return op.call(tensors, fp16_range);
+  return op.call(tensors, fp16_range, checksum);
 }
 
 void scale_autograd(at::TensorList tensors, const at::Tensor& coef) {
@@ -212,7 +221,7 @@ ScanResultTuple unscale_scan_autograd(at::TensorList tensors, const at::Tensor& 
               "-e . (setup.py prints which backends it builds, and why)");
 }
 
-ScanResultTuple scan_without_cuda(at::TensorList, bool) { built_without_cuda("nanscan.scan"); }
+ScanResultTuple scan_without_cuda(at::TensorList, bool, bool) { built_without_cuda("nanscan.scan"); }
 void scale_without_cuda(at::TensorList, const at::Tensor&) { built_without_cuda("nanscan.scale_"); }
 ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
   built_without_cuda("nanscan.unscale_scan_");
@@ -224,10 +233,11 @@ ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
 
 TORCH_LIBRARY(nanscan, m) {
   // fp16_range adds two rows to counts: finite values that overflow fp16, and non-zero values that
-  // fp16 would flush to zero (the AMP advisor's evidence).
+  // fp16 would flush to zero (the AMP advisor's evidence). checksum adds one: each tensor's replica
+  // checksum (scan_rules.h), its 64 bits as an int64. One option or the other.
   m.def(
-      "scan(Tensor[] tensors, bool fp16_range=False) -> (Tensor counts, Tensor stats, Tensor total_norm, Tensor "
-      "finite)");
+      "scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (Tensor counts, Tensor stats, Tensor "
+      "total_norm, Tensor finite)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "

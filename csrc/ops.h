@@ -12,7 +12,7 @@
 namespace nanscan {
 
 struct ScanOutputs {
-  at::Tensor counts;      // int64 [2, N], or [4, N] with the fp16-range counts
+  at::Tensor counts;      // int64 [2, N]; [4, N] with the fp16-range counts; [3, N] with the checksums
   at::Tensor stats;       // float64 [3, N]
   at::Tensor total_norm;  // float64 []
   at::Tensor finite;      // bool []
@@ -44,8 +44,17 @@ std::vector<DType> check_scale_inputs(at::TensorList tensors, const at::Tensor& 
 // inv_scale must be a one-element float32 tensor on the tensors' device.
 void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op);
 
-ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, bool half_range);
+// What a scan computes besides the statistics: the fp16-range counts, or the replica checksums.
+struct ScanOptions {
+  bool half_range = false;
+  bool checksum = false;
+};
 
-ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors);
+// The options of scan(fp16_range, checksum), refused when both are asked for.
+ScanOptions scan_options(bool fp16_range, bool checksum);
+
+ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, ScanOptions options);
+
+ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors, ScanOptions options);
 
 }  // namespace nanscan

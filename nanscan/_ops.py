@@ -2,9 +2,10 @@
 
 The ops themselves are declared once, in csrc/ops.cpp:
 
-* ``nanscan::scan(Tensor[] tensors, bool fp16_range=False) -> (counts, stats, total_norm, finite)``
-  counts int64 [2, N] (NaN, Inf; with fp16_range also fp16 overflow and underflow: [4, N]), stats float64 [3, N] (min, max, L2 norm), total_norm float64 [],
-  finite bool []. All outputs live on the tensors' device.
+* ``nanscan::scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (counts, stats,
+  total_norm, finite)``: counts int64 [2, N] (NaN, Inf; with fp16_range also fp16 overflow and
+  underflow: [4, N]; with checksum the replica checksums' bits: [3, N]), stats float64 [3, N] (min,
+  max, L2 norm), total_norm float64 [], finite bool []. All outputs live on the tensors' device.
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite)``:
   GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the scan of the result.
@@ -34,9 +35,10 @@ def register_fake(op: str) -> Callable[[_Fake], _Fake]:
 
 @register_fake("nanscan::scan")
 def _scan_fake(
-    tensors: list[torch.Tensor], fp16_range: bool = False
+    tensors: list[torch.Tensor], fp16_range: bool = False, checksum: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _scan_outputs(tensors, 4 if fp16_range else 2)
+    torch._check(not (fp16_range and checksum), lambda: "nanscan.scan: fp16_range and checksum are separate scans")
+    return _scan_outputs(tensors, 4 if fp16_range else 3 if checksum else 2)
 
 
 @register_fake("nanscan::unscale_scan_")

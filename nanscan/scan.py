@@ -44,6 +44,9 @@ class ScanResult:
             (nanscan.distributed.Attribution). None for a single process.
         consistent: for a distributed scan, bool []: every rank of every reduction scanned the same
             layout (shapes and placements); statistics of ranks that did not are meaningless.
+        checksum: int64 [N], each tensor's replica checksum (only with ``checksum=True``): a hash of
+            its bits and their positions, equal on two processes exactly when (but for a 2^-32 chance
+            of a collision) their tensors are bit-identical. See nanscan.distributed.verify_replicas.
     """
 
     nan_count: torch.Tensor
@@ -58,13 +61,25 @@ class ScanResult:
     names: tuple[str, ...] | None = None
     ranks: Attribution | None = None
     consistent: torch.Tensor | None = None
+    checksum: torch.Tensor | None = None
 
     @classmethod
     def from_op(
         cls, counts: torch.Tensor, stats: torch.Tensor, total_norm: torch.Tensor, finite: torch.Tensor
     ) -> ScanResult:
-        extra = (counts[2], counts[3]) if counts.shape[0] == 4 else (None, None)
-        return cls(counts[0], counts[1], stats[0], stats[1], stats[2], total_norm, finite, *extra)
+        half = counts.shape[0] == 4
+        return cls(
+            counts[0],
+            counts[1],
+            stats[0],
+            stats[1],
+            stats[2],
+            total_norm,
+            finite,
+            fp16_overflow=counts[2] if half else None,
+            fp16_underflow=counts[3] if half else None,
+            checksum=counts[2] if counts.shape[0] == 3 else None,
+        )
 
     def __len__(self) -> int:
         return self.norm.shape[0]
@@ -131,6 +146,7 @@ def scan(
     names: Sequence[str] | None = None,
     *,
     fp16_range: bool = False,
+    checksum: bool = False,
     process_group: Any = None,
 ) -> ScanResult:
     """Scans every tensor in one fused pass per device; returns device tensors without a host sync.
@@ -142,6 +158,9 @@ def scan(
         names: optional names of the tensors, one per tensor (else ValueError), used in error messages.
         fp16_range: also count, in the same pass, the finite values an fp16 could not hold
             (``fp16_overflow``, ``fp16_underflow``): the evidence ``nanscan.amp.Advisor`` works from.
+        checksum: also compute, in the same pass, each tensor's replica checksum (``checksum``), to
+            compare replicas across processes (nanscan.distributed.verify_replicas). Plain tensors
+            only, and not together with ``fp16_range``.
         process_group: ranks that each hold different tensors (pipeline stages): every rank gets the
             statistics of every rank's tensors (``result.names`` names them). See nanscan.distributed.
 
@@ -154,12 +173,17 @@ def scan(
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if names is not None and len(names) != len(tensors):
         raise ValueError(f"nanscan.scan: got {len(names)} names for {len(tensors)} tensors; give one name per tensor")
+    if checksum and (fp16_range or process_group is not None or (tensors and _is_dtensor(tensors[0]))):
+        raise ValueError(
+            "nanscan.scan: checksum=True is for plain tensors, without fp16_range or process_group "
+            "(replicas are compared by nanscan.distributed.verify_replicas)"
+        )
     if process_group is not None or (tensors and _is_dtensor(tensors[0])):
         from . import distributed
 
         return distributed.scan(tensors, names, fp16_range, process_group)
     try:
-        return scan_local(tensors, names, fp16_range)
+        return scan_local(tensors, names, fp16_range, checksum)
     except (RuntimeError, TypeError):
         # A DTensor has no kernel of its own (its dispatch refuses the op): it is scanned by its
         # shards. None can exist before torch.distributed.tensor is loaded.
@@ -171,10 +195,15 @@ def scan(
         raise
 
 
-def empty_result(fp16_range: bool, device: torch.device | None = None) -> ScanResult:
+def count_rows(fp16_range: bool, checksum: bool) -> int:
+    """Rows of the op's counts output: NaN and Inf, then the fp16-range pair or the checksum."""
+    return 4 if fp16_range else 3 if checksum else 2
+
+
+def empty_result(fp16_range: bool, device: torch.device | None = None, *, checksum: bool = False) -> ScanResult:
     """The statistics of an empty list: no tensors, total norm 0, finite (on the CPU by default)."""
     return ScanResult.from_op(
-        torch.zeros((4 if fp16_range else 2, 0), dtype=torch.int64, device=device),
+        torch.zeros((count_rows(fp16_range, checksum), 0), dtype=torch.int64, device=device),
         torch.zeros((3, 0), dtype=torch.float64, device=device),
         torch.zeros((), dtype=torch.float64, device=device),
         torch.ones((), dtype=torch.bool, device=device),
@@ -189,37 +218,42 @@ def _is_dtensor(t: object) -> bool:
     return module is not None and type(t) is not torch.Tensor and isinstance(t, module.DTensor)
 
 
-def scan_local(tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool) -> ScanResult:
-    """``scan`` of plain tensors in this process: one fused pass per device, nothing reduced."""
+def scan_local(
+    tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool, checksum: bool = False
+) -> ScanResult:
+    """``scan`` of plain tensors in this process: one fused pass per device, nothing reduced.
+    ``checksum`` adds each tensor's replica checksum (ScanResult.checksum) to the same pass."""
     if not tensors:
-        return empty_result(fp16_range)
+        return empty_result(fp16_range, checksum=checksum)
     if torch.compiler.is_compiling():
         validate(tensors, names)  # traced once, costs nothing at run time
-        return ScanResult.from_op(*scan_op(tensors, fp16_range))
+        return ScanResult.from_op(*scan_op(tensors, fp16_range, checksum))
     # The op validates every entry in C++; Python walks the list only when something is wrong, to
     # name the entry (or to split a list that spans devices). That keeps the host cost per tensor low.
     try:
-        outputs = scan_op(tensors, fp16_range)
+        outputs = scan_op(tensors, fp16_range, checksum)
     except (RuntimeError, TypeError):
         validate(tensors, names)
         groups = group_by_device(tensors)
         if len(groups) > 1:
-            return _gather_devices(tensors, groups, fp16_range)
+            return _gather_devices(tensors, groups, fp16_range, checksum)
         raise
     if outputs[0].is_meta:
         validate(tensors, names)
     return ScanResult.from_op(*outputs)
 
 
-def _gather_devices(tensors: list[torch.Tensor], groups: dict[torch.device, list[int]], fp16_range: bool) -> ScanResult:
+def _gather_devices(
+    tensors: list[torch.Tensor], groups: dict[torch.device, list[int]], fp16_range: bool, checksum: bool
+) -> ScanResult:
     first = tensors[0].device
     n = len(tensors)
-    counts = torch.empty((4 if fp16_range else 2, n), dtype=torch.int64, device=first)
+    counts = torch.empty((count_rows(fp16_range, checksum), n), dtype=torch.int64, device=first)
     stats = torch.empty((3, n), dtype=torch.float64, device=first)
     sumsq = torch.zeros((), dtype=torch.float64, device=first)
     finite = torch.ones((), dtype=torch.bool, device=first)
     for indices in groups.values():
-        c, s, total, fin = scan_op([tensors[i] for i in indices], fp16_range)
+        c, s, total, fin = scan_op([tensors[i] for i in indices], fp16_range, checksum)
         index = torch.tensor(indices, device=first)
         counts[:, index] = c.to(first)
         stats[:, index] = s.to(first)

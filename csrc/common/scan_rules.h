@@ -37,9 +37,49 @@ struct TensorStats {
   // because they overflow it or because fp16 would flush them to zero (see count_half_range).
   int64_t half_overflow;
   int64_t half_underflow;
+  // Only when the checksum option is on (zero otherwise): the replica checksum (below).
+  uint64_t checksum;
 };
 
-NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFINITY, 0.0, 0, 0}; }
+NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFINITY, 0.0, 0, 0, 0}; }
+
+// The replica checksum: an order-sensitive hash of a tensor's bits, so that replicas whose values
+// must be bit-identical (DDP gradients after the all-reduce, Replicate placements, parameters after
+// the step) can be compared with one small collective. Every element adds, modulo 2^64, a 32-bit
+// mix of its bits and its position (memory order from the lowest address for a tensor dense in some
+// permutation of its dimensions, logical row-major order otherwise): murmur3's finalizer of
+// (bits ^ salt(position)), a bijection of the bits for a given position, so a change of one element
+// always changes the sum, and changes of several cancel with probability about 2^-32. Combining
+// partial sums is addition, so the result does not depend on how the work was split.
+constexpr uint32_t kSaltLow = 0x9E3779B9u;   // per unit of the position's low 32 bits
+constexpr uint32_t kSaltHigh = 0x85EBCA77u;  // per unit of its high 32 bits
+
+NANSCAN_HD uint32_t replica_salt(uint64_t position) {
+  return static_cast<uint32_t>(position) * kSaltLow + static_cast<uint32_t>(position >> 32) * kSaltHigh;
+}
+
+NANSCAN_HD uint32_t replica_mix(uint32_t word, uint32_t salt) {
+  uint32_t x = word ^ salt;
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// One element's term of the checksum. Elements of up to 32 bits are one word; an fp64 element is
+// two, its high half mixed with a second salt of the same position.
+template <class Codec>
+NANSCAN_HD uint64_t replica_term(typename Codec::Raw raw, uint32_t salt) {
+  if constexpr (sizeof(typename Codec::Raw) == 8) {
+    const uint64_t bits = raw;
+    return static_cast<uint64_t>(replica_mix(static_cast<uint32_t>(bits), salt)) +
+           replica_mix(static_cast<uint32_t>(bits >> 32), salt ^ 0x5BD1E995u);
+  } else {
+    return replica_mix(static_cast<uint32_t>(raw), salt);
+  }
+}
 
 // fp16's limits: the largest finite value, and the smallest subnormal (values below it, other than
 // zero, are lost when stored as fp16).
@@ -148,9 +188,9 @@ NANSCAN_HD void merge_run(TensorStats& s, double run_min, double run_max, double
 // Combine two partial results. Callers combine in a fixed order (chunk order within a tensor, tensor
 // order for totals), which is what makes results bit-identical across runs and thread counts.
 NANSCAN_HD TensorStats combine(const TensorStats& a, const TensorStats& b) {
-  return TensorStats{a.nan_count + b.nan_count,          a.inf_count + b.inf_count, b.min < a.min ? b.min : a.min,
-                     b.max > a.max ? b.max : a.max,      a.sumsq + b.sumsq,         a.half_overflow + b.half_overflow,
-                     a.half_underflow + b.half_underflow};
+  return TensorStats{a.nan_count + b.nan_count,           a.inf_count + b.inf_count, b.min < a.min ? b.min : a.min,
+                     b.max > a.max ? b.max : a.max,       a.sumsq + b.sumsq,         a.half_overflow + b.half_overflow,
+                     a.half_underflow + b.half_underflow, a.checksum + b.checksum};
 }
 
 // The L2 norm with torch semantics: NaN if any element is NaN, else Inf if any is Inf. Finite values
@@ -173,6 +213,7 @@ struct ResultPointers {
   bool* finite;        // 0-dim
   int64_t num_tensors;
   bool half_range;
+  bool checksum;  // counts has one more row, after the fp16 ones: the checksums' bits as int64
 };
 
 NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const TensorStats& s) {
@@ -183,6 +224,7 @@ NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const 
     out.counts[2 * n + i] = s.half_overflow;
     out.counts[3 * n + i] = s.half_underflow;
   }
+  if (out.checksum) out.counts[(out.half_range ? 4 : 2) * n + i] = static_cast<int64_t>(s.checksum);
   out.stats[i] = s.min;
   out.stats[n + i] = s.max;
   out.stats[2 * n + i] = l2_norm(s);

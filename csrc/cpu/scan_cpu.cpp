@@ -72,6 +72,34 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   }
 }
 
+// The replica checksum (scan_rules.h) of a run of elements at positions position, position + 1, ...:
+// a second pass over the run while it is in L1, in lanes of 64-bit sums of 32-bit mixes, so that the
+// plain scan's loop keeps its registers. Within a run the salt steps by kSaltLow per element (it
+// vectorises), unless the run crosses a multiple of 2^32 (a tensor of more than 4G elements).
+template <class Codec>
+NANSCAN_INLINE uint64_t checksum_run(const typename Codec::Raw* p, int64_t len, uint64_t position) {
+  if (len <= 0) return 0;
+  if ((position >> 32) != ((position + static_cast<uint64_t>(len) - 1) >> 32)) {
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < len; ++i) sum += replica_term<Codec>(p[i], replica_salt(position + i));
+    return sum;
+  }
+  const uint32_t first = replica_salt(position);
+  uint64_t lanes[kLanes] = {};
+  const int64_t full = len - len % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      lanes[l] += replica_term<Codec>(p[i + l], first + static_cast<uint32_t>(i + l) * kSaltLow);
+    }
+  }
+  for (int64_t i = full; i < len; ++i) {
+    lanes[i - full] += replica_term<Codec>(p[i], first + static_cast<uint32_t>(i) * kSaltLow);
+  }
+  uint64_t sum = 0;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
 // Replaces each element by round(x * factor) in place, computing in Wide exactly as torch's
 // _amp_foreach_non_finite_check_and_unscale_ does (a float factor, widened for fp64).
 template <class Codec>
@@ -86,19 +114,20 @@ NANSCAN_INLINE void multiply_run(typename Codec::Raw* p, int64_t len, float fact
 // in place and then scanned while it is still in L1, so the pair costs one read and one write.
 template <class Codec, bool kHalfRange>
 NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end, const float* multiply_by,
-                                    TensorStats& s) {
+                                    bool checksum, TensorStats& s) {
   auto* p = static_cast<typename Codec::Raw*>(const_cast<void*>(data));
   for (int64_t i = begin; i < end; i += kRunElements) {
     const int64_t len = std::min(kRunElements, end - i);
     if (multiply_by != nullptr) multiply_run<Codec>(p + i, len, *multiply_by);
     scan_run<Codec, kHalfRange>(p + i, len, s);
+    if (checksum) s.checksum += checksum_run<Codec>(p + i, len, static_cast<uint64_t>(i));
   }
 }
 
 // Elements [begin, end) in logical (row-major) order of a tensor that is not dense in memory, gathered
 // run by run into a stack buffer, so no allocation scales with the tensor.
 template <class Codec, bool kHalfRange>
-NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end, TensorStats& s) {
+NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end, bool checksum, TensorStats& s) {
   using Raw = typename Codec::Raw;
   const int64_t ndim = t.dim();
   const auto sizes = t.sizes();
@@ -123,6 +152,7 @@ NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end
       }
     }
     scan_run<Codec, kHalfRange>(buffer, len, s);
+    if (checksum) s.checksum += checksum_run<Codec>(buffer, len, static_cast<uint64_t>(i));
     i += len;
   }
 }
@@ -142,14 +172,14 @@ const void* dense_span(const at::Tensor& t) { return t.is_non_overlapping_and_de
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int64_t begin, int64_t end,
-                       const float* multiply_by, bool half_range) {
+                       const float* multiply_by, bool half_range, bool checksum) {
   TensorStats s = empty_stats();
   switch (dtype) {
-#define NANSCAN_SCAN(CODEC, HALF)                                    \
-  if (dense) {                                                       \
-    scan_contiguous<CODEC, HALF>(dense, begin, end, multiply_by, s); \
-  } else {                                                           \
-    scan_strided<CODEC, HALF>(t, begin, end, s);                     \
+#define NANSCAN_SCAN(CODEC, HALF)                                              \
+  if (dense) {                                                                 \
+    scan_contiguous<CODEC, HALF>(dense, begin, end, multiply_by, checksum, s); \
+  } else {                                                                     \
+    scan_strided<CODEC, HALF>(t, begin, end, checksum, s);                     \
   }
 #define NANSCAN_CASE(TAG, CODEC) \
   case DType::TAG:               \
@@ -212,7 +242,7 @@ void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const Result
       for (; c < num_chunks && chunk_start_byte[c] < byte_end; ++c) {
         const Chunk& ch = chunks[c];
         partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by,
-                                out.half_range);
+                                out.half_range, out.checksum);
       }
     });
   }

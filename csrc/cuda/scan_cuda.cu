@@ -122,6 +122,7 @@ __device__ TensorStats warp_combine(TensorStats s) {
     other.sumsq = shfl_xor(s.sumsq, offset);
     other.half_overflow = shfl_xor(static_cast<long long>(s.half_overflow), offset);
     other.half_underflow = shfl_xor(static_cast<long long>(s.half_underflow), offset);
+    other.checksum = static_cast<uint64_t>(shfl_xor(static_cast<long long>(s.checksum), offset));
     s = combine(s, other);
   }
   return s;
@@ -146,15 +147,26 @@ struct NoGroupHook {
   __device__ void operator()() const {}
 };
 
+// fn(raw, index) when fn takes the element's index in [p, p + n) too (the checksum needs positions),
+// else fn(raw).
+template <class Fn, class Raw>
+__device__ __forceinline__ auto visit_element(Fn& fn, Raw r, int64_t index) {
+  if constexpr (std::is_invocable_v<Fn&, Raw, int64_t>) {
+    return fn(r, index);
+  } else {
+    return fn(r);
+  }
+}
+
 template <Access kAccess, class Raw, class Fn, class AfterGroup = NoGroupHook>
 __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn,
                                                       AfterGroup&& after_group = AfterGroup{}) {
   constexpr int kPerVector = 16 / sizeof(Raw);
-  auto visit = [&](Raw* e) {
+  auto visit = [&](int64_t index) {
     if constexpr (kAccess == Access::Rewrite) {
-      *e = fn(*e);
+      p[index] = visit_element(fn, p[index], index);
     } else {
-      fn(*e);
+      visit_element(fn, p[index], index);
     }
   };
   // The head: fewer than kPerVector (<= 16) elements, so one step of the warp. Storage that is not
@@ -163,7 +175,7 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
   const int64_t to_boundary = static_cast<int64_t>((16 - misalignment) % 16 / sizeof(Raw));
   const bool element_aligned = misalignment % sizeof(Raw) == 0;
   const int64_t head = !element_aligned ? 0 : (to_boundary < n ? to_boundary : n);
-  if (lane < head) visit(p + lane);
+  if (lane < head) visit(lane);
   Raw* body = p + head;
   const int64_t num_vectors = element_aligned ? (n - head) / kPerVector : 0;
   uint4* vectors = reinterpret_cast<uint4*>(body);
@@ -182,10 +194,11 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
         memcpy(r, &v[k], sizeof r);
 #pragma unroll
         for (int j = 0; j < kPerVector; ++j) {
+          const int64_t index = head + (i + k * kWarpSize) * kPerVector + j;
           if constexpr (kAccess == Access::Rewrite) {
-            r[j] = fn(r[j]);
+            r[j] = visit_element(fn, r[j], index);
           } else {
-            fn(r[j]);
+            visit_element(fn, r[j], index);
           }
         }
         if constexpr (kAccess == Access::Rewrite) {
@@ -196,14 +209,15 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
     }
     after_group();
   }
-  for (int64_t e = head + num_vectors * kPerVector + lane; e < n; e += kWarpSize) visit(p + e);
+  for (int64_t e = head + num_vectors * kPerVector + lane; e < n; e += kWarpSize) visit(e);
   after_group();
 }
 
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
 // kMultiply (GradScaler's unscale), each element is first replaced by round(x * factor), torch's
-// arithmetic, in the same pass; a factor of exactly 1 writes nothing, as in torch.
-template <class Codec, bool kHalfRange, bool kMultiply>
+// arithmetic, in the same pass; a factor of exactly 1 writes nothing, as in torch. With kChecksum,
+// the replica checksum of the elements too (scan_rules.h; positions begin, begin + 1, ...).
+template <class Codec, bool kHalfRange, bool kMultiply, bool kChecksum>
 __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, int lane, float factor) {
   using Raw = typename Codec::Raw;
   using Wide = typename Codec::Wide;
@@ -212,9 +226,12 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
 
   FastRun<Codec> run = empty_run<Codec>();
   long long over = 0, under = 0;
-  auto observe = [&](Raw r) {
+  uint64_t lane_checksum = 0;
+  auto observe = [&](Raw r, int64_t index) {
     accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
     if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
+    if constexpr (kChecksum)
+      lane_checksum += replica_term<Codec>(r, replica_salt(static_cast<uint64_t>(begin + index)));
   };
   // A lane's fp32 sum of squares covers one group (at most 64 elements, 65 with a head element)
   // before it is folded into fp64, as the CPU's runs of 128 are: a chunk's 256 to 1,024 squares per
@@ -230,9 +247,9 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
       const Wide f = static_cast<Wide>(factor);
       for_each_lane_element<Access::Rewrite>(
           p, n, lane,
-          [&](Raw r) {
+          [&](Raw r, int64_t index) {
             const Raw product = Codec::encode(Codec::decode(r) * f);
-            observe(product);
+            observe(product, index);
             return product;
           },
           fold_group);
@@ -250,8 +267,18 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     run_max = other_max > run_max ? other_max : run_max;
     run_sumsq += shfl_xor(run_sumsq, offset);
   }
+  // The checksum is of the bits, whichever rule the statistics take below.
+  uint64_t checksum = 0;
+  if constexpr (kChecksum) {
+    checksum = lane_checksum;
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      checksum += static_cast<uint64_t>(shfl_xor(static_cast<long long>(checksum), offset));
+    }
+  }
   TensorStats s = empty_stats();
   if (run_is_exact<Codec>(run_min, run_max, run_sumsq)) {
+    s.checksum = checksum;
     if constexpr (kHalfRange) {
 #pragma unroll
       for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
@@ -272,34 +299,36 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   } else {
     for_each_lane_element<Access::ReadOnly>(p, n, lane, exact);
   }
-  return warp_combine(s);
+  s = warp_combine(s);
+  s.checksum = checksum;
+  return s;
 }
 
 // One warp scans elements [begin, end) of a tensor a chunk at a time (each chunk is one exactness
 // decision, so a NaN re-reads 32 KiB, not the run), combining the chunks' results in order into
 // *part, which lane 0 writes (shared memory: no registers held across the loop).
-template <class Codec, bool kHalfRange, bool kMultiply>
+template <class Codec, bool kHalfRange, bool kMultiply, bool kChecksum>
 __device__ void scan_run(const void* data, int64_t begin, int64_t end, int lane, float factor, TensorStats* part) {
   constexpr int64_t kPerChunk = kChunkBytes / sizeof(typename Codec::Raw);
   for (int64_t b = begin; b < end; b += kPerChunk) {
-    const TensorStats s =
-        scan_chunk<Codec, kHalfRange, kMultiply>(data, b, b + kPerChunk < end ? b + kPerChunk : end, lane, factor);
+    const int64_t chunk_end = b + kPerChunk < end ? b + kPerChunk : end;
+    const TensorStats s = scan_chunk<Codec, kHalfRange, kMultiply, kChecksum>(data, b, chunk_end, lane, factor);
     if (lane == 0) *part = combine(*part, s);
   }
 }
 
-template <bool kHalfRange, bool kMultiply>
+template <bool kHalfRange, bool kMultiply, bool kChecksum>
 __device__ void scan_run_any(DType dtype, const void* data, ElementRange e, int lane, float factor, TensorStats* part) {
   switch (dtype) {
-    case DType::Float32: return scan_run<Float32Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::Float64: return scan_run<Float64Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::Float16: return scan_run<Float16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::BFloat16:
-      return scan_run<BFloat16Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::Float8E4M3FN:
-      return scan_run<Float8E4M3FNCodec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
-    case DType::Float8E5M2:
-      return scan_run<Float8E5M2Codec, kHalfRange, kMultiply>(data, e.begin, e.end, lane, factor, part);
+#define NANSCAN_RUN(TAG, CODEC) \
+  case DType::TAG: return scan_run<CODEC, kHalfRange, kMultiply, kChecksum>(data, e.begin, e.end, lane, factor, part);
+    NANSCAN_RUN(Float32, Float32Codec)
+    NANSCAN_RUN(Float64, Float64Codec)
+    NANSCAN_RUN(Float16, Float16Codec)
+    NANSCAN_RUN(BFloat16, BFloat16Codec)
+    NANSCAN_RUN(Float8E4M3FN, Float8E4M3FNCodec)
+    NANSCAN_RUN(Float8E5M2, Float8E5M2Codec)
+#undef NANSCAN_RUN
   }
 }
 
@@ -310,6 +339,7 @@ __device__ TensorStats load_coherent(const TensorStats* p) {
   s.inf_count = __ldcg(reinterpret_cast<const long long*>(&p->inf_count));
   s.half_overflow = __ldcg(reinterpret_cast<const long long*>(&p->half_overflow));
   s.half_underflow = __ldcg(reinterpret_cast<const long long*>(&p->half_underflow));
+  s.checksum = static_cast<uint64_t>(__ldcg(reinterpret_cast<const long long*>(&p->checksum)));
   s.min = __ldcg(&p->min);
   s.max = __ldcg(&p->max);
   s.sumsq = __ldcg(&p->sumsq);
@@ -404,7 +434,7 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 }
 
 // One instantiation per option, so the plain scan carries no register cost of the options.
-template <bool kHalfRange, bool kMultiply, int32_t kCapacity>
+template <bool kHalfRange, bool kMultiply, bool kChecksum, int32_t kCapacity>
 __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -417,8 +447,8 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ 
   if (lane == 0) warp_totals[warp] = empty_stats();
   walk_warp_share<kCapacity>(list, shares, w, lane, [&](int32_t t, ChunkRange chunks) {
     if (lane == 0) warp_parts[warp] = empty_stats();
-    scan_run_any<kHalfRange, kMultiply>(list.dtype_of(t), list.data[t], list.elements_of(t, chunks), lane, factor,
-                                        &warp_parts[warp]);
+    scan_run_any<kHalfRange, kMultiply, kChecksum>(list.dtype_of(t), list.data[t], list.elements_of(t, chunks), lane,
+                                                   factor, &warp_parts[warp]);
     __syncwarp();  // lane 0's partial, to every lane
     const TensorStats part = warp_parts[warp];
     __syncwarp();  // read by all before lane 0 starts the next tensor's
@@ -535,25 +565,27 @@ int grid_for(int64_t chunks, int num_sms, int blocks_per_sm) {
 // The kernels of one capacity, and how many blocks of each fit on a multiprocessor.
 template <int32_t kCapacity>
 struct Kernels {
-  template <bool kHalfRange, bool kMultiply>
-  static constexpr auto scan = scan_kernel<kHalfRange, kMultiply, kCapacity>;
+  template <bool kHalfRange, bool kMultiply, bool kChecksum>
+  static constexpr auto scan = scan_kernel<kHalfRange, kMultiply, kChecksum, kCapacity>;
 
   static auto scan_for(ScanKind kind) {
     switch (kind) {
-      case ScanKind::HalfRange: return scan<true, false>;
-      case ScanKind::Unscale: return scan<false, true>;
+      case ScanKind::HalfRange: return scan<true, false, false>;
+      case ScanKind::Unscale: return scan<false, true, false>;
+      case ScanKind::Checksum: return scan<false, false, true>;
       case ScanKind::Plain: break;
     }
-    return scan<false, false>;
+    return scan<false, false, false>;
   }
 
   static int scan_blocks_per_sm(ScanKind kind) {
     switch (kind) {
-      case ScanKind::HalfRange: return resident_blocks_per_sm<scan<true, false>>();
-      case ScanKind::Unscale: return resident_blocks_per_sm<scan<false, true>>();
+      case ScanKind::HalfRange: return resident_blocks_per_sm<scan<true, false, false>>();
+      case ScanKind::Unscale: return resident_blocks_per_sm<scan<false, true, false>>();
+      case ScanKind::Checksum: return resident_blocks_per_sm<scan<false, false, true>>();
       case ScanKind::Plain: break;
     }
-    return resident_blocks_per_sm<scan<false, false>>();
+    return resident_blocks_per_sm<scan<false, false, false>>();
   }
 };
 
@@ -641,6 +673,7 @@ cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, c
   if (plan.num_tensors() <= 0 || out.num_tensors != plan.num_tensors()) return cudaErrorInvalidValue;
   if ((kind == ScanKind::Unscale) != (multiply_by != nullptr)) return cudaErrorInvalidValue;
   if ((kind == ScanKind::HalfRange) != out.half_range) return cudaErrorInvalidValue;
+  if ((kind == ScanKind::Checksum) != out.checksum) return cudaErrorInvalidValue;
   if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
   const WorkspaceLayout layout(plan, scan_grid(plan, kind, num_sms));
   // Every slot, counter and block total is indexed by the grid: refuse rather than overrun a

@@ -23,8 +23,9 @@ inline bool fits_in_parameters(const ListPlan& plan) { return plan.num_tensors()
 // CUDA graph that captures the copy replays it correctly for as long as it lives.
 cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream);
 
-// Which scan: the plain one, with the fp16-range counts, or fused with GradScaler's unscale.
-enum class ScanKind { Plain, HalfRange, Unscale };
+// Which scan: the plain one, with the fp16-range counts, with the replica checksums, or fused with
+// GradScaler's unscale.
+enum class ScanKind { Plain, HalfRange, Unscale, Checksum };
 
 // Device memory a scan needs (from the caching allocator; its contents need not be initialised):
 // a partial-result slot and an arrival counter per (tensor, warp) pair that can meet (tensors + warps

@@ -132,6 +132,18 @@ TensorStats reference(const HostTensor& t, bool half_range) {
   });
 }
 
+// The replica checksum by its definition (scan_rules.h): every element's term at its position, summed.
+uint64_t reference_checksum(const HostTensor& t) {
+  return with_codec(t.dtype, [&](auto codec) {
+    using Codec = decltype(codec);
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < t.numel; ++i) {
+      sum += replica_term<Codec>(raw_at<Codec>(t, i), replica_salt(static_cast<uint64_t>(i)));
+    }
+    return sum;
+  });
+}
+
 // A copy of a list with every NaN/Inf replaced by zero, so that its total norm is finite and shows a
 // change of combine order in its last bits.
 std::vector<HostTensor> without_nonfinite(const std::vector<HostTensor>& list) {
@@ -203,17 +215,19 @@ ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int n
   Buffer workspace(scan_workspace_bytes(plan, kind, num_sms));
   const int64_t n = static_cast<int64_t>(tensors.size());
   const bool half_range = kind == ScanKind::HalfRange;
+  const bool checksum = kind == ScanKind::Checksum;
   ScanOutput out;
-  out.counts.assign((half_range ? 4 : 2) * n, -1);
+  out.counts.assign((half_range ? 4 : checksum ? 3 : 2) * n, -1);
   out.stats.assign(3 * n, -7.0);
-  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range};
+  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range, checksum};
   const cudaError_t err =
       scan(plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, num_sms, nullptr, multiply_by);
   CHECK(err == cudaSuccess, "scan returned %d", err);
   return out;
 }
 
-void expect_matches(const char* what, const std::vector<HostTensor>& tensors, const ScanOutput& out, bool half_range) {
+void expect_matches(const char* what, const std::vector<HostTensor>& tensors, const ScanOutput& out, bool half_range,
+                    bool checksum = false) {
   const int64_t n = static_cast<int64_t>(tensors.size());
   TensorStats total = empty_stats();
   for (int64_t i = 0; i < n; ++i) {
@@ -226,6 +240,10 @@ void expect_matches(const char* what, const std::vector<HostTensor>& tensors, co
     if (half_range) {
       CHECK(out.counts[2 * n + i] == want.half_overflow, "%s: tensor %lld fp16 overflow", what, (long long)i);
       CHECK(out.counts[3 * n + i] == want.half_underflow, "%s: tensor %lld fp16 underflow", what, (long long)i);
+    }
+    if (checksum) {
+      CHECK(static_cast<uint64_t>(out.counts[2 * n + i]) == reference_checksum(tensors[i]), "%s: tensor %lld checksum",
+            what, (long long)i);
     }
     CHECK(out.stats[i] == want.min, "%s: tensor %lld min %g, want %g", what, (long long)i, out.stats[i], want.min);
     CHECK(out.stats[n + i] == want.max, "%s: tensor %lld max %g, want %g", what, (long long)i, out.stats[n + i],
@@ -264,7 +282,7 @@ void check_workspace_guard(std::mt19937_64& rng) {
   std::vector<double> stats(3 * n, -7.0);
   double total_norm = -1;
   bool finite = false;
-  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm, &finite, n, false};
+  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm, &finite, n, false, false};
   CHECK(
       scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
       "a workspace one byte short was accepted");
@@ -302,6 +320,7 @@ void check_scan(const char* what, const std::vector<HostTensor>& list, int num_s
   expect_matches(what, list, run_scan(list, ScanKind::Plain, num_sms), false);
   check_block_order_does_not_matter(what, list, num_sms);
   expect_matches(what, list, run_scan(list, ScanKind::HalfRange, num_sms), true);
+  expect_matches(what, list, run_scan(list, ScanKind::Checksum, num_sms), false, true);
 }
 
 // GradScaler's unscale fused with the scan: each element becomes encode(decode(x) * f), as torch does.

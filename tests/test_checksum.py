@@ -1,0 +1,118 @@
+"""The replica checksum (``scan(..., checksum=True)``) against its definition in csrc/common/scan_rules.h,
+computed here independently with numpy: every element adds, modulo 2^64, murmur3's 32-bit finalizer of
+its bits XOR a salt of its position (memory order for a tensor dense in some permutation of its
+dimensions, logical row-major order otherwise); an fp64 element adds two such words."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import nanscan
+
+from conftest import DEVICES, FLOAT_DTYPES, FP8_DTYPES, random_tensor
+
+SALT_LOW, SALT_HIGH, SALT_FP64_HIGH = np.uint32(0x9E3779B9), np.uint32(0x85EBCA77), np.uint32(0x5BD1E995)
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def in_checksum_order(t: torch.Tensor) -> torch.Tensor:
+    """The elements in the order the checksum numbers them."""
+    by_stride = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    if by_stride.is_contiguous():  # non-overlapping and dense: memory order
+        return by_stride.reshape(-1)
+    return t.reshape(-1)
+
+
+def reference_checksum(t: torch.Tensor) -> int:
+    flat = in_checksum_order(t.detach().cpu())
+    raw = flat.contiguous().view(BITS[flat.element_size()]).numpy()
+    position = np.arange(raw.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        salt = (position & np.uint64(0xFFFFFFFF)).astype(np.uint32) * SALT_LOW + (position >> np.uint64(32)).astype(
+            np.uint32
+        ) * SALT_HIGH
+        if flat.element_size() == 8:
+            bits = raw.view(np.uint64)
+            low = mix((bits & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ salt)
+            high = mix((bits >> np.uint64(32)).astype(np.uint32) ^ (salt ^ SALT_FP64_HIGH))
+            terms = low.astype(np.uint64) + high.astype(np.uint64)
+        else:
+            unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[flat.element_size()]
+            terms = mix(raw.view(unsigned).astype(np.uint32) ^ salt).astype(np.uint64)
+        total = int(terms.sum(dtype=np.uint64))
+    return total - (1 << 64) if total >= 1 << 63 else total  # the op returns the 64 bits as an int64
+
+
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    result = nanscan.scan(tensors, checksum=True)
+    assert result.checksum is not None
+    return result.checksum.cpu().tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + FP8_DTYPES)
+def test_checksum_matches_its_definition(device: str, dtype: torch.dtype) -> None:
+    base = random_tensor(300_001, torch.float32, device, scale=10.0)
+    base[17] = float("nan")
+    base[100] = float("inf")
+    matrix = random_tensor(96 * 70, torch.float32, device).view(96, 70)
+    tensors = [
+        base.to(dtype),  # several chunks, several threads
+        matrix.to(dtype).t(),  # dense in a permutation: memory order
+        matrix.to(dtype)[:, ::3],  # strided: logical order
+        matrix.to(dtype)[5:, 1:],  # not dense, offset start
+        random_tensor(1, torch.float32, device).to(dtype).view(()),
+        torch.empty(0, device=device, dtype=dtype),
+        random_tensor(70_001, torch.float32, device).to(dtype)[1:],  # dense view off a 16-byte boundary
+    ]
+    want = [reference_checksum(t) for t in tensors]
+    assert checksums(tensors) == want
+    stats = nanscan.scan(tensors)  # the checksum pass reports the same statistics
+    with_checksum = nanscan.scan(tensors, checksum=True)
+    for name in ("nan_count", "inf_count", "min", "max", "norm"):
+        torch.testing.assert_close(getattr(with_checksum, name), getattr(stats, name), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_bit_and_a_swap_change_the_checksum(device: str) -> None:
+    t = random_tensor(10_000, torch.float32, device)
+    before = checksums([t])[0]
+    for bit in (0, 13, 31):
+        flipped = t.clone()
+        flipped.view(torch.int32)[4321] ^= 1 << bit if bit < 31 else -(1 << 31)
+        assert checksums([flipped])[0] != before, bit
+    swapped = t.clone()
+    swapped[[10, 20]] = swapped[[20, 10]]
+    assert checksums([swapped])[0] != before, "the checksum depends on where each value is"
+    zero_sign = torch.zeros(8, device=device)
+    assert checksums([zero_sign])[0] != checksums([-zero_sign])[0], "-0.0 and 0.0 have different bits"
+
+
+def test_checksum_is_the_same_for_any_thread_count() -> None:
+    t = random_tensor(2_000_003, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = checksums([t])
+        torch.set_num_threads(max(2, threads))
+        assert checksums([t]) == one
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_checksum_refuses_fp16_range_and_distributed_lists() -> None:
+    with pytest.raises(ValueError, match="checksum=True is for plain tensors"):
+        nanscan.scan([torch.ones(2)], fp16_range=True, checksum=True)
+    with pytest.raises(RuntimeError, match="separate scans"):
+        torch.ops.nanscan.scan([torch.ones(2)], True, True)
+    assert nanscan.scan([torch.ones(2)]).checksum is None
