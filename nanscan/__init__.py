@@ -5,10 +5,11 @@ if not report.finite:
     print(report.nonfinite)                    # names of the parameters that went bad
 """
 
-from . import amp, ddp, distributed
+from . import amp, ddp, distributed, replicas
 from .clip import clip_grad_norm_, get_total_norm
 from .guard import NonFiniteGradientError, SkipGuard
 from .locate import Finding, Locator, locate
+from .replicas import ReplicaCheck, verify_replicas
 from .report import Report, check
 from .scan import SUPPORTED_DTYPES, ScanResult, scan
 
@@ -17,6 +18,7 @@ __all__ = [
     "Finding",
     "Locator",
     "NonFiniteGradientError",
+    "ReplicaCheck",
     "Report",
     "ScanResult",
     "SkipGuard",
@@ -27,6 +29,8 @@ __all__ = [
     "distributed",
     "get_total_norm",
     "locate",
+    "replicas",
     "scan",
+    "verify_replicas",
 ]
 __version__ = "0.1.0"

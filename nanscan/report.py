@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, TypedDict, overload
+from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from .clip import (
 from .distributed import Attribution
 from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
 from .scan import ScanResult, scan
+
+if TYPE_CHECKING:  # nanscan.replicas imports this module
+    from .replicas import ReplicaCheck
 
 
 class HostScalars(TypedDict):
@@ -66,8 +69,10 @@ class Report:
         norm_type: float,
         max_norm: float | None = None,
         clip_coef: torch.Tensor | None = None,
+        replicas: ReplicaCheck | None = None,
     ) -> None:
         self._names = stats.names if stats.names is not None else names
+        self.replicas = replicas
         self.stats = stats
         self.total_norm_tensor = total_norm
         self.norm_type = norm_type
@@ -156,6 +161,23 @@ class Report:
         """Names of the parameters whose gradient has a NaN or an Inf, in parameter order."""
         v = self._values()
         return [name for name, nan, inf in zip(self.names, v["nan_count"], v["inf_count"], strict=True) if nan or inf]
+
+    @property
+    def replicas_consistent(self) -> bool:
+        """Whether every data-parallel replica holds every gradient bit for bit (one sync). Only for
+        ``check(..., verify_replicas=True)``."""
+        return self._replica_check().consistent
+
+    @property
+    def divergent(self) -> dict[str, list[int]]:
+        """Each gradient whose replicas differ, with the ranks outside the majority (both sides with
+        two replicas); empty when consistent. Only for ``check(..., verify_replicas=True)``."""
+        return self._replica_check().divergent
+
+    def _replica_check(self) -> ReplicaCheck:
+        if self.replicas is None:
+            raise ValueError("nanscan.Report: replicas were not compared; call check(..., verify_replicas=True)")
+        return self.replicas
 
     @property
     def nonfinite_ranks(self) -> dict[str, list[int]]:
@@ -326,6 +348,7 @@ def check(
     optimizer: torch.optim.Optimizer | None = None,
     max_consecutive_skips: int | None = None,
     process_group: Any = None,
+    verify_replicas: bool = False,
 ) -> Report:
     """Scans every gradient in one fused pass and returns a Report, without a host sync.
 
@@ -346,6 +369,10 @@ def check(
             every rank's parameters (``names`` in rank order), and the clip uses the norm over all of
             them. DTensor gradients (FSDP2, tensor parallel) need no argument: their statistics are
             reduced over their meshes. Every rank of the group (or mesh) must call ``check``.
+        verify_replicas: data parallelism (DDP, or replicas of a plain model): also prove that every
+            rank holds bit-identical gradients, from a checksum computed in the same scan and two
+            small all-reduces over the replicas' group (a DDP model's, else the default group); see
+            ``Report.replicas_consistent`` and ``Report.divergent``, and nanscan.replicas.
 
     Example:
         >>> report = nanscan.check(model, max_norm=1.0)
@@ -366,9 +393,23 @@ def check(
     norm_type = as_norm_type(norm_type)
     if max_norm is not None:
         max_norm = as_max_norm(max_norm)
+    if verify_replicas and process_group is not None:
+        raise ValueError(
+            "nanscan.check: verify_replicas compares replicas of the same parameters; process_group is for ranks "
+            "that hold different ones (pipeline stages). Use nanscan.replicas.verify_replicas(..., process_group=...) "
+            "for the replicas' own group"
+        )
     names, grads = named_gradients(model_or_params)
     with torch.no_grad():
-        stats = scan(grads, names, process_group=process_group)
+        stats = scan(grads, names, process_group=process_group, checksum=verify_replicas)
+        replicas = None
+        if verify_replicas:
+            from . import replicas as replicas_module
+
+            assert stats.checksum is not None
+            replicas = replicas_module.compare(
+                names, stats.checksum, replicas_module.replica_group(model_or_params, None)
+            )
         scanner = ddp.scanner_of(model_or_params)
         if scanner is not None:  # DDP with nanscan's hook: which ranks' own gradients held a NaN/Inf
             params = [p for _, p in model_or_params.named_parameters() if p.grad is not None]  # type: ignore[union-attr]
@@ -381,6 +422,6 @@ def check(
             # gradient, and the error is there to stop the step with the gradients as they came.
             raise_on_nonfinite(Report(names, stats, total, norm_type))
         coef = clip_grads_with_norm_(grads, max_norm, total) if clips and max_norm is not None else None
-    report = Report(names, stats, total, norm_type, max_norm, coef)
+    report = Report(names, stats, total, norm_type, max_norm, coef, replicas)
     act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
     return report

@@ -418,6 +418,67 @@ def run(rank: int, world: int, init: str, cases: list[str], out: str) -> None:
     dist.destroy_process_group()
 
 
+def flip_one_bit(t: torch.Tensor, index: int = 3) -> None:
+    """Silent data corruption: one bit of one element, a value that stays finite and plausible."""
+    t.view(-1).view(torch.int32)[index] ^= 1 << 4
+
+
+@case
+def ddp_bit_flip_after_all_reduce_is_named(world: int) -> None:
+    model = ddp_model(attach=False)
+    backward(model, 12)
+    with counted_all_reduces() as calls:
+        clean = nanscan.check(model, max_norm=1.0, verify_replicas=True)
+        consistent = clean.replicas_consistent
+    assert calls[0] == 2, f"{calls[0]} all-reduces: MAX of the checksums, SUM of the rank masks"
+    assert consistent and clean.divergent == {}
+    bad = world - 1
+    if dist.get_rank() == bad:  # after the all-reduce: only this replica's copy changes
+        flip_one_bit(model.module[2].weight.grad)
+    report = nanscan.check(model, verify_replicas=True)
+    assert report.finite, "a flipped mantissa bit is no NaN: only the replica check sees it"
+    assert not report.replicas_consistent
+    # Two replicas have no majority: both are named. Four name the one that differs.
+    want = [0, 1] if world == 2 else [bad]
+    assert report.divergent == {"module.2.weight": want}, report.divergent
+
+
+@case
+def weights_that_drift_after_the_step_are_named(world: int) -> None:
+    model = ddp_model(attach=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward(model, 12)
+    optimizer.step()
+    clean = nanscan.verify_replicas(model)
+    if dist.get_rank() == 0:
+        flip_one_bit(model.module[0].bias.data, index=1)
+        flip_one_bit(model.module[4].weight.data, index=7)
+    drifted = nanscan.verify_replicas(model)
+    grads = nanscan.verify_replicas(model, gradients=True)
+    assert clean.consistent and clean.divergent == {}
+    assert grads.consistent, "the gradients still agree: only the weights drifted"
+    want = [0, 1] if world == 2 else [0]
+    assert drifted.divergent == {"module.0.bias": want, "module.4.weight": want}, drifted.divergent
+
+
+@case
+def replica_checks_refuse_what_they_cannot_compare(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = distribute_tensor(torch.randn(world * 2, 3), mesh, [Shard(0)])
+    try:
+        nanscan.verify_replicas([sharded])
+    except ValueError as error:
+        assert "plain tensors" in str(error), error
+    else:
+        raise AssertionError("a DTensor's shards are not replicas: verify_replicas must refuse it")
+    try:
+        nanscan.check([torch.nn.Parameter(torch.ones(2))], verify_replicas=True, process_group=dist.group.WORLD)
+    except ValueError as error:
+        assert "pipeline stages" in str(error), error
+    else:
+        raise AssertionError("check(verify_replicas=True, process_group=...) must refuse")
+
+
 if __name__ == "__main__":  # python tests/distributed_cases.py RANK WORLD INIT OUTDIR [CASE ...]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     rank, world, init, out, *names = sys.argv[1:]
