@@ -42,7 +42,7 @@ from .clip import (
     raise_if_nonfinite,
     total_norm_of,
 )
-from .report import Report, named_gradients
+from .report import LazyNames, Report, named_gradients
 from .scan import ScanResult, scan
 
 _SCANNED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -155,12 +155,12 @@ class GradScaler(torch.amp.GradScaler):
             self._last_found_inf = list(result.values())
             return result
         found_per_device: dict[torch.device, torch.Tensor] = {}
-        for _, outputs in report_parts:
+        for outputs in report_parts:
             # torch's found_inf is a float32 scalar per device: 1.0 when anything was not finite.
             found_per_device[outputs[3].device] = (~outputs[3]).to(torch.float32)
         self._last_found_inf = list(found_per_device.values())
-        if len(report_parts) == 1 and report_parts[0][0] == list(range(len(grads))):
-            stats = ScanResult.from_op(*report_parts[0][1])
+        if len(report_parts) == 1:  # one device: the outputs describe the whole list, in its order
+            stats = ScanResult.from_op(*report_parts[0])
             if self._scanning_scaled is not None:
                 stats = stats.scaled(self._scanning_scaled.double().reciprocal())
             self.last_report = Report(names, stats, stats.total_norm, 2.0)
@@ -171,16 +171,15 @@ class GradScaler(torch.amp.GradScaler):
         return found_per_device
 
     @staticmethod
-    def _unscale_scan(
-        grads: list[torch.Tensor], inv_scale: torch.Tensor
-    ) -> list[tuple[list[int], tuple[torch.Tensor, ...]]] | None:
-        """The fused unscale + scan, one call per device: (indices into ``grads``, op outputs) per
-        device, or None when a gradient is sparse (torch's own unscale handles those)."""
+    def _unscale_scan(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> list[tuple[torch.Tensor, ...]] | None:
+        """The fused unscale + scan, one call per device: the op's outputs per device (one entry when
+        every gradient is on one device), or None when a gradient is sparse (torch's own unscale
+        handles those)."""
         with torch.no_grad():
             try:
                 # One call for the usual list, all on one device and dense: the op validates every entry
                 # (its device and layout too) before it writes any, so a refused list is as it was.
-                return [(list(range(len(grads))), unscale_scan_op(grads, inv_scale.to(grads[0].device)))]
+                return [unscale_scan_op(grads, inv_scale.to(grads[0].device))]
             except (RuntimeError, TypeError):
                 if any(g.is_sparse for g in grads):
                     return None
@@ -190,7 +189,7 @@ class GradScaler(torch.amp.GradScaler):
                 if len(by_device) == 1:
                     raise
                 return [
-                    (indices, unscale_scan_op([grads[i] for i in indices], inv_scale.to(device)))
+                    unscale_scan_op([grads[i] for i in indices], inv_scale.to(device))
                     for device, indices in by_device.items()
                 ]
 
@@ -203,7 +202,7 @@ class GradScaler(torch.amp.GradScaler):
         Runs every step over every parameter, so it is comprehensions (each ``.grad`` read once) and
         the names are formed only when a report is read (``OptimizerNames``)."""
         groups = [group["params"] for group in optimizer.param_groups]
-        params = [p for group_params in groups for p in group_params]
+        params = all_params = [p for group_params in groups for p in group_params]
         try:
             all_grads = [p.grad for p in params]
         except AttributeError:
@@ -215,29 +214,35 @@ class GradScaler(torch.amp.GradScaler):
         dtypes = {g.dtype for g in grads}
         if not allow_fp16 and torch.float16 in dtypes:
             raise ValueError("Attempting to unscale FP16 gradients.")
-        names = OptimizerNames(params, groups, self._names)
+        names = OptimizerNames(params, all_params, [len(group_params) for group_params in groups], self._names)
         if not grads or not dtypes.issubset(_SCANNED_DTYPES):
             return names, None
         # A sparse gradient is found by the op's validation, before it writes (_unscale_grads_).
         return names, grads
 
 
-class OptimizerNames(Sequence[str]):
-    """The names of an optimizer's parameters, formed on first reading: the name ``watch`` gave a
-    parameter, else its place in the optimizer, ``"group0.param3"``. The scaler unscales every step and
-    a report's names are read only when it is shown."""
+class OptimizerNames(LazyNames):
+    """The names of an optimizer's parameters that have a gradient: the name ``watch`` gave a parameter,
+    else its place in the optimizer, ``"group0.param3"``. Holds what the scaler already had (the flat
+    parameter list and the group sizes), so a step pays nothing for names that are never read."""
 
-    __slots__ = ("_groups", "_known", "_names", "_params")
+    __slots__ = ("_all_params", "_group_sizes", "_known", "_names", "_params")
 
-    def __init__(self, params: list[Any], groups: list[list[Any]], known: dict[int, str]) -> None:
+    def __init__(self, params: list[Any], all_params: list[Any], group_sizes: list[int], known: dict[int, str]) -> None:
         self._params = params
-        self._groups = [list(group_params) for group_params in groups]  # as they were at this step
-        self._known = dict(known) if known else known
+        self._all_params = all_params
+        self._group_sizes = group_sizes
+        self._known = known
         self._names: list[str] | None = None
 
     def _resolved(self) -> list[str]:
         if self._names is None:
-            places = {id(p): f"group{g}.param{i}" for g, ps in enumerate(self._groups) for i, p in enumerate(ps)}
+            places: dict[int, str] = {}
+            start = 0
+            for g, size in enumerate(self._group_sizes):
+                for i, p in enumerate(self._all_params[start : start + size]):
+                    places[id(p)] = f"group{g}.param{i}"
+                start += size
             self._names = [self._known.get(id(p)) or places[id(p)] for p in self._params]
         return self._names
 
@@ -250,16 +255,6 @@ class OptimizerNames(Sequence[str]):
     def __getitem__(self, index: slice) -> list[str]: ...
     def __getitem__(self, index: int | slice) -> str | list[str]:
         return self._resolved()[index]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (list, OptimizerNames)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
-
-    def __repr__(self) -> str:
-        return repr(self._resolved())
 
 
 FP16_MAX = 65504.0

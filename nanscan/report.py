@@ -252,13 +252,26 @@ def _norm_name(norm_type: float) -> str:
     return "L2" if norm_type == 2.0 else f"L{norm_type:g}"
 
 
-class PositionalNames(Sequence[str]):
-    """The names ``"[i]"`` of the entries at ``positions`` of a parameter list, as a read-only sequence.
+class LazyNames(Sequence[str]):
+    """Parameter names formed when they are read: ``check`` and the scaler run every step, and a
+    report's names are read only when it is shown (Report.names makes them a list then). Equal, like
+    a list, to lists and to other LazyNames of the same strings, and so unhashable like one."""
 
-    ``check(params)`` runs every step and its names are read only when a report is shown, so they are
-    formed on reading (Report.names makes them a list then). Equal, like a list, to lists and to
-    other PositionalNames of the same strings.
-    """
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, LazyNames)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class PositionalNames(LazyNames):
+    """The names ``"[i]"`` of the entries at ``positions`` of a parameter list (``check(params)``)."""
 
     __slots__ = ("_positions",)
 
@@ -278,19 +291,14 @@ class PositionalNames(Sequence[str]):
         return f"[{self._positions[index]}]"
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, PositionalNames):
+        if isinstance(other, PositionalNames):  # without forming the strings
             return list(self._positions) == list(other._positions)
-        if isinstance(other, list):
-            return list(self) == other
-        return NotImplemented
+        return super().__eq__(other)
 
-    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+    __hash__ = None  # a class that defines __eq__ must say so again
 
     def __reduce__(self) -> tuple[type[PositionalNames], tuple[Sequence[int]]]:
         return PositionalNames, (self._positions,)
-
-    def __repr__(self) -> str:
-        return repr(list(self))
 
 
 def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[Sequence[str], list[torch.Tensor]]:
