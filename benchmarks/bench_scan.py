@@ -260,8 +260,9 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
         Method("foreach_norm+stack", lambda x: foreach_total_norm(x.grads), SCAN),
     ]
     if dtype != torch.float16:  # GradScaler refuses to unscale fp16 gradients
+        torch_peer = torch_can_unscale(dtype, device)
         found.append(Method("nanscan.amp.unscale+clip(no-clip)", nanscan_unscale_clip(NO_CLIP), mutates=True))
-        if torch_can_unscale(dtype, device):
+        if torch_peer:
             found.append(
                 Method(
                     "amp.unscale+clip(no-clip)",
@@ -271,7 +272,7 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
                 )
             )
         found.append(Method("nanscan.amp.unscale+clip(clip)", nanscan_unscale_clip(CLIP), mutates=True))
-        if torch_can_unscale(dtype, device):
+        if torch_peer:
             found.append(
                 Method("amp.unscale+clip(clip)", amp_unscale_clip(CLIP), "nanscan.amp.unscale+clip(clip)", mutates=True)
             )
