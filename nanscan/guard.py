@@ -12,11 +12,26 @@ sync) and read once the copy has landed, so the error comes at the check of the 
 limit on a CPU, and at most two steps later on a GPU; the guard waits for a copy (a sync on an event,
 not on the whole device) only when two are still in flight, i.e. when the host runs more than two
 steps ahead of the GPU.
+
+A step given a closure (``optimizer.step(closure)``, as PyTorch Lightning's automatic optimization
+calls it, with backward and the ``check`` inside the closure) is decided after the closure: the guard
+runs the closure itself, then looks at the flag that the closure's check handed it, and calls the
+wrapped step without the closure; both a step and a skipped step return the closure's loss, as torch's
+optimizers do. The exception is torch.optim.LBFGS (and its subclasses), which evaluates the closure
+several times per step: its step is decided as before, on the flag of a check made before the step,
+so with LBFGS call ``check`` between backward and ``step``, not inside the closure.
+
+A check inside the closure of the very first step creates the guard while that step is already
+running, too late to skip it. Create the guard before the first step (``SkipGuard.of(optimizer)``;
+the Lightning and transformers integrations do); otherwise the guard drops the flag that step left
+(a step post hook notices a step that did not pass through the guard), so that it cannot decide the
+next step, and warns once.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections import deque
 from typing import Any
@@ -61,13 +76,19 @@ class SkipGuard:
         self._device_side = bool(optimizer.defaults.get("fused")) and getattr(
             optimizer, "_step_supports_amp_scaling", False
         )
+        self._in_step = False  # inside the wrapped step: a step that the guard decides
+        self._stepped = False  # whether any step has passed through the guard yet
+        if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS: as before (module notes)
+            optimizer.register_step_post_hook(self._after_any_step)
         original = optimizer.step
 
-        @functools.wraps(original)
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        # A bound method, like the step it replaces: an LR scheduler created after the guard rebinds
+        # ``optimizer.step.__func__`` to count steps, which a plain function would not have.
+        @functools.wraps(getattr(original, "__func__", original))
+        def guarded_step(_optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             return self._step(original, *args, **kwargs)
 
-        optimizer.step = guarded_step  # type: ignore[method-assign]
+        optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer, max_consecutive_skips: int | None = None) -> SkipGuard:
@@ -124,6 +145,27 @@ class SkipGuard:
             self._raise_past_limit(int(copy))
 
     def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        self._in_step = self._stepped = True
+        try:
+            return self._closure_first(original, *args, **kwargs)
+        finally:
+            self._in_step = False
+
+    def _closure_first(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._finite is None and not isinstance(self.optimizer, torch.optim.LBFGS):
+            closure, args, kwargs = _take_closure(args, kwargs)
+            if closure is not None:
+                # The check that decides this step runs inside the closure (backward is there), so the
+                # closure must run before the decision. torch's optimizers call it under enable_grad;
+                # so does the guard, for the same reason: step() may be entered under no_grad.
+                with torch.enable_grad():
+                    loss = closure()
+                self._decide(original, *args, **kwargs)
+                return loss
+        return self._decide(original, *args, **kwargs)
+
+    def _decide(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """Runs or skips the wrapped step on the flag the last check handed the guard."""
         finite, self._finite = self._finite, None
         if finite is None:  # not armed by a check this step: an ordinary step
             return original(*args, **kwargs)
@@ -153,6 +195,22 @@ class SkipGuard:
         self._raise_past_limit()
         return None
 
+    def _after_any_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Drops a flag armed during a step that did not pass through the guard (see the module
+        notes): that step has been taken, and the flag must not decide the next one."""
+        if self._in_step or self._finite is None:
+            return
+        self._finite = None
+        if not self._stepped:
+            self._stepped = True  # warn once
+            warnings.warn(
+                "nanscan: check(..., on_nonfinite='skip') ran inside an optimizer step that began before "
+                "the guard wrapped optimizer.step (a check in the closure of the first step), so that step "
+                "could not be skipped; call nanscan.SkipGuard.of(optimizer) before the first step",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of optimizer.step, past torch's step wrapper
+            )
+
     def _raise_past_limit(self, consecutive: int | None = None) -> None:
         if self.max_consecutive_skips is None:
             return
@@ -179,6 +237,18 @@ class SkipGuard:
     def last_skipped(self) -> bool:
         """Whether the last checked step was skipped; an LR scheduler can hold back on it (syncs)."""
         return self._last_skipped is not None and bool(self._last_skipped)
+
+
+def _take_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """(closure or None, the remaining positional and keyword arguments) of an ``optimizer.step`` call:
+    torch's optimizers take the closure as the first positional argument or as ``closure=`` (None, or
+    anything not callable, is left where it is for the wrapped step)."""
+    if callable(kwargs.get("closure")):
+        kwargs = dict(kwargs)
+        return kwargs.pop("closure"), args, kwargs
+    if args and callable(args[0]):
+        return args[0], args[1:], kwargs
+    return None, args, kwargs
 
 
 def act_on_nonfinite(

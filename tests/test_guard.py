@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -152,3 +154,153 @@ def test_consecutive_limit_resets_after_a_finite_step() -> None:
         nanscan.check(model, on_nonfinite="skip", optimizer=opt, max_consecutive_skips=2)
         opt.step()
     assert SkipGuard.of(opt).total_skips == 6
+
+
+def closure_for(model: torch.nn.Module, opt: torch.optim.Optimizer, poison: bool) -> Any:
+    """A training closure (backward and the check inside it), as Lightning's automatic optimization
+    hands ``optimizer.step``. Returns the closure and the list its losses are appended to."""
+    losses: list[torch.Tensor] = []
+    x = torch.randn(4, 6)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        if poison:
+            model[2].weight.grad[1, 1] = math.nan
+        nanscan.check(model, max_norm=1.0, on_nonfinite="skip", optimizer=opt)
+        losses.append(loss)
+        return loss
+
+    return closure, losses
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_closure_step_is_decided_after_the_closure(
+    fused: bool, as_keyword: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check runs inside the closure, so inside step(): the guard runs the closure first, then
+    decides on the flag that check handed it; both outcomes return the closure's loss."""
+    model, opt = setup(fused)
+    SkipGuard.of(opt)  # before the first step, as the module notes ask
+    pattern = [True, False, True, True, False]  # a NaN at the very first step too
+    for poison in pattern:
+        closure, losses = closure_for(model, opt, poison)
+        before = params(model)
+        with torch.no_grad(), monkeypatch.context() as m:  # the guard must enable grad for the closure
+            if fused:  # the device-side path must not read the flag on the host
+                m.setattr(torch.Tensor, "__bool__", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+                m.setattr(torch.Tensor, "item", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
+            result = opt.step(closure=closure) if as_keyword else opt.step(closure)
+        after = params(model)
+        assert len(losses) == 1, "the closure must run exactly once"
+        assert result is losses[0], "step must return the closure's loss, skipped or not"
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        assert changed == (not poison), f"poison={poison}: parameters {'changed' if changed else 'unchanged'}"
+        assert all(torch.isfinite(p).all() for p in after)
+    guard = SkipGuard.of(opt)
+    assert guard.total_skips == 3 and guard.consecutive_skips == 0 and not guard.last_skipped
+    if fused:
+        assert opt.state[next(iter(model.parameters()))]["step"].item() == 2
+
+
+def test_closure_step_clips_before_the_update() -> None:
+    """The clip made inside the closure is what the step applies: SGD moves by lr times the clipped
+    gradient, whose norm is at most max_norm."""
+    model, opt = setup()
+    SkipGuard.of(opt)
+    closure, _ = closure_for(model, opt, poison=False)
+    before = params(model)
+    opt.step(closure)
+    moved = torch.cat([(b - a).reshape(-1) for a, b in zip(params(model), before, strict=True)])
+    clipped = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert clipped.norm().item() == pytest.approx(1.0, rel=1e-5)  # this model's gradient norm is > 1
+    torch.testing.assert_close(moved, 0.1 * clipped)
+
+
+def test_first_closure_step_without_a_guard_warns_and_leaves_no_stale_flag() -> None:
+    """Without SkipGuard.of before the first step, that step starts unguarded; the flag its closure
+    armed must not decide the second step (here a NaN one, which must still be skipped)."""
+    model, opt = setup()
+    closure, _ = closure_for(model, opt, poison=False)
+    with pytest.warns(RuntimeWarning, match=r"could not be skipped; call nanscan\.SkipGuard\.of"):
+        opt.step(closure)
+    for poison in [True, False]:
+        closure, _ = closure_for(model, opt, poison)
+        before = params(model)
+        opt.step(closure)
+        changed = any(not torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
+        assert changed == (not poison)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_closure_without_a_check_is_an_ordinary_step() -> None:
+    model, opt = setup()
+    SkipGuard.of(opt)
+    x = torch.randn(4, 6)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    before = params(model)
+    assert opt.step(closure) is not None
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
+
+
+def lbfgs_run(guarded: bool, check_in_closure: bool) -> tuple[list[torch.Tensor], int]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    if guarded:
+        SkipGuard.of(opt)
+    x = torch.randn(4, 6)
+    calls = 0
+
+    def closure() -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        if check_in_closure:
+            nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+        return loss
+
+    opt.step(closure)
+    return params(model), calls
+
+
+def test_lbfgs_keeps_calling_its_own_closure() -> None:
+    """LBFGS evaluates the closure several times per step: the guard leaves its step as it was (it
+    does not run the closure first); a check made before the step still skips it."""
+    reference, reference_calls = lbfgs_run(guarded=False, check_in_closure=False)
+    result, calls = lbfgs_run(guarded=True, check_in_closure=False)
+    assert calls == reference_calls > 1
+    assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=4)
+    backward(model, poison=True)
+    nanscan.check(model, on_nonfinite="skip", optimizer=opt)  # armed before the step
+    before = params(model)
+    assert opt.step(lambda: model(torch.randn(4, 6)).sum()) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
+
+
+def test_lr_scheduler_created_after_the_guard() -> None:
+    """torch's LR schedulers rebind optimizer.step.__func__ to count steps: the guard's step is a
+    bound method, so a scheduler made after the first check works and sees the steps."""
+    model, opt = setup()
+    backward(model, False)
+    nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
