@@ -81,13 +81,10 @@ import torch
 
 import nanscan
 
-# ../shared/zoo.json beside the checkout; on a GPU machine, where only the checkout travels, a copy in
-# the checkout's own (git-ignored) shared/ folder.
+# The parameter shapes of public models (facts about them, shipped with the benchmarks, so a fresh
+# clone runs every benchmark as it is).
 _REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ZOO = next(
-    (p for p in (_REPO.parent / "shared" / "zoo.json", _REPO / "shared" / "zoo.json") if p.is_file()),
-    _REPO.parent / "shared" / "zoo.json",
-)
+DEFAULT_ZOO = _REPO / "benchmarks" / "zoo.json"
 MANY_SMALL = "many_small_2000x512"
 TEN_THOUSAND = "many_small_10000x1024"
 SYNTHETIC: dict[str, list[list[int]]] = {MANY_SMALL: [[512]] * 2000, TEN_THOUSAND: [[1024]] * 10_000}
@@ -541,7 +538,9 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
 def load_zoo(path: Path) -> dict[str, list[list[int]]]:
     """The zoo's ``{model: [shape, ...]}``, with an error that says what is missing or malformed."""
     if not path.is_file():
-        sys.exit(f"bench_scan: zoo file not found at {path}; pass --zoo PATH (it lives in ../shared/ beside the repo)")
+        sys.exit(
+            f"bench_scan: zoo file not found at {path}; pass --zoo PATH (the repository ships benchmarks/zoo.json)"
+        )
     zoo = json.loads(path.read_text())
     if not isinstance(zoo, dict) or not all(
         isinstance(shapes, list) and all(isinstance(s, list) and all(isinstance(d, int) for d in s) for s in shapes)

@@ -5,10 +5,11 @@ if not report.finite:
     print(report.nonfinite)                    # names of the parameters that went bad
 """
 
-from . import amp, ddp, distributed, replicas
+from . import amp, ddp, distributed, records, replicas, sinks
 from .clip import clip_grad_norm_, get_total_norm
 from .guard import NonFiniteGradientError, SkipGuard
 from .locate import Finding, Locator, locate
+from .recorder import Recorder
 from .replicas import ReplicaCheck, verify_replicas
 from .report import Report, check
 from .scan import SUPPORTED_DTYPES, ScanResult, scan
@@ -18,6 +19,7 @@ __all__ = [
     "Finding",
     "Locator",
     "NonFiniteGradientError",
+    "Recorder",
     "ReplicaCheck",
     "Report",
     "ScanResult",
@@ -29,8 +31,10 @@ __all__ = [
     "distributed",
     "get_total_norm",
     "locate",
+    "records",
     "replicas",
     "scan",
+    "sinks",
     "verify_replicas",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ step is skipped (torch would step with an Inf gradient).
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from .clip import (
     raise_if_nonfinite,
     total_norm_of,
 )
+from .recorder import Recorder
 from .report import LazyNames, Report, named_gradients
 from .scan import ScanResult, scan
 
@@ -70,12 +72,29 @@ class GradScaler(torch.amp.GradScaler):
         # unscale scanned, and their statistics. Never outlives the call, so never describes stale values.
         self._scanned: tuple[Sequence[str], list[torch.Tensor], ScanResult] | None = None
         self._keep_scan = False
+        self._recorder: Recorder | None = None
 
     def watch(self, model: torch.nn.Module) -> GradScaler:
         """Names the reports' parameters after ``model.named_parameters()`` instead of their position in
         the optimizer (``"group0.param3"``). Returns the scaler."""
-        self._names.update({id(p): name for name, p in model.named_parameters()})
+        # A new dict, not an update: names formed before (OptimizerNames compares dicts by identity)
+        # stay as they were.
+        self._names = self._names | {id(p): name for name, p in model.named_parameters()}
         return self
+
+    def record(self, recorder: Recorder | None) -> GradScaler:
+        """Appends each unscale's report to ``recorder`` (nanscan.Recorder), with the loss scale and
+        whether the step is skipped; ``clip_grad_norm_`` appends once, with its clip coefficient. No
+        sync. Record each step in one place: not here and in ``check(..., recorder=...)`` too. Steps
+        that take torch's own path (sparse gradients, several devices) have no report to record.
+        ``None`` stops recording. Returns the scaler."""
+        self._recorder = recorder
+        return self
+
+    def _record(self, report: Report) -> None:
+        if self._recorder is not None:
+            found = self._last_found_inf[0] if len(self._last_found_inf) == 1 else False
+            self._recorder.append(report, skipped=found, loss_scale=self._scale)
 
     @property
     def skipped(self) -> bool:
@@ -127,6 +146,7 @@ class GradScaler(torch.amp.GradScaler):
                 raise_if_nonfinite(total, norm_type)
             coef = clip_grads_with_norm_(grads, max_norm, total) if grads else None
         self.last_report = Report(names, stats, total, norm_type, max_norm, coef)
+        self._record(self.last_report)
         return total
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -165,7 +185,9 @@ class GradScaler(torch.amp.GradScaler):
                 stats = stats.scaled(self._scanning_scaled.double().reciprocal())
             self.last_report = Report(names, stats, stats.total_norm, 2.0)
             if self._keep_scan:
-                self._scanned = (names, grads, stats)
+                self._scanned = (names, grads, stats)  # clip_grad_norm_ records, with its coefficient
+            else:
+                self._record(self.last_report)
         else:
             self.last_report = None  # several devices: found_inf is exact, the per-device stats are not merged
         return found_per_device
@@ -255,6 +277,24 @@ class OptimizerNames(LazyNames):
     def __getitem__(self, index: slice) -> list[str]: ...
     def __getitem__(self, index: int | slice) -> str | list[str]:
         return self._resolved()[index]
+
+    def __eq__(self, other: object) -> bool:
+        # A recorder compares each step's names with the last step's: the same parameters (by
+        # identity, C-level loops) in the same groups, named by the same watch() dict, are the same
+        # names, found without forming a string.
+        if isinstance(other, OptimizerNames) and self._known is other._known:
+            return (
+                self._group_sizes == other._group_sizes
+                and _identical(self._params, other._params)
+                and _identical(self._all_params, other._all_params)
+            )
+        return super().__eq__(other)
+
+    __hash__ = None  # a class that defines __eq__ must say so again
+
+
+def _identical(a: list[Any], b: list[Any]) -> bool:
+    return a is b or (len(a) == len(b) and all(map(operator.is_, a, b)))
 
 
 FP16_MAX = 65504.0

@@ -20,7 +20,8 @@ from .distributed import Attribution
 from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
 from .scan import ScanResult, scan
 
-if TYPE_CHECKING:  # nanscan.replicas imports this module
+if TYPE_CHECKING:  # nanscan.replicas and nanscan.recorder import this module
+    from .recorder import Recorder
     from .replicas import ReplicaCheck
 
 
@@ -85,6 +86,12 @@ class Report:
     def names(self) -> list[str]:
         if not isinstance(self._names, list):
             self._names = list(self._names)
+        return self._names
+
+    @property
+    def name_sequence(self) -> Sequence[str]:
+        """The names as the report holds them: a sequence formed lazily (``check(params)``, the
+        scaler) is not made a list, so a caller that only compares layouts stays cheap."""
         return self._names
 
     def _totals(self) -> HostScalars:
@@ -357,6 +364,7 @@ def check(
     max_consecutive_skips: int | None = None,
     process_group: Any = None,
     verify_replicas: bool = False,
+    recorder: Recorder | None = None,
 ) -> Report:
     """Scans every gradient in one fused pass and returns a Report, without a host sync.
 
@@ -381,6 +389,8 @@ def check(
             rank holds bit-identical gradients, from a checksum computed in the same scan and two
             small all-reduces over the replicas' group (a DDP model's, else the default group); see
             ``Report.replicas_consistent`` and ``Report.divergent``, and nanscan.replicas.
+        recorder: a ``nanscan.Recorder`` that keeps this step's statistics (appended on the device, no
+            sync), with whether ``"skip"`` skipped the step; appended before ``"raise"`` raises.
 
     Example:
         >>> report = nanscan.check(model, max_norm=1.0)
@@ -428,8 +438,13 @@ def check(
         if on_nonfinite == "raise" and clips and not bool(stats.finite):
             # Before the clip, as torch's error_if_nonfinite: a NaN coefficient would rewrite every
             # gradient, and the error is there to stop the step with the gradients as they came.
-            raise_on_nonfinite(Report(names, stats, total, norm_type))
+            early = Report(names, stats, total, norm_type)
+            if recorder is not None:
+                recorder.append(early)
+            raise_on_nonfinite(early)
         coef = clip_grads_with_norm_(grads, max_norm, total) if clips and max_norm is not None else None
     report = Report(names, stats, total, norm_type, max_norm, coef, replicas)
+    if recorder is not None:
+        recorder.append(report, skipped=~stats.finite if on_nonfinite == "skip" else False)
     act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
     return report

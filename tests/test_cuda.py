@@ -494,3 +494,69 @@ def test_norm_accuracy_on_constant_tensors(dtype: torch.dtype) -> None:
         want = math.sqrt(t.numel()) * abs(t[0].double().item())
         got = nanscan.scan([t]).norm.item()
         assert abs(got - want) / want <= 5e-7, f"{dtype} value {value}: {got} vs {want}"
+
+
+def test_recorder_appends_and_reads_without_a_sync() -> None:
+    """Appends, and the reads every few steps (an asynchronous copy to pinned memory and an event),
+    never wait for the GPU; what reaches the sink matches each step's report."""
+    model = make_model()
+    sink: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder([sink.append], every=5, capacity=40, spike_window=8, warn=False)
+    x = torch.randn(8, 64, device="cuda")
+    model(x).sum().backward()
+    nanscan.check(model, recorder=recorder)  # the first append allocates the buffer
+    torch.cuda.synchronize()
+    totals = []
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(12):
+            model.zero_grad()
+            model(x * (step + 1)).sum().backward()
+            if step == 7:
+                model[0].weight.grad[0, 0].fill_(math.nan)
+            totals.append(nanscan.check(model, max_norm=1.0, recorder=recorder).total_norm_tensor)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    recorder.close()
+    assert [r.step for r in sink] == list(range(13))
+    for record, total in zip(sink[1:], totals, strict=True):
+        want = total.item()
+        assert record.total_norm == want or (math.isnan(want) and math.isnan(record.total_norm))
+    assert [r.finite for r in sink[1:]] == [step != 7 for step in range(12)]
+
+
+def test_recorder_inside_a_captured_graph() -> None:
+    """The append is captured with the check; each replay advances the device counter, and a flush
+    after the replays reads every one of them."""
+    model = make_model()
+    static_x = torch.randn(32, 64, device="cuda")
+    sink: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder([sink.append], every=10, capacity=64, spike_window=8, warn=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad.zero_()
+        model(static_x).square().mean().backward()
+        nanscan.check(model, max_norm=0.5, recorder=recorder)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(30):
+        static_x.copy_(torch.randn(32, 64, device="cuda"))
+        if i % 10 == 4:
+            static_x[0, 0] = math.nan
+        graph.replay()
+    recorder.flush()
+    assert [r.step for r in sink] == list(range(33))
+    assert [r.finite for r in sink[3:]] == [i % 10 != 4 for i in range(30)]
+    assert all(r.max_norm == 0.5 for r in sink)

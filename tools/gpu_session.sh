@@ -2,9 +2,7 @@
 # Everything that needs a GPU, in stages that each fit one device command (10 minutes). Logs and
 # JSON go to $OUT when set (the device tool's folder), else benchmarks/out/gpu; copy the figures into
 # benchmarks/RESULTS.md with the device, the date and the command.
-# The benchmarks read the zoo from ../shared/zoo.json, which does not travel to a GPU machine: copy it
-# into the checkout first (`mkdir -p shared && cp ../shared/zoo.json shared/`; shared/ is ignored by
-# git and travels with the working tree).
+# The benchmarks read the model shapes from benchmarks/zoo.json, which travels with the checkout.
 #
 #   tools/gpu_session.sh build             # build the extension for this GPU (sm_90 by default)
 #   tools/gpu_session.sh test              # build, then the whole test suite (CUDA tests included)

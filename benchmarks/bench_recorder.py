@@ -1,0 +1,109 @@
+"""What a Recorder adds to each step's check, on the gradients of real models (benchmarks/zoo.json).
+
+    python benchmarks/bench_recorder.py                          # every zoo model but llama-1b, CPU
+    python benchmarks/bench_recorder.py --models gpt2-small --device cuda
+    python benchmarks/bench_recorder.py --quick                  # smoke test (CI)
+
+Per model: ``check(model, max_norm=...)`` alone, and with ``recorder=`` (a Recorder that reads its
+buffer every ``--every`` steps, into a sink that drops the records, so the decode on the host is
+timed but no file writing is), in alternating rounds of ``--every`` steps, so each recorded round
+holds exactly one read of the buffer. The figure is the median over rounds of the time per step.
+The issue's target: at most 5% over a plain check on the CPU zoo lists, and zero syncs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import nanscan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scan import DEFAULT_ZOO, load_zoo  # a sibling script, not a package
+
+
+def model_of(shapes: list[list[int]], device: str) -> torch.nn.ParameterList:
+    """A module holding parameters of the zoo's shapes, each with a random fp32 gradient."""
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.empty(shape, device=device))
+        p.grad = torch.randn(shape, generator=gen).to(device)
+        params.append(p)
+    return torch.nn.ParameterList(params)
+
+
+def round_seconds(step: Callable[[], object], steps: int, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", help="comma-separated zoo names (default: all but llama-1b)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--every", type=int, default=20, help="steps between two reads of the buffer")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per method and model")
+    parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO)
+    parser.add_argument("--quick", action="store_true", help="smoke test: the smallest model, 2 rounds")
+    args = parser.parse_args()
+    zoo = load_zoo(args.zoo)
+    if args.quick:
+        names = [min(zoo, key=lambda m: sum(math.prod(shape) for shape in zoo[m]))]
+        args.rounds = 2
+    elif args.models:
+        names = args.models.split(",")
+    else:
+        names = [m for m in zoo if m != "llama-1b"]
+    unknown = [m for m in names if m not in zoo]
+    if unknown:
+        sys.exit(f"bench_recorder: unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(zoo)}")
+    print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {args.device}, threads {torch.get_num_threads()}")
+    print(
+        f"{'model':<12} {'params':>6} {'MB':>7} {'check ms':>9} {'+recorder ms':>13} {'overhead':>9} {'buffer KB':>10}"
+    )
+    for name in names:
+        print(
+            f"  ({name}: building gradients, then {args.rounds} rounds of {args.every} steps each way)", file=sys.stderr
+        )
+        model = model_of(zoo[name], args.device)
+        megabytes = sum(p.numel() for p in model.parameters()) * 4 / 1e6
+        recorder = nanscan.Recorder([lambda record: None], every=args.every, warn=False)
+
+        def plain(model: torch.nn.Module = model) -> object:
+            return nanscan.check(model, max_norm=1e30)
+
+        def recorded(model: torch.nn.Module = model, recorder: nanscan.Recorder = recorder) -> object:
+            return nanscan.check(model, max_norm=1e30, recorder=recorder)
+
+        round_seconds(plain, 2, args.device)
+        round_seconds(recorded, args.every, args.device)  # allocates the buffer; its first read
+        plain_times, recorded_times = [], []
+        for _ in range(args.rounds):
+            plain_times.append(round_seconds(plain, args.every, args.device))
+            recorded_times.append(round_seconds(recorded, args.every, args.device))
+        base, with_recorder = statistics.median(plain_times), statistics.median(recorded_times)
+        print(
+            f"{name:<12} {len(zoo[name]):>6} {megabytes:>7.0f} {base * 1e3:>9.3f} {with_recorder * 1e3:>13.3f} "
+            f"{(with_recorder / base - 1) * 100:>8.1f}% {recorder.nbytes / 1e3:>10.0f}",
+            flush=True,
+        )
+        recorder.close()
+        del model
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,487 @@
+"""``nanscan.Recorder``: every step's gradient health kept on the device, read once per N steps.
+
+``check`` already computes each parameter's NaN and Inf counts, min, max and norm every step. A
+recorder keeps them: each recorded check (``check(..., recorder=r)``) or GradScaler unscale
+(``scaler.record(r)``) appends one row to a ring buffer on the gradients' device, with a
+device-side step counter, so the append is a few small kernels: no host sync, and replayable inside
+a captured CUDA graph. Every ``every`` records, and at ``flush()``/``close()`` (at interpreter exit
+and on leaving a ``with`` block by an exception too), the whole buffer goes to the host in one copy
+(asynchronous on a GPU: a pinned buffer and an event, read at a later append once it has landed)
+and each new record goes to the sinks (nanscan.sinks) as a ``StepRecord`` (nanscan.records).
+
+Per parameter and step the buffer holds float32 rows: NaN count, Inf count, min, max, norm and the
+spike ratio (counts above 2^24 are rounded); per step float64: the total norm, the finite flag, the
+clip coefficient, max_norm, whether the step was skipped and the loss scale. Memory:
+``capacity * (24 * parameters + 48) + 8`` bytes on the device (``Recorder.nbytes``; GPT-2-small's
+148 parameters at capacity 100: 360 KB), the same again in pinned host memory on a GPU, and the last
+``history`` records on the host.
+
+Spikes are found on the device: a parameter's norm over the median of its norms in the
+``spike_window`` records before (``nanmedian``, records with no history ignored) is stored as its
+spike ratio; on the host, a ratio at or above ``spike_factor`` is a spike, warned about when its
+records are read, often steps before a NaN arrives. The first non-finite step is kept
+(``first_nonfinite``): which parameters went bad, and their norms over the ``history`` records
+before it.
+
+Under CUDA graph capture the append is captured like any other kernel; replays advance the device
+counter without Python, so the recorder cannot count them: call ``flush()`` at least every
+``capacity`` replays (a record overwritten before it was read is counted in ``lost`` and warned
+about, never silently dropped).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from .records import StepRecord
+from .sinks import Sink
+
+if TYPE_CHECKING:
+    from .report import Report
+
+# Per-parameter rows (float32) and per-step columns (float64) of one record in the ring buffer.
+_PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
+_NORM_ROW = _PARAM_ROWS.index("norm")
+_STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "loss_scale")
+
+
+@dataclass(frozen=True)
+class FirstNonfinite:
+    """The first recorded step whose gradients held a NaN or an Inf.
+
+    Attributes:
+        step: its record index.
+        parameters: the parameters that went bad.
+        norm_history: per such parameter, its norms over the recorded steps before (oldest first,
+            up to the recorder's ``history``), so a climb to overflow shows.
+        total_norm_history: the total norms over the same steps.
+        steps: the record indices of those steps.
+    """
+
+    step: int
+    parameters: list[str]
+    norm_history: dict[str, list[float]]
+    total_norm_history: list[float]
+    steps: list[int]
+
+    def __str__(self) -> str:
+        shown = ", ".join(self.parameters[:3]) + (
+            f" (+{len(self.parameters) - 3} more)" if len(self.parameters) > 3 else ""
+        )
+        lines = [f"first non-finite gradients at step {self.step}: {shown}"]
+        for name in self.parameters[:3]:
+            norms = " ".join(f"{v:.3g}" for v in self.norm_history[name][-8:])
+            lines.append(f"  {name}: norms before: {norms or '(no history)'}")
+        return "\n".join(lines)
+
+
+class _Ring:
+    """The device buffers of one layout (a list of parameter names on one device): a byte buffer
+    holding the counter, the per-step rows and the per-parameter rows, so a flush is one copy."""
+
+    def __init__(self, names: Sequence[str], device: torch.device, capacity: int, first_step: int) -> None:
+        self.names = names
+        self.device = device
+        self.capacity = capacity
+        n = len(names)
+        step_bytes = capacity * len(_STEP_COLUMNS) * 8
+        param_bytes = capacity * len(_PARAM_ROWS) * n * 4
+        self.nbytes = 8 + step_bytes + param_bytes
+        self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.counter, self.steps, self.params = self.views(self.storage)
+        self.counter.fill_(first_step)
+        self.steps.fill_(math.nan)
+        self.params.fill_(math.nan)  # the spike window ignores slots never written
+        self.first_step = first_step  # the record index of the layout's first record
+        self.decoded = first_step  # records before this one have gone to the sinks
+
+    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(counter int64 [1], steps float64 [capacity, columns], params float32 [capacity, rows, n])
+        of a byte buffer laid out as ``storage`` (the device's, or its host copy)."""
+        step_end = 8 + self.capacity * len(_STEP_COLUMNS) * 8
+        counter = storage[:8].view(torch.int64)
+        steps = storage[8:step_end].view(torch.float64).view(self.capacity, len(_STEP_COLUMNS))
+        params = storage[step_end:].view(torch.float32).view(self.capacity, len(_PARAM_ROWS), len(self.names))
+        return counter, steps, params
+
+
+class Recorder:
+    """Keeps every recorded step's gradient statistics on the device; hands them to sinks once per
+    ``every`` records. See the module notes.
+
+    Args:
+        sinks: callables taking a ``StepRecord`` (nanscan.sinks: JSONL, CSV; TensorBoard in
+            nanscan.integrations.tensorboard; any function for W&B, MLflow, ...).
+        every: records between two reads of the buffer.
+        capacity: records the device buffer holds (default: ``every``, at least ``spike_window + 1``).
+        spike_factor: a norm at or above this many times its running median is a spike.
+        spike_window: records the running median looks back over.
+        spike_min_history: records needed before a median counts (fewer: no spike is reported).
+        history: records kept on the host, for ``records`` and for the history of the first
+            non-finite step.
+        warn: warn (RuntimeWarning) about spikes and the first non-finite step when they are read.
+
+    Example:
+        >>> recorder = nanscan.Recorder([nanscan.sinks.JSONLSink("run.jsonl")], every=100)
+        >>> for batch in data:
+        ...     loss(model, batch).backward()
+        ...     nanscan.check(model, max_norm=1.0, recorder=recorder)
+        ...     optimizer.step(); optimizer.zero_grad()
+        >>> recorder.close()
+        >>> print(recorder)
+    """
+
+    def __init__(
+        self,
+        sinks: Iterable[Sink] = (),
+        *,
+        every: int = 100,
+        capacity: int | None = None,
+        spike_factor: float = 10.0,
+        spike_window: int = 32,
+        spike_min_history: int = 8,
+        history: int = 64,
+        warn: bool = True,
+    ) -> None:
+        for name, value in (("every", every), ("spike_window", spike_window), ("history", history)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"nanscan.Recorder: {name} must be a positive int, got {value!r}")
+        if capacity is None:
+            capacity = max(every, spike_window + 1)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= spike_window:
+            raise ValueError(
+                f"nanscan.Recorder: capacity must be an int above spike_window ({spike_window}), got {capacity!r}"
+            )
+        if every > capacity:
+            raise ValueError(f"nanscan.Recorder: every ({every}) must be at most capacity ({capacity})")
+        if not (isinstance(spike_factor, (int, float)) and spike_factor > 1):
+            raise ValueError(f"nanscan.Recorder: spike_factor must be a number above 1, got {spike_factor!r}")
+        if not isinstance(spike_min_history, int) or not 1 <= spike_min_history <= spike_window:
+            raise ValueError(
+                f"nanscan.Recorder: spike_min_history must be an int in [1, spike_window], got {spike_min_history!r}"
+            )
+        self.sinks: list[Sink] = list(sinks)
+        for sink in self.sinks:
+            _check_sink(sink)
+        self.every = every
+        self.capacity = capacity
+        self.spike_factor = float(spike_factor)
+        self.spike_window = spike_window
+        self.spike_min_history = spike_min_history
+        self.warn = warn
+        self.records: deque[StepRecord] = deque(maxlen=history)
+        self.first_nonfinite: FirstNonfinite | None = None
+        self.spikes: deque[tuple[int, str, float]] = deque(maxlen=1000)  # (step, parameter, ratio), latest
+        self.lost = 0  # records overwritten before they were read (see the module notes)
+        self.skipped = 0  # skipped steps among the records read
+        self.read = 0  # records handed to the sinks
+        self._ring: _Ring | None = None
+        self._back: torch.Tensor | None = None  # 1..spike_window, on the ring's device
+        self._appended = 0  # appends since the last flush, counted on the host
+        self._next_step = 0  # the record index the next layout's counter starts from
+        self._pending: tuple[_Ring, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._closed = False
+        self._last_total: float | None = None
+        _open_recorders.add(self)
+
+    # ------------------------------------------------------------------------------------ appending
+
+    def append(
+        self,
+        report: Report,
+        *,
+        skipped: torch.Tensor | bool = False,
+        loss_scale: torch.Tensor | float | None = None,
+    ) -> None:
+        """Appends one step: ``report``'s statistics, whether the optimizer step was skipped (a device
+        bool, e.g. a NaN with ``on_nonfinite="skip"`` or a GradScaler's found_inf) and the loss scale.
+        No host sync. ``check(..., recorder=...)`` and ``GradScaler.record`` call it."""
+        if self._closed:
+            raise ValueError("nanscan.Recorder: append after close()")
+        stats = report.stats
+        device = stats.norm.device
+        names = report.name_sequence
+        ring = self._ring
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if ring is None or ring.device != device or not _same_names(ring.names, names):
+            if capturing:
+                raise RuntimeError(
+                    "nanscan.Recorder: the parameters changed during CUDA graph capture; record one step "
+                    "before capturing, so the buffer exists"
+                )
+            self._start_layout(names, device)
+            ring = self._ring
+            assert ring is not None and self._back is not None
+        elif not capturing:
+            self._drain(wait=False)
+        assert self._back is not None
+        with torch.no_grad():
+            slot = ring.counter.remainder(ring.capacity)
+            # The norms of the spike_window records before this one (slots never written are NaN).
+            window = ring.params[:, _NORM_ROW].index_select(0, (ring.counter - self._back).remainder(ring.capacity))
+            median = window.nanmedian(dim=0).values
+            norm = stats.norm.float()
+            enough = (ring.counter >= ring.first_step + self.spike_min_history) & (median > 0)
+            ratio = torch.where(enough, norm / median, math.nan)
+            rows = torch.stack(
+                [stats.nan_count.float(), stats.inf_count.float(), stats.min.float(), stats.max.float(), norm, ratio]
+            )
+            ring.params.index_copy_(0, slot, rows.unsqueeze(0))
+            columns = torch.stack(
+                [
+                    report.total_norm_tensor.to(device, torch.float64).reshape(()),
+                    stats.finite.to(torch.float64),
+                    _scalar(report.clip_coef_tensor, device),
+                    _scalar(report.max_norm, device),
+                    _scalar(skipped, device),
+                    _scalar(loss_scale, device),
+                ]
+            )
+            ring.steps.index_copy_(0, slot, columns.unsqueeze(0))
+            ring.counter.add_(1)
+        if capturing:
+            return
+        self._appended += 1
+        if self._appended >= self.every:
+            self.flush(wait=False)
+
+    def _start_layout(self, names: Sequence[str], device: torch.device) -> None:
+        """A new buffer for a new list of parameters (or device): the old one is read out first."""
+        if self._ring is not None:
+            self.flush(wait=True)
+            assert self._ring is not None
+            self._next_step = self._ring.decoded
+        self._ring = _Ring(names, device, self.capacity, self._next_step)
+        self._back = torch.arange(1, self.spike_window + 1, device=device)
+
+    # ------------------------------------------------------------------------------------- reading
+
+    def flush(self, wait: bool = True) -> None:
+        """Sends every record not yet read to the sinks: one copy of the buffer to the host. With
+        ``wait=False`` on a GPU the copy is only enqueued, and read at a later append once landed."""
+        ring = self._ring
+        if ring is None:
+            return
+        if self._pending is not None:
+            self._drain(wait=True)
+        self._appended = 0
+        if ring.device.type == "cuda":
+            host = torch.empty(ring.nbytes, dtype=torch.uint8, pin_memory=True)
+            host.copy_(ring.storage, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (ring, host, event)
+        else:
+            self._pending = (ring, ring.storage, None)  # the host's own memory: read it in place
+        if wait or ring.device.type != "cuda":
+            self._drain(wait=True)
+
+    def _drain(self, wait: bool) -> None:
+        """Reads the pending copy if it has landed (or waits for it)."""
+        if self._pending is None:
+            return
+        ring, host, event = self._pending
+        if event is not None and not event.query():
+            if not wait:
+                return
+            event.synchronize()
+        self._pending = None
+        self._decode(ring, host)
+
+    def _decode(self, ring: _Ring, host: torch.Tensor) -> None:
+        counter, steps, params = ring.views(host)
+        end = int(counter.item())
+        first = max(ring.decoded, end - ring.capacity)
+        if first > ring.decoded:
+            lost = first - ring.decoded
+            self.lost += lost
+            _warn(
+                f"nanscan.Recorder: {lost} records were overwritten before they were read (capacity "
+                f"{ring.capacity}); flush more often, or raise capacity"
+            )
+        for step in range(first, end):
+            slot = step % ring.capacity
+            self._emit(_record(step, ring.names, steps[slot], params[slot], self.spike_factor))
+        ring.decoded = max(ring.decoded, end)
+        if end > first:
+            for sink in self.sinks:
+                _call_optional(sink, "flush")
+
+    def _emit(self, record: StepRecord) -> None:
+        """One record on the host: the answers kept here, then the sinks."""
+        self.read += 1
+        self.skipped += record.skipped
+        self._last_total = record.total_norm
+        if not record.finite and self.first_nonfinite is None:
+            self.first_nonfinite = self._first_nonfinite(record)
+            if self.warn:
+                _warn(f"nanscan.Recorder: {self.first_nonfinite}")
+        spikes = record.spikes
+        for name, ratio in spikes.items():
+            self.spikes.append((record.step, name, ratio))
+        if spikes and self.warn:
+            worst = sorted(spikes.items(), key=lambda item: -item[1])[:3]
+            shown = ", ".join(f"{name} {ratio:.1f}x" for name, ratio in worst)
+            more = f" (+{len(spikes) - 3} more)" if len(spikes) > 3 else ""
+            _warn(
+                f"nanscan.Recorder: gradient norm spike at step {record.step} (norm over its median of the "
+                f"{self.spike_window} steps before): {shown}{more}"
+            )
+        self.records.append(record)
+        for sink in self.sinks:
+            sink(record)
+
+    def _first_nonfinite(self, record: StepRecord) -> FirstNonfinite:
+        bad = record.nonfinite
+        before = [r for r in self.records if r.names is record.names or list(r.names) == list(record.names)]
+        index = {name: i for i, name in enumerate(record.names)}
+        return FirstNonfinite(
+            step=record.step,
+            parameters=bad,
+            norm_history={name: [r.norm[index[name]] for r in before] for name in bad},
+            total_norm_history=[r.total_norm for r in before],
+            steps=[r.step for r in before],
+        )
+
+    # ------------------------------------------------------------------------------------- the rest
+
+    def add_sink(self, sink: Sink) -> None:
+        """Adds a sink; it receives the records read from now on."""
+        _check_sink(sink)
+        self.sinks.append(sink)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the buffer holds now (0 before the first append)."""
+        return 0 if self._ring is None else self._ring.nbytes
+
+    def close(self) -> None:
+        """Reads out every record, flushes and closes the sinks. Idempotent; runs at interpreter exit."""
+        if self._closed:
+            return
+        try:
+            self.flush(wait=True)
+        finally:
+            self._closed = True
+            _open_recorders.discard(self)
+            for sink in self.sinks:
+                _call_optional(sink, "close")
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()  # on an exception too: the steps that led to it reach the sinks
+
+    def __str__(self) -> str:
+        parts = [
+            f"nanscan.Recorder: {self.read} steps read (+{self._appended} not yet), {self.skipped} skipped, "
+            f"{len(self.sinks)} sinks, device buffer {self.nbytes / 1e6:.2f} MB"
+        ]
+        if self._last_total is not None:
+            parts.append(f"last total norm {self._last_total:.4g}")
+        if self.first_nonfinite is not None:
+            f = self.first_nonfinite
+            shown = ", ".join(f.parameters[:3]) + (f" (+{len(f.parameters) - 3} more)" if len(f.parameters) > 3 else "")
+            parts.append(f"first non-finite at step {f.step}: {shown}")
+        else:
+            parts.append("no non-finite step")
+        if self.spikes:
+            step, name, ratio = max(self.spikes, key=lambda s: s[2])
+            parts.append(f"{len(self.spikes)} norm spikes (largest: {name} at step {step}, {ratio:.1f}x its median)")
+        if self.lost:
+            parts.append(f"{self.lost} records lost (overwritten before read)")
+        return "; ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"<nanscan.Recorder every={self.every} capacity={self.capacity}, {self.read} read>"
+
+
+def _record(
+    step: int, names: Sequence[str], columns: torch.Tensor, rows: torch.Tensor, spike_factor: float
+) -> StepRecord:
+    total_norm, finite, clip_coef, max_norm, skipped, loss_scale = columns.tolist()
+    nan, inf, low, high, norm, ratio = rows.tolist()
+    return StepRecord(
+        step=step,
+        names=names,
+        nan_count=[int(v) for v in nan],
+        inf_count=[int(v) for v in inf],
+        min=low,
+        max=high,
+        norm=norm,
+        spike_ratio=ratio,
+        total_norm=total_norm,
+        finite=bool(finite),
+        clip_coef=None if math.isnan(max_norm) else clip_coef,
+        max_norm=None if math.isnan(max_norm) else max_norm,
+        skipped=bool(skipped),
+        loss_scale=None if math.isnan(loss_scale) else loss_scale,
+        spike_factor=spike_factor,
+    )
+
+
+def _scalar(value: torch.Tensor | float | bool | None, device: torch.device) -> torch.Tensor:
+    """A float64 0-dim tensor on ``device``; NaN for None. Python numbers are filled in by a kernel
+    (no host-to-device copy, which CUDA graph capture would refuse)."""
+    if value is None:
+        return torch.full((), math.nan, dtype=torch.float64, device=device)
+    if isinstance(value, torch.Tensor):
+        return value.to(device, torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+def _warn(message: str) -> None:
+    """A RuntimeWarning attributed to the first caller outside nanscan (records are read deep inside
+    a check, a flush or a close)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
+
+
+def _same_names(old: Sequence[str], new: Sequence[str]) -> bool:
+    return old is new or (len(old) == len(new) and old == new)
+
+
+def _check_sink(sink: object) -> None:
+    if not callable(sink):
+        raise TypeError(f"nanscan.Recorder: a sink must be callable with a StepRecord, got {type(sink).__name__}")
+
+
+def _call_optional(sink: object, method: str) -> None:
+    fn = getattr(sink, method, None)
+    if callable(fn):
+        fn()
+
+
+# Recorders still open at interpreter exit are closed, so no record is lost with the process.
+_open_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+def _close_at_exit(recorder: Recorder) -> None:
+    try:
+        recorder.close()
+    except Exception as error:  # at exit, one recorder's failure must not hide the others
+        warnings.warn(f"nanscan.Recorder: closing at exit failed: {error}", RuntimeWarning, stacklevel=1)
+
+
+@atexit.register
+def _close_open_recorders() -> None:
+    for recorder in list(_open_recorders):
+        _close_at_exit(recorder)

@@ -1,0 +1,182 @@
+"""What a Recorder hands to its sinks: one ``StepRecord`` per recorded step, and the JSONL schema.
+
+A record holds one step's gradient statistics as Python values (they reached the host in the
+recorder's one copy per flush): per parameter the NaN and Inf counts, the min and max of the finite
+values, the L2 norm and the spike ratio (the norm over its running median); per step the total norm,
+the finite flag, the clip coefficient, whether the optimizer step was skipped and the loss scale.
+
+The JSONL file (``JSONLSink``, read back by ``read_jsonl``) is one JSON object per line, strict JSON
+(non-finite floats are the strings ``"nan"``, ``"inf"`` and ``"-inf"``), of two kinds:
+
+* ``{"kind": "layout", "schema": 1, "names": [...]}``: the parameter names, in the order of the
+  per-parameter arrays of the step lines after it. Written before the first step and again whenever
+  the parameters change (a parameter that gains or loses its gradient).
+* ``{"kind": "step", "schema": 1, "step": 12, "total_norm": 1.5, "finite": true, "clip_coef": 1.0,
+  "max_norm": 1.0, "skipped": false, "loss_scale": null, "nonfinite": ["h.3.attn.weight"],
+  "spikes": {"h.2.mlp.weight": 14.2}, "nan_count": [...], "inf_count": [...], "min": [...],
+  "max": [...], "norm": [...], "spike_ratio": [...]}``: one step. ``step`` counts the recorder's
+  records from 0; ``clip_coef`` and ``max_norm`` are null when the step was not clipped,
+  ``loss_scale`` when no GradScaler recorded it; ``nonfinite`` and ``spikes`` (ratio per parameter
+  at or above the recorder's spike factor) are derived from the arrays, for readers that stop there.
+
+A field may be added in a later schema version; none is renamed or removed within one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+PER_PARAMETER = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One recorded step, on the host.
+
+    Attributes:
+        step: the record's index, counted from 0 by the recorder (one per recorded check or unscale).
+        names: the parameter names, in the order of the per-parameter lists.
+        nan_count, inf_count, min, max, norm: per parameter, as ``Report`` has them (min and max of the
+            finite values: +inf and -inf when there are none).
+        spike_ratio: per parameter, the norm over its median over the recorder's window of earlier
+            steps (NaN until the window holds enough steps, or when the median is 0).
+        total_norm, finite, clip_coef, max_norm: the step's totals (``clip_coef``/``max_norm`` None when
+            the step was not clipped).
+        skipped: whether the optimizer step was skipped (``on_nonfinite="skip"``, or a GradScaler that
+            found an Inf/NaN).
+        loss_scale: the GradScaler's scale when a scaler recorded the step, else None.
+        spike_factor: the ratio at or above which a norm counts as a spike.
+    """
+
+    step: int
+    names: Sequence[str]
+    nan_count: list[int]
+    inf_count: list[int]
+    min: list[float]
+    max: list[float]
+    norm: list[float]
+    spike_ratio: list[float]
+    total_norm: float
+    finite: bool
+    clip_coef: float | None
+    max_norm: float | None
+    skipped: bool
+    loss_scale: float | None
+    spike_factor: float
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Names of the parameters whose gradient held a NaN or an Inf this step."""
+        return [name for name, nan, inf in zip(self.names, self.nan_count, self.inf_count, strict=True) if nan or inf]
+
+    @property
+    def spikes(self) -> dict[str, float]:
+        """Parameters whose norm reached ``spike_factor`` times its running median: name -> ratio."""
+        return {
+            name: ratio
+            for name, ratio in zip(self.names, self.spike_ratio, strict=True)
+            if ratio >= self.spike_factor  # NaN compares False: no history, no spike
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The step line of the JSONL schema (module notes), without the layout's names."""
+        line: dict[str, Any] = {
+            "kind": "step",
+            "schema": SCHEMA,
+            "step": self.step,
+            "total_norm": _encode(self.total_norm),
+            "finite": self.finite,
+            "clip_coef": _encode(self.clip_coef),
+            "max_norm": _encode(self.max_norm),
+            "skipped": self.skipped,
+            "loss_scale": _encode(self.loss_scale),
+            "spike_factor": self.spike_factor,
+            "nonfinite": self.nonfinite,
+            "spikes": {name: _encode(ratio) for name, ratio in self.spikes.items()},
+        }
+        for key in PER_PARAMETER:
+            line[key] = [_encode(v) for v in getattr(self, key)]
+        return line
+
+    @classmethod
+    def from_json(cls, line: dict[str, Any], names: Sequence[str]) -> StepRecord:
+        """A step line of the JSONL schema, with the names of the layout line before it."""
+        if line.get("schema") != SCHEMA:
+            raise ValueError(f"nanscan: JSONL schema {line.get('schema')!r}, this nanscan reads schema {SCHEMA}")
+        columns = {key: [_decode(v) for v in line[key]] for key in PER_PARAMETER}
+        if any(len(values) != len(names) for values in columns.values()):
+            raise ValueError(
+                f"nanscan: step {line['step']} has arrays that do not match its layout's {len(names)} names"
+            )
+        return cls(
+            step=int(line["step"]),
+            names=names,
+            nan_count=[int(v) for v in columns["nan_count"]],
+            inf_count=[int(v) for v in columns["inf_count"]],
+            min=columns["min"],
+            max=columns["max"],
+            norm=columns["norm"],
+            spike_ratio=columns["spike_ratio"],
+            total_norm=_decode(line["total_norm"]),
+            finite=bool(line["finite"]),
+            clip_coef=_decode_optional(line["clip_coef"]),
+            max_norm=_decode_optional(line["max_norm"]),
+            skipped=bool(line["skipped"]),
+            loss_scale=_decode_optional(line["loss_scale"]),
+            spike_factor=float(line.get("spike_factor", math.inf)),
+        )
+
+
+def _encode(value: float | None) -> float | str | None:
+    """Strict JSON has no NaN or Inf: those become strings (module notes)."""
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+
+
+def _decode(value: float | int | str | None) -> float:
+    if value is None:
+        raise ValueError("nanscan: a required number is null in the JSONL file")
+    return float(value)  # float("nan"), float("inf"), float("-inf") read the strings back
+
+
+def _decode_optional(value: float | int | str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def layout_line(names: Sequence[str]) -> dict[str, Any]:
+    """The layout line of the JSONL schema."""
+    return {"kind": "layout", "schema": SCHEMA, "names": list(names)}
+
+
+def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
+    """The step records of a JSONL file written by ``JSONLSink``, in file order."""
+    names: Sequence[str] | None = None
+    with Path(path).open() as f:
+        for number, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"nanscan: {path}:{number} is not JSON ({error.msg})") from None
+            kind = line.get("kind")
+            if kind == "layout":
+                names = tuple(line["names"])
+            elif kind == "step":
+                if names is None:
+                    raise ValueError(f"nanscan: {path}:{number}: a step before any layout line")
+                yield StepRecord.from_json(line, names)
+            else:
+                raise ValueError(f"nanscan: {path}:{number}: unknown line kind {kind!r}")
+
+
+def read_jsonl(path: str | Path) -> list[StepRecord]:
+    """Every step record of a JSONL file written by ``JSONLSink``."""
+    return list(iter_jsonl(path))

@@ -1,0 +1,305 @@
+"""nanscan.Recorder: what it keeps matches the fp64 reference step for step, reaches the sinks once
+per ``every`` records and at close/exit/exception, and its answers (first non-finite step, spikes)
+point at the planted fault. The CUDA side (no sync, graph replays) is in tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nanscan
+from nanscan.records import StepRecord, read_jsonl
+from nanscan.sinks import CSVSink, JSONLSink
+
+from conftest import ROOT, reference_stats
+
+
+def model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def backward(m: torch.nn.Module, step: int, scale: float = 1.0) -> None:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(6, 8, generator=gen)
+    (m(x).pow(2).sum() * scale).backward()
+
+
+class Collect:
+    """A sink that keeps what it is given, and counts flushes and closes."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+        self.flushes = 0
+        self.closed = False
+
+    def __call__(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def plant(m: torch.nn.Module, name: str, value: float, index: int = 0) -> None:
+    grad = dict(m.named_parameters())[name].grad
+    assert grad is not None
+    grad.view(-1)[index] = value
+
+
+def test_records_match_the_fp64_reference_step_for_step() -> None:
+    m = model()
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=4)
+    expected: list[dict[str, Any]] = []
+    for step in range(10):
+        backward(m, step)
+        if step == 6:
+            plant(m, "0.weight", math.nan, 3)
+            plant(m, "2.bias", math.inf, 1)
+        grads = {name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None}
+        nanscan.check(m, max_norm=0.5, recorder=recorder)
+        expected.append({name: reference_stats(g) for name, g in grads.items()})
+        m.zero_grad()
+    assert len(sink.records) == 8, "two reads of 4 records; the last 2 wait for close"
+    recorder.close()
+    assert [r.step for r in sink.records] == list(range(10))
+    for record, want in zip(sink.records, expected, strict=True):
+        assert list(record.names) == list(want)
+        for i, name in enumerate(record.names):
+            ref = want[name]
+            assert record.nan_count[i] == ref["nan_count"] and record.inf_count[i] == ref["inf_count"]
+            for key in ("min", "max", "norm"):
+                got, exp = getattr(record, key)[i], ref[key]
+                assert got == pytest.approx(exp, rel=1e-6) or (math.isnan(got) and math.isnan(exp)), (key, name)
+        total = math.sqrt(sum(ref["norm"] ** 2 for ref in want.values()))
+        # In the gradients' dtype (float32), as torch's clip_grad_norm_ returns it.
+        assert record.total_norm == pytest.approx(total, rel=1e-6) or math.isnan(record.total_norm)
+        assert record.max_norm == 0.5 and record.clip_coef is not None
+        assert record.finite == (record.step != 6) and not record.skipped and record.loss_scale is None
+    assert sink.records[6].nonfinite == ["0.weight", "2.bias"]
+    assert sink.closed
+
+
+def test_reaches_the_sinks_once_per_every_records_and_at_close() -> None:
+    m = model()
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=5, capacity=40)
+    backward(m, 0)
+    counts = []
+    for _ in range(12):
+        nanscan.check(m, recorder=recorder)
+        counts.append(len(sink.records))
+    assert counts == [0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10, 10]
+    assert sink.flushes == 2
+    recorder.flush()
+    assert len(sink.records) == 12
+    recorder.close()
+    recorder.close()  # idempotent
+    with pytest.raises(ValueError, match="after close"):
+        recorder.append(nanscan.check(m))
+
+
+def test_jsonl_and_csv_sinks_round_trip(tmp_path: Path) -> None:
+    m = model()
+    path = tmp_path / "run.jsonl"
+    with nanscan.Recorder([JSONLSink(path), CSVSink(tmp_path / "run.csv")], every=3) as recorder:
+        for step in range(7):
+            backward(m, step)
+            if step == 4:
+                plant(m, "2.weight", math.nan)
+            nanscan.check(m, max_norm=1.0, recorder=recorder)
+            m.zero_grad()
+    kept = list(recorder.records)
+    lines = path.read_text().splitlines()
+    # Strict JSON: NaN and Inf are strings, so any JSON reader parses every line.
+    for line in lines:
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert [json.loads(line)["kind"] for line in lines] == ["layout"] + ["step"] * 7
+    back = read_jsonl(path)
+    assert len(back) == 7
+    for a, b in zip(back, kept, strict=True):
+        assert a.to_json() == b.to_json()
+    assert back[4].nonfinite == ["2.weight"] and math.isnan(back[4].norm[2]) and not back[4].finite
+    rows = (tmp_path / "run.csv").read_text().splitlines()
+    assert rows[0].startswith("step,parameter,nan_count")
+    assert len(rows) == 1 + 7 * 4
+    assert any(row.startswith("4,2.weight,1,") for row in rows)
+
+
+def test_a_parameter_losing_its_gradient_starts_a_new_layout(tmp_path: Path) -> None:
+    m = model()
+    path = tmp_path / "run.jsonl"
+    recorder = nanscan.Recorder([JSONLSink(path)], every=50)
+    for step in range(6):
+        backward(m, step)
+        if step >= 3:
+            m[2].bias.grad = None
+        nanscan.check(m, recorder=recorder)
+        m.zero_grad()
+    recorder.close()
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+    assert kinds == ["layout", "step", "step", "step", "layout", "step", "step", "step"]
+    back = read_jsonl(path)
+    assert [r.step for r in back] == list(range(6)), "the record index runs on across layouts"
+    assert "2.bias" in back[2].names and "2.bias" not in back[3].names
+
+
+def test_a_spike_is_found_on_the_device_and_warned_about() -> None:
+    m = model()
+    recorder = nanscan.Recorder(every=40, spike_factor=8.0, spike_window=16, spike_min_history=4, warn=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(30):
+            backward(m, step, scale=50.0 if step == 20 else 1.0)
+            if step == 2:  # before spike_min_history records: never a spike
+                backward(m, step, scale=100.0)
+            nanscan.check(m, recorder=recorder)
+            m.zero_grad()
+        recorder.close()
+    records = list(recorder.records)
+    assert all(not r.spikes for r in records[:20] + records[21:])
+    assert set(records[20].spikes) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert all(ratio == pytest.approx(50.0, rel=0.3) for ratio in records[20].spikes.values())
+    assert all(math.isnan(v) for r in records[:4] for v in r.spike_ratio), "no history, no ratio"
+    assert {(20, name) for name in records[20].spikes} == {(s, n) for s, n, _ in recorder.spikes}
+    messages = [str(w.message) for w in caught if "spike" in str(w.message)]
+    assert len(messages) == 1 and "step 20" in messages[0]
+    assert caught[0].filename == __file__, "the warning points at the caller, not into nanscan"
+
+
+def test_the_first_nonfinite_step_keeps_the_norms_that_led_to_it() -> None:
+    m = model()
+    recorder = nanscan.Recorder(every=4, history=5, warn=False)
+    norms: list[float] = []
+    for step in range(12):
+        backward(m, step, scale=2.0**step)  # a climb to overflow
+        if step >= 9:
+            plant(m, "0.bias", math.inf)
+        bias_grad = dict(m.named_parameters())["0.bias"].grad
+        assert bias_grad is not None
+        norms.append(float(bias_grad.norm()))
+        nanscan.check(m, recorder=recorder)
+        m.zero_grad()
+    recorder.close()
+    first = recorder.first_nonfinite
+    assert first is not None and first.step == 9 and first.parameters == ["0.bias"]
+    assert first.steps == [4, 5, 6, 7, 8]
+    assert first.norm_history["0.bias"] == pytest.approx(norms[4:9], rel=1e-6)
+    assert "step 9" in str(first) and "step 9: 0.bias" in str(recorder)
+
+
+def test_skips_and_the_loss_scale_are_recorded() -> None:
+    m = model()
+    optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=100)
+    for step in range(3):
+        backward(m, step)
+        if step == 1:
+            plant(m, "2.weight", math.nan)
+        nanscan.check(m, on_nonfinite="skip", optimizer=optimizer, recorder=recorder)
+        optimizer.step()
+        optimizer.zero_grad()
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=256.0).record(recorder)
+    for step in range(3):
+        scaler.scale(m(torch.randn(2, 8)).sum()).backward()
+        if step == 1:
+            plant(m, "0.weight", math.inf)
+        scaler.clip_grad_norm_(optimizer, 1.0) if step else scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    recorder.close()
+    r = sink.records
+    assert [x.skipped for x in r] == [False, True, False, False, True, False]
+    assert [x.loss_scale for x in r] == [None, None, None, 256.0, 256.0, 128.0]
+    assert r[3].max_norm is None and r[4].max_norm == 1.0 and r[5].clip_coef is not None
+
+
+def test_records_overwritten_before_a_read_are_counted_and_warned() -> None:
+    m = model()
+    recorder = nanscan.Recorder(every=10, capacity=40, spike_window=8)
+    backward(m, 0)
+    for _ in range(3):
+        nanscan.check(m, recorder=recorder)
+    # What graph replays do: appends that the host does not count (so it does not flush).
+    recorder.every = 10**9
+    for _ in range(50):
+        nanscan.check(m, recorder=recorder)
+    with pytest.warns(RuntimeWarning, match="13 records were overwritten"):
+        recorder.flush()
+    assert recorder.lost == 13 and recorder.read == 40
+
+
+def test_an_exception_in_the_with_block_still_reaches_the_sinks() -> None:
+    sink = Collect()
+    m = model()
+    with pytest.raises(nanscan.NonFiniteGradientError), nanscan.Recorder([sink], every=100) as recorder:
+        for step in range(5):
+            backward(m, step)
+            if step == 3:
+                plant(m, "0.weight", math.nan)
+            nanscan.check(m, max_norm=1.0, on_nonfinite="raise", recorder=recorder)
+            m.zero_grad()
+    assert [r.step for r in sink.records] == [0, 1, 2, 3], "the step that raised is recorded too"
+    assert not sink.records[3].finite and sink.closed
+
+
+def test_records_reach_the_file_at_interpreter_exit(tmp_path: Path) -> None:
+    path = tmp_path / "exit.jsonl"
+    script = f"""
+import torch, nanscan
+m = torch.nn.Linear(3, 2)
+recorder = nanscan.Recorder([nanscan.sinks.JSONLSink({str(path)!r})], every=100)
+for _ in range(3):
+    m(torch.randn(4, 3)).sum().backward()
+    nanscan.check(m, recorder=recorder)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=120)
+    assert len(read_jsonl(path)) == 3
+
+
+def test_memory_is_bounded_and_stated() -> None:
+    m = model()
+    recorder = nanscan.Recorder(every=10, capacity=50)
+    assert recorder.nbytes == 0
+    backward(m, 0)
+    nanscan.check(m, recorder=recorder)
+    assert recorder.nbytes == 50 * (24 * 4 + 48) + 8
+    for _ in range(200):
+        nanscan.check(m, recorder=recorder)
+    assert recorder.nbytes == 50 * (24 * 4 + 48) + 8 and len(recorder.records) == 64
+    assert "201 steps read" in str(recorder) or "200 steps read" in str(recorder)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every": 0}, "every must be a positive int"),
+        ({"every": 2.5}, "every must be a positive int"),
+        ({"capacity": 10, "spike_window": 10}, "capacity must be an int above spike_window"),
+        ({"every": 100, "capacity": 50}, "every .100. must be at most capacity"),
+        ({"spike_factor": 1.0}, "spike_factor must be a number above 1"),
+        ({"spike_min_history": 0}, "spike_min_history"),
+        ({"history": -1}, "history must be a positive int"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        nanscan.Recorder(**kwargs)
+
+
+def test_a_sink_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="must be callable"):
+        nanscan.Recorder(["run.jsonl"])  # type: ignore[list-item]
