@@ -25,6 +25,9 @@ reduction of the per-tensor results, all of it here:
 * Every rank must scan the same list for a mesh's reduction to mean anything: a fingerprint of the
   group's shapes and placements travels in the MAX buffer (as h and -h), and a Report refuses to
   read statistics whose ranks disagreed.
+* With ``checksum=True`` the statistics are global as always, but the checksums are of this rank's
+  local parts, unreduced: they are compared between the replicas of a part (nanscan.replicas), which
+  the plan lists too (``_Plan.replicated``: the tensors that have copies along each mesh dim).
 
 With ``process_group``, each rank's list is its own (a pipeline stage's parameters): the lists of all
 ranks are laid end to end (their names gathered once per distinct list, a host collective), each rank
@@ -152,12 +155,34 @@ class _Group:
 
 
 @dataclass
+class Replicated:
+    """The tensors of a list whose local parts are copies of each other along one mesh dim (its
+    placement is Replicate, or Partial, reduced to Replicate before the scan), or, with ``mesh``
+    None, the list's plain tensors (copies over whatever group holds the replicas: DDP's)."""
+
+    mesh: Any  # a DeviceMesh, or None for the plain tensors
+    dim: int | None  # the mesh dim along which the copies lie; None for the plain tensors
+    indices: list[int]  # positions in the list, ascending
+    index: torch.Tensor | None = None  # the indices on the checksums' device, made on first use
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """The indices on ``device``, made once (a host-to-device copy per call would be a sync)."""
+        if self.index is None or self.index.device != device:
+            self.index = torch.tensor(self.indices, dtype=torch.int64, device=device)
+        return self.index
+
+
+@dataclass
 class _Plan:
     """How one list layout is reduced: its mesh groups, made once per distinct layout."""
 
     groups: list[_Group]
     partial: list[int]  # indices of DTensors with a Partial placement (reduced before the scan)
     specs: list[Any]  # the DTensorSpecs of the layout, held so that their ids stay theirs
+    # Per (mesh, mesh dim) with copies, in order of first appearance (so every rank, holding the same
+    # list, compares them in the same order); the plain tensors under (None, None). A tensor
+    # replicated along two dims is in two; one sharded along every dim of its mesh in none.
+    replicated: list[Replicated]
 
 
 # Plans by the ids of the tensors' DTensorSpecs (None for plain tensors). FSDP2 gives a parameter's
@@ -168,7 +193,7 @@ _plans: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
 _unions: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
 
 
-def _mesh_group(mesh: Any) -> Any:
+def mesh_group(mesh: Any) -> Any:
     """The process group spanning every rank of a mesh."""
     if mesh.ndim == 1:
         return mesh.get_group()
@@ -202,13 +227,41 @@ def _plan(specs: list[Any]) -> _Plan:
             for i in indices
         ]
         description = [(specs[i].placements, specs[i].shape) for i in indices]
-        groups.append(_Group(indices, _mesh_group(mesh), counted, _fingerprint(description)))
+        groups.append(_Group(indices, mesh_group(mesh), counted, _fingerprint(description)))
     partial = [i for i, spec in enumerate(specs) if spec is not None and any(p.is_partial() for p in spec.placements)]
-    plan = _Plan(groups, partial, list(specs))
+    plan = _Plan(groups, partial, list(specs), _replicated(specs))
     _plans[key] = plan
     if len(_plans) > _PLANS:
         _plans.popitem(last=False)
     return plan
+
+
+def _replicated(specs: list[Any]) -> list[Replicated]:
+    """The tensors with copies, by (mesh, dim), in order of first appearance (see _Plan.replicated)."""
+    by_key: dict[tuple[Any, int | None], list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec is None:
+            by_key.setdefault((None, None), []).append(i)
+            continue
+        for d, p in enumerate(spec.placements):
+            if p.is_replicate() or p.is_partial():  # Partial: the scan reads it reduced, a copy
+                by_key.setdefault((spec.mesh, d), []).append(i)
+    return [Replicated(mesh, dim, indices) for (mesh, dim), indices in by_key.items()]
+
+
+def plan_of(tensors: Sequence[torch.Tensor]) -> _Plan:
+    """The (cached) plan of a list that holds DTensors: its mesh groups, Partial tensors, replicas."""
+    return _plan([getattr(t, "_spec", None) for t in tensors])  # a DTensor's layout; plain ones have none
+
+
+def local_parts(tensors: Sequence[torch.Tensor], plan: _Plan) -> list[torch.Tensor]:
+    """What a distributed scan reads of each tensor: a DTensor's local shard, a Partial DTensor's
+    local part once reduced (one collective each: every rank of the mesh must call this), a plain
+    tensor itself."""
+    locals_ = to_local(tensors)
+    for i in plan.partial:
+        locals_[i] = _without_partial(tensors[i])
+    return locals_
 
 
 def _without_partial(t: Any) -> torch.Tensor:
@@ -323,22 +376,27 @@ def _group_device(group: Any) -> torch.device:
 
 
 def scan(
-    tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool, process_group: Any = None
+    tensors: list[torch.Tensor],
+    names: Sequence[str] | None,
+    fp16_range: bool,
+    process_group: Any = None,
+    checksum: bool = False,
 ) -> ScanResult:
     """``nanscan.scan`` of a list that holds DTensors or is reduced over ``process_group``: every rank
-    gets the global statistics of every tensor (see the module notes)."""
+    gets the global statistics of every tensor (see the module notes). ``checksum`` adds the replica
+    checksum of each tensor's local part on this rank, not reduced (nanscan.scan refuses it with
+    ``process_group``, whose ranks hold different tensors, and with ``fp16_range``)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("nanscan: DTensors and process_group need torch.distributed to be initialized")
-    specs = [getattr(t, "_spec", None) for t in tensors]  # a DTensor's layout; plain tensors have none
-    plan = _plan(specs)
-    locals_ = to_local(tensors)
-    for i in plan.partial:
-        locals_[i] = _without_partial(tensors[i])
+    plan = plan_of(tensors)
+    locals_ = local_parts(tensors, plan)
     rank = dist.get_rank()
     world = dist.get_world_size()
     # A rank with nothing to scan still takes part in the group's collectives, on the group's device.
     local = (
-        scan_local(locals_, names, fp16_range) if locals_ else empty_result(fp16_range, _group_device(process_group))
+        scan_local(locals_, names, fp16_range, checksum)
+        if locals_
+        else empty_result(fp16_range, _group_device(process_group), checksum=checksum)
     )
     device = local.norm.device
     sums, maxes = _local_rows(local, rank)
@@ -362,7 +420,7 @@ def scan(
         sums, maxes = flat_sums[:-world].view(-1, n), union_maxes
         any_by_rank = flat_sums[-world:].clamp(max=1.0)
         result_names = tuple(all_names)
-    return _result(sums, maxes, any_by_rank, consistent, result_names)
+    return _result(sums, maxes, any_by_rank, consistent, result_names, local.checksum)
 
 
 def _result(
@@ -371,7 +429,9 @@ def _result(
     any_by_rank: torch.Tensor,
     consistent: torch.Tensor,
     names: tuple[str, ...] | None,
+    checksum: torch.Tensor | None = None,
 ) -> ScanResult:
+    """The global ScanResult from the reduced rows; ``checksum``, this rank's local one, as it is."""
     nan, inf, sumsq = sums[_NAN], sums[_INF], sums[_SUMSQ]
     norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, sumsq.sqrt()))
     total_nan, total_inf, total_sumsq = nan.sum(), inf.sum(), sumsq.sum()
@@ -391,4 +451,5 @@ def _result(
         names=names,
         ranks=Attribution(sums[_BAD], sums[_RANK_SUM], sums[_RANK_SQUARE_SUM], any_by_rank),
         consistent=consistent,
+        checksum=checksum,
     )

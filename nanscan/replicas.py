@@ -6,49 +6,87 @@ breaks that without any NaN. nanscan checks it every step, on the device and wit
 
 1. The scan that computes the statistics also computes each tensor's replica checksum
    (``scan(..., checksum=True)``; the definition is in csrc/common/scan_rules.h).
-2. One all-reduce (MAX) of ``[checksum, ~checksum]`` per tensor, 16 bytes per tensor, gives every
-   rank the largest and the smallest checksum: the replicas agree exactly where the two are equal.
+2. One all-reduce (MAX) of ``[checksum, ~checksum]`` per tensor, 16 bytes per tensor, over the ranks
+   that hold the copies, gives each of them the largest and the smallest checksum: the replicas agree
+   exactly where the two are equal.
 3. One all-reduce (SUM) of per-rank bits, 16 bytes per tensor and per 62 ranks, says which ranks
    differ from the largest and which from the smallest; the ranks outside the majority are the
    divergent ones. With two replicas, or any tie, no majority exists and both sides are named.
 
-The second collective is issued unconditionally: deciding on the host whether it is needed would be
-a sync. Its result is read only when ``divergent`` is.
+Which ranks hold copies of what:
+
+* Plain tensors (DDP): every rank of the replicas' group (DDP's, else the default group) holds all.
+* DTensors: a rank's local part has copies along each mesh dim whose placement is Replicate (HSDP's
+  replicate dim, a tensor-parallel bias), or Partial (the scan reads it reduced, so replicated). A
+  tensor is compared along each such dim: the MAX over that dim's group (the ranks that differ only
+  in that coordinate), the SUM over the whole mesh, so that every rank of the mesh learns about every
+  set of copies and gets the same answer (a rank that acted on a different answer would leave the
+  others waiting in the next collective). A DTensor sharded along every dim of its mesh (FSDP2 on a
+  1-d mesh) has no copies: it is not compared, and consistent by definition.
+
+The tensors of a list are grouped by (mesh, dim), the plain ones in a group of their own, in order
+of first appearance; every rank holds the same list, so every rank issues the same collectives in the
+same order: two per group, none for a group without tensors. A tensor replicated along two dims of
+its mesh is compared along both, and the ranks named for it are those named along either dim.
+
+The SUM is issued unconditionally: deciding on the host whether it is needed would be a sync. Its
+result is read only when ``consistent`` or ``divergent`` is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import distributed
 from .report import named_gradients
+from .scan import scan_local
 
 RANKS_PER_WORD = 62  # bits per int64 word of a rank mask: sums of distinct powers below 2^62 are exact
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where the copies compared by one pair of all-reduces sit. A rank's *position* is its rank in
+    ``spread_group``: its bit in the rank masks."""
+
+    replica_group: Any  # the MAX: the ranks whose copies this rank compares with its own (None: world)
+    spread_group: Any  # the SUM: every rank that learns the outcome (None: world)
+    position: int  # this rank's
+    ranks: list[int]  # the global rank at each position
+    line_of: list[int]  # at each position, which set of copies it belongs to
+    line_sizes: list[int]  # the number of copies in each set
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The outcome of one pair of all-reduces, over some of the list's tensors."""
+
+    indices: list[int] | None  # which of the check's tensors (positions in its names); None: all
+    masks: torch.Tensor  # int64 [2, words, n]: positions that differ from their set's largest / smallest
+    layout: _Layout
+
+
 class ReplicaCheck:
-    """The outcome of comparing tensors across the replicas of a process group.
+    """The outcome of comparing tensors across the replicas that hold them.
 
     Attributes:
-        names: the tensors compared, one name each.
+        names: the tensors checked, one name each (those without replicas among them: consistent).
         consistent_tensor: bool [] on the tensors' device: every replica holds every tensor bit for bit
             (but for a 2^-32 chance per changed tensor of a checksum collision). No sync to get it.
     """
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        checksum_range: torch.Tensor,
-        rank_masks: torch.Tensor,
-        group_ranks: list[int],
-    ) -> None:
+    def __init__(self, names: Sequence[str], parts: list[_Part], device: torch.device) -> None:
         self.names = names
-        self._range = checksum_range  # int64 [2, N]: largest checksum, ~smallest checksum
-        self._masks = rank_masks  # int64 [2, words, N]: ranks that differ from the largest / the smallest
-        self._group_ranks = group_ranks
-        self.consistent_tensor = (checksum_range[0] == ~checksum_range[1]).all()
+        self._parts = parts
+        consistent = torch.ones((), dtype=torch.bool, device=device)
+        for part in parts:
+            # A set of copies that disagrees has a member off its largest checksum: a bit set.
+            consistent = consistent & (part.masks[0] == 0).all()
+        self.consistent_tensor = consistent
         self._divergent: dict[str, list[int]] | None = None
 
     @property
@@ -58,64 +96,134 @@ class ReplicaCheck:
 
     @property
     def divergent(self) -> dict[str, list[int]]:
-        """Each tensor whose replicas differ, with the (global) ranks outside the majority; both sides
-        where there is no majority (two replicas). Empty when consistent. One sync, on first reading."""
+        """Each tensor whose replicas differ, with the (global) ranks outside the majority of its set of
+        copies; both sides where there is no majority (two replicas). Empty when consistent. The same
+        on every rank of the replicas' group (of the mesh, for DTensors). One sync, on first reading."""
         if self._divergent is None:
             self._divergent = self._decode()
         return self._divergent
 
     def _decode(self) -> dict[str, list[int]]:
-        high, inverted_low = self._range.cpu().tolist()
-        masks = self._masks.cpu().tolist()
-        world = len(self._group_ranks)
-        found: dict[str, list[int]] = {}
-        for i, name in enumerate(self.names):
-            if high[i] == ~inverted_low[i]:
-                continue
-            off_high = self._ranks_in([words[i] for words in masks[0]])
-            off_low = self._ranks_in([words[i] for words in masks[1]])
-            on_high, on_low = world - len(off_high), world - len(off_low)
-            if on_high > on_low:
-                group_ranks = off_high
-            elif on_low > on_high:
-                group_ranks = off_low
-            else:
-                group_ranks = off_high | off_low
-            found[name] = sorted(self._group_ranks[r] for r in group_ranks)
-        return found
+        found: dict[int, set[int]] = {}  # by position in the list, so the dict follows its order
+        for part in self._parts:
+            layout = part.layout
+            masks = part.masks.cpu().tolist()
+            for j in range(part.masks.shape[2]):
+                off_high = self._ranks_in([words[j] for words in masks[0]])
+                if not off_high:
+                    continue  # every set of copies of this tensor agrees
+                off_low = self._ranks_in([words[j] for words in masks[1]])
+                for line in sorted({layout.line_of[p] for p in off_high}):
+                    line_high = {p for p in off_high if layout.line_of[p] == line}
+                    line_low = {p for p in off_low if layout.line_of[p] == line}
+                    on_high, on_low = layout.line_sizes[line] - len(line_high), layout.line_sizes[line] - len(line_low)
+                    if on_high > on_low:
+                        named = line_high
+                    elif on_low > on_high:
+                        named = line_low
+                    else:
+                        named = line_high | line_low
+                    index = j if part.indices is None else part.indices[j]
+                    found.setdefault(index, set()).update(layout.ranks[p] for p in named)
+        return {self.names[i]: sorted(found[i]) for i in sorted(found)}
 
     @staticmethod
     def _ranks_in(words: list[int]) -> set[int]:
         return {w * RANKS_PER_WORD + b for w, word in enumerate(words) for b in range(RANKS_PER_WORD) if word >> b & 1}
 
     def __repr__(self) -> str:
-        return f"<nanscan.ReplicaCheck of {len(self.names)} tensors over {len(self._group_ranks)} ranks>"
+        compared = len({i for part in self._parts for i in (part.indices or range(len(self.names)))})
+        ranks = len({r for part in self._parts for r in part.layout.ranks})
+        return (
+            f"<nanscan.ReplicaCheck of {len(self.names)} tensors, {compared} with replicas, "
+            f"in {len(self._parts)} groups over {ranks} ranks>"
+        )
 
 
-def compare(names: Sequence[str], checksums: torch.Tensor, process_group: Any = None) -> ReplicaCheck:
-    """Compares each rank's ``checksums`` (int64 [N], from ``scan(..., checksum=True)``) across the
-    group, in two all-reduces and with no host sync. Every rank of the group must call it, with the
-    same number of tensors."""
+# Layouts by the identity of their mesh (or plain group) and mesh dim; each value holds its owner, so
+# that an id in a key cannot be another object's. Meshes and groups live as long as the training.
+_layouts: dict[tuple[int, int | None], tuple[Any, _Layout]] = {}
+
+
+def _layout_of(owner: Any, dim: int | None) -> _Layout:
+    """The layout of the copies along ``dim`` of the mesh ``owner``, or, with ``dim`` None, of plain
+    tensors held by every rank of the group ``owner`` (None: the default group). Made once."""
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    key_owner = dist.group.WORLD if owner is None else owner  # a new object when the world is re-made
+    key = (id(key_owner), dim)
+    cached = _layouts.get(key)
+    if cached is not None:
+        return cached[1]
+    if dim is None:
+        replica_group = spread_group = owner
+        lines = [dist.get_process_group_ranks(owner)]
+    else:
+        replica_group, spread_group = owner.get_group(dim), distributed.mesh_group(owner)
+        # Every run of global ranks along ``dim`` differs only in that coordinate: a set of copies.
+        lines = owner.mesh.movedim(dim, -1).reshape(-1, owner.size(dim)).tolist()
+    ranks = dist.get_process_group_ranks(spread_group)
+    position_of = {rank: p for p, rank in enumerate(ranks)}
+    line_of = [0] * len(ranks)
+    for i, line in enumerate(lines):
+        for rank in line:
+            line_of[position_of[rank]] = i
+    layout = _Layout(
+        replica_group, spread_group, position_of[dist.get_rank()], ranks, line_of, [len(line) for line in lines]
+    )
+    _layouts[key] = (key_owner, layout)
+    return layout
+
+
+def _compare_part(checksums: torch.Tensor, indices: list[int] | None, layout: _Layout) -> _Part:
+    """The two all-reduces of one set of tensors (see the module notes); no host sync."""
+    import torch.distributed as dist
+
     n = checksums.shape[0]
     checksum_range = torch.cat([checksums, ~checksums]).view(2, n)
-    dist.all_reduce(checksum_range, op=dist.ReduceOp.MAX, group=process_group)
-    words = -(-world // RANKS_PER_WORD)
-    word, bit = divmod(rank, RANKS_PER_WORD)
+    dist.all_reduce(checksum_range, op=dist.ReduceOp.MAX, group=layout.replica_group)
+    words = -(-len(layout.ranks) // RANKS_PER_WORD)
+    word, bit = divmod(layout.position, RANKS_PER_WORD)
     masks = torch.zeros((2, words, n), dtype=torch.int64, device=checksums.device)
     masks[0, word] = (checksums != checksum_range[0]).to(torch.int64) << bit
     masks[1, word] = (checksums != ~checksum_range[1]).to(torch.int64) << bit
-    dist.all_reduce(masks, op=dist.ReduceOp.SUM, group=process_group)
-    group_ranks = (
-        [dist.get_global_rank(process_group, r) for r in range(world)] if process_group else list(range(world))
-    )
-    return ReplicaCheck(names, checksum_range, masks, group_ranks)
+    dist.all_reduce(masks, op=dist.ReduceOp.SUM, group=layout.spread_group)
+    return _Part(indices, masks, layout)
+
+
+def compare(names: Sequence[str], checksums: torch.Tensor, process_group: Any = None) -> ReplicaCheck:
+    """Compares each rank's ``checksums`` of plain tensors (int64 [N], from ``scan(..., checksum=True)``)
+    across the group, in two all-reduces (none for an empty list) and with no host sync. Every rank
+    of the group must call it, with the same number of tensors."""
+    parts = [_compare_part(checksums, None, _layout_of(process_group, None))] if len(names) else []
+    return ReplicaCheck(names, parts, checksums.device)
+
+
+def compare_tensors(
+    names: Sequence[str], tensors: Sequence[torch.Tensor], checksums: torch.Tensor, process_group: Any = None
+) -> ReplicaCheck:
+    """Compares the ``checksums`` of ``tensors`` (int64 [N], from ``scan(tensors, checksum=True)``: of
+    a DTensor's local part) with those of their copies on other ranks: plain tensors over
+    ``process_group`` (None: the default group), DTensors along each of their mesh's Replicate (or
+    Partial) dims; DTensors without such a dim are not compared (see the module notes). Two
+    all-reduces per (mesh, dim) and for the plain tensors; no host sync. Every rank that holds a
+    part of the tensors must call it, with the same list."""
+    if not distributed.has_dtensor(tensors):
+        return compare(names, checksums, process_group)
+    parts = []
+    for copies in distributed.plan_of(tensors).replicated:
+        layout = _layout_of(process_group, None) if copies.mesh is None else _layout_of(copies.mesh, copies.dim)
+        if len(copies.indices) == len(tensors):  # every tensor is in this set: no copy of the checksums
+            parts.append(_compare_part(checksums, None, layout))
+        else:
+            subset = checksums.index_select(0, copies.index_on(checksums.device))
+            parts.append(_compare_part(subset, copies.indices, layout))
+    return ReplicaCheck(names, parts, checksums.device)
 
 
 def replica_group(model_or_params: object, process_group: Any) -> Any:
-    """The group whose ranks hold the replicas: ``process_group`` if given, else a DDP model's own."""
+    """The group whose ranks hold the replicas of plain tensors: ``process_group`` if given, else a
+    DDP model's own (None, the default group, otherwise)."""
     if process_group is not None:
         return process_group
     return (
@@ -131,21 +239,24 @@ def verify_replicas(
     *,
     gradients: bool = False,
 ) -> ReplicaCheck:
-    """Whether every rank of the group holds bit-identical parameters (after ``optimizer.step()``:
-    weights that drift), or their gradients with ``gradients=True``. One fused scan computes the
-    checksums; two all-reduces compare them; nothing syncs until ``consistent`` or ``divergent`` is
-    read. ``check(..., verify_replicas=True)`` does the same for gradients within the check's own scan.
+    """Whether every rank holds bit-identical copies of the parameters (after ``optimizer.step()``:
+    weights that drift), or of their gradients with ``gradients=True``. One fused scan of this rank's
+    data computes the checksums; two all-reduces per set of replicas compare them; nothing syncs until
+    ``consistent`` or ``divergent`` is read. ``check(..., verify_replicas=True)`` does the same for
+    gradients within the check's own scan.
 
     Args:
-        model_or_params: an ``nn.Module`` (a DDP model too), an iterable of parameters, or of
-            ``(name, parameter)`` pairs; every rank must pass the same tensors.
-        process_group: the replicas' group; default: a DDP model's, else the default group.
+        model_or_params: an ``nn.Module`` (a DDP, FSDP2 or tensor-parallel model too), an iterable of
+            parameters, or of ``(name, parameter)`` pairs; every rank must pass the same tensors.
+        process_group: the group whose ranks hold copies of the plain tensors; default: a DDP
+            model's, else the default group. DTensors are compared along their own meshes.
         gradients: compare the ``.grad`` of each parameter instead of the parameter.
 
-    Plain (replicated) tensors only: DTensors are refused (their shards are not replicas).
+    What is compared: a plain tensor, whole, across the group; a DTensor's local shard with the
+    shards that are its copies, along each mesh dim whose placement is Replicate (HSDP's replicate
+    dim, a tensor-parallel bias) or Partial (compared once reduced: one collective per such tensor).
+    A DTensor sharded along every dim (FSDP2 on a 1-d mesh) has no copies: it is not compared.
     """
-    from .scan import scan
-
     names: Sequence[str]
     tensors: list[torch.Tensor]
     if gradients:
@@ -160,6 +271,10 @@ def verify_replicas(
         ]
         names, tensors = [str(name) for name, _ in named], [t.detach() for _, t in named]
     with torch.no_grad():
-        result = scan(tensors, names, checksum=True)
+        # Only the checksums are needed, and they are of local data: the local parts are scanned
+        # alone, without the statistics' collectives a scan of DTensors would add.
+        has_dtensor = distributed.has_dtensor(tensors)
+        local = distributed.local_parts(tensors, distributed.plan_of(tensors)) if has_dtensor else tensors
+        result = scan_local(local, names, False, checksum=True)
     assert result.checksum is not None
-    return compare(names, result.checksum, replica_group(model_or_params, process_group))
+    return compare_tensors(names, tensors, result.checksum, replica_group(model_or_params, process_group))

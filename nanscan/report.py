@@ -385,10 +385,12 @@ def check(
             every rank's parameters (``names`` in rank order), and the clip uses the norm over all of
             them. DTensor gradients (FSDP2, tensor parallel) need no argument: their statistics are
             reduced over their meshes. Every rank of the group (or mesh) must call ``check``.
-        verify_replicas: data parallelism (DDP, or replicas of a plain model): also prove that every
-            rank holds bit-identical gradients, from a checksum computed in the same scan and two
-            small all-reduces over the replicas' group (a DDP model's, else the default group); see
-            ``Report.replicas_consistent`` and ``Report.divergent``, and nanscan.replicas.
+        verify_replicas: data parallelism (DDP, HSDP, replicas of a plain model, tensor-parallel
+            Replicate gradients): also prove that every rank holds bit-identical copies of its
+            gradients, from a checksum computed in the same scan and two small all-reduces per set of
+            replicas (plain tensors: a DDP model's group, else the default group; DTensors: each mesh
+            dim along which they are replicated); see ``Report.replicas_consistent`` and
+            ``Report.divergent``, and nanscan.replicas.
         recorder: a ``nanscan.Recorder`` that keeps this step's statistics (appended on the device, no
             sync), with whether ``"skip"`` skipped the step; appended before ``"raise"`` raises.
 
@@ -425,8 +427,10 @@ def check(
             from . import replicas as replicas_module
 
             assert stats.checksum is not None
-            replicas = replicas_module.compare(
-                names, stats.checksum, replicas_module.replica_group(model_or_params, None)
+            # The gradients themselves, not only their checksums: a DTensor's placements say which
+            # ranks hold copies of its local part (HSDP's replicate dim, a tensor-parallel bias).
+            replicas = replicas_module.compare_tensors(
+                names, grads, stats.checksum, replicas_module.replica_group(model_or_params, None)
             )
         scanner = ddp.scanner_of(model_or_params)
         if scanner is not None:  # DDP with nanscan's hook: which ranks' own gradients held a NaN/Inf

@@ -46,7 +46,10 @@ class ScanResult:
             layout (shapes and placements); statistics of ranks that did not are meaningless.
         checksum: int64 [N], each tensor's replica checksum (only with ``checksum=True``): a hash of
             its bits and their positions, equal on two processes exactly when (but for a 2^-32 chance
-            of a collision) their tensors are bit-identical. See nanscan.distributed.verify_replicas.
+            of a collision) their tensors are bit-identical. For a DTensor, unlike the statistics
+            beside it, the checksum of this rank's local part (its shard; a Partial tensor's value
+            once reduced), not reduced over the mesh: it is compared with the same part's copies on
+            other ranks, where it has some (nanscan.replicas).
     """
 
     nan_count: torch.Tensor
@@ -159,8 +162,8 @@ def scan(
         fp16_range: also count, in the same pass, the finite values an fp16 could not hold
             (``fp16_overflow``, ``fp16_underflow``): the evidence ``nanscan.amp.Advisor`` works from.
         checksum: also compute, in the same pass, each tensor's replica checksum (``checksum``), to
-            compare replicas across processes (nanscan.distributed.verify_replicas). Plain tensors
-            only, and not together with ``fp16_range``.
+            compare replicas across processes (nanscan.replicas); of a DTensor's local part only. Not
+            together with ``fp16_range`` (one pass computes one or the other) or ``process_group``.
         process_group: ranks that each hold different tensors (pipeline stages): every rank gets the
             statistics of every rank's tensors (``result.names`` names them). See nanscan.distributed.
 
@@ -173,15 +176,20 @@ def scan(
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if names is not None and len(names) != len(tensors):
         raise ValueError(f"nanscan.scan: got {len(names)} names for {len(tensors)} tensors; give one name per tensor")
-    if checksum and (fp16_range or process_group is not None or (tensors and _is_dtensor(tensors[0]))):
+    if checksum and fp16_range:
         raise ValueError(
-            "nanscan.scan: checksum=True is for plain tensors, without fp16_range or process_group "
-            "(replicas are compared by nanscan.distributed.verify_replicas)"
+            "nanscan.scan: checksum=True is for plain tensors and DTensors, without fp16_range (the op "
+            "computes one or the other in a pass; scan twice for both)"
+        )
+    if checksum and process_group is not None:
+        raise ValueError(
+            "nanscan.scan: checksum=True compares replicas of the same tensors; process_group is for ranks "
+            "that hold different ones (pipeline stages). Scan without process_group to compare replicas"
         )
     if process_group is not None or (tensors and _is_dtensor(tensors[0])):
         from . import distributed
 
-        return distributed.scan(tensors, names, fp16_range, process_group)
+        return distributed.scan(tensors, names, fp16_range, process_group, checksum)
     try:
         return scan_local(tensors, names, fp16_range, checksum)
     except (RuntimeError, TypeError):
@@ -191,7 +199,7 @@ def scan(
             from . import distributed
 
             if distributed.has_dtensor(tensors):
-                return distributed.scan(tensors, names, fp16_range)
+                return distributed.scan(tensors, names, fp16_range, checksum=checksum)
         raise
 
 

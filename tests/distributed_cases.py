@@ -462,21 +462,184 @@ def weights_that_drift_after_the_step_are_named(world: int) -> None:
 
 
 @case
-def replica_checks_refuse_what_they_cannot_compare(world: int) -> None:
+def replica_checks_of_shards_and_what_they_refuse(world: int) -> None:
+    # A DTensor sharded along every dim of its mesh (FSDP2 on a 1-d mesh) has no copies: nothing to
+    # compare, no collective, consistent even when its shards differ (as shards do).
     mesh = init_device_mesh("cpu", (world,))
     sharded = distribute_tensor(torch.randn(world * 2, 3), mesh, [Shard(0)])
+    flip_one_bit(sharded.to_local(), index=dist.get_rank())
+    with counted_all_reduces() as calls:
+        shards = nanscan.verify_replicas([("sharded", sharded)])
+        consistent = shards.consistent
+    errors = [
+        _value_error(
+            lambda: nanscan.check(
+                [torch.nn.Parameter(torch.ones(2))], verify_replicas=True, process_group=dist.group.WORLD
+            )
+        ),
+        _value_error(lambda: nanscan.scan([sharded], checksum=True, process_group=dist.group.WORLD)),
+        _value_error(lambda: nanscan.scan([sharded], checksum=True, fp16_range=True)),
+    ]
+    assert calls[0] == 0, f"{calls[0]} all-reduces to compare a tensor that has no replicas"
+    assert consistent and shards.divergent == {}, shards.divergent
+    assert "pipeline stages" in errors[0], errors[0]  # check(verify_replicas=True, process_group=...)
+    assert "pipeline stages" in errors[1], errors[1]  # scan(checksum=True, process_group=...)
+    assert "fp16_range" in errors[2], errors[2]
+
+
+def _value_error(call: Callable[[], object]) -> str:
+    """The message of the ValueError ``call`` raises; '' when it raises none."""
     try:
-        nanscan.verify_replicas([sharded])
+        call()
     except ValueError as error:
-        assert "plain tensors" in str(error), error
-    else:
-        raise AssertionError("a DTensor's shards are not replicas: verify_replicas must refuse it")
-    try:
-        nanscan.check([torch.nn.Parameter(torch.ones(2))], verify_replicas=True, process_group=dist.group.WORLD)
-    except ValueError as error:
-        assert "pipeline stages" in str(error), error
-    else:
-        raise AssertionError("check(verify_replicas=True, process_group=...) must refuse")
+        return str(error)
+    return ""
+
+
+@case
+def dtensor_checksums_are_of_the_local_part(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(4)
+    full = torch.randn(world * 3, 5)
+    dtensors = [distribute_tensor(full, mesh, [Shard(0)]), distribute_tensor(full, mesh, [Replicate()])]
+    # A DTensor first takes the direct route; a plain tensor first, the op's refusal and the fallback.
+    lists = ([*dtensors, full], [full, *dtensors])
+    results = [nanscan.scan(tensors, checksum=True) for tensors in lists]
+    for tensors, result in zip(lists, results, strict=True):
+        want = nanscan.scan([t.to_local() if isinstance(t, DTensor) else t for t in tensors], checksum=True)
+        assert result.checksum is not None and want.checksum is not None
+        assert torch.equal(result.checksum, want.checksum), "a DTensor's checksum is its local part's"
+        assert_close(result.norm, full.double().norm().expand(3), "the statistics stay global")
+
+
+@case
+def every_placement_compared_with_its_copies(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    full = [torch.randn(world * 2, 3), torch.randn(7), torch.randn(2, 3), torch.randn(6)]
+    names = ["sharded", "replicated", "partial", "plain"]
+    tensors = [
+        distribute_tensor(full[0], mesh, [Shard(0)]),  # no copies: not compared
+        distribute_tensor(full[1], mesh, [Replicate()]),  # compared along the mesh
+        DTensor.from_local(full[2] / world, mesh, [Partial()]),  # compared once reduced, with the above
+        full[3],  # a plain tensor beside them: compared over the default group
+    ]
+    with counted_all_reduces() as calls:
+        clean = nanscan.verify_replicas(list(zip(names, tensors, strict=True)))
+        consistent = clean.consistent
+    rank, bad = dist.get_rank(), world - 1
+    if rank == bad:
+        flip_one_bit(tensors[1].to_local(), index=2)
+    if rank == 0:
+        flip_one_bit(tensors[3], index=5)
+    flip_one_bit(tensors[0].to_local(), index=rank)  # shards differ anyway
+    drifted = nanscan.verify_replicas(list(zip(names, tensors, strict=True)))
+    # The Partial tensor's reduction is DTensor's own collective, not counted here.
+    assert calls[0] == 4, f"{calls[0]} all-reduces: two for the mesh's Replicate set, two for the plain set"
+    assert consistent and clean.divergent == {}, clean.divergent
+    assert not drifted.consistent
+    pair = [0, 1] if world == 2 else None
+    want = {"replicated": pair or [bad], "plain": pair or [0]}
+    assert drifted.divergent == want, drifted.divergent
+
+
+def hsdp_mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+@case
+def hsdp_bit_flip_in_one_replica_is_named(world: int) -> None:
+    if world != 4:
+        return
+    mesh = hsdp_mesh()  # ranks [[0, 1], [2, 3]]: 0 and 2 hold copies, 1 and 3 hold copies
+    # Linear(24, 1): its weight's single row and its bias are sharded over 2 ranks, so one of the
+    # two holds empty shards (uneven shards; an empty local part has a checksum too).
+    model = fsdp(mlp([16, 24, 1]), mesh)
+    backward(model, 16)
+    placements = {n: p.grad.placements for n, p in model.named_parameters()}
+    with counted_all_reduces() as calls:
+        clean = nanscan.check(model, verify_replicas=True)
+        consistent = clean.replicas_consistent
+    bad = 3
+    if dist.get_rank() == bad:  # after HSDP's all-reduce: only this replica's shard changes
+        flip_one_bit(model[0].weight.grad.to_local())
+    report = nanscan.check(model, verify_replicas=True)
+    assert placements["0.weight"] == (Replicate(), Shard(0)), placements
+    assert calls[0] == 4, f"{calls[0]} all-reduces: two for the statistics, two for the replicate dim"
+    assert consistent and clean.divergent == {}, clean.divergent
+    assert report.finite, "a flipped mantissa bit is no NaN: only the replica check sees it"
+    # On every rank, 0 and 2 too: two replicas have no majority, both are named.
+    assert not report.replicas_consistent
+    assert report.divergent == {"0.weight": [1, 3]}, report.divergent
+
+
+@case
+def hsdp_weights_that_drift_after_the_step_are_named(world: int) -> None:
+    if world != 4:
+        return
+    model = fsdp(mlp([16, 24, 1]), hsdp_mesh())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward(model, 16)
+    optimizer.step()
+    with counted_all_reduces() as calls:
+        clean = nanscan.verify_replicas(model)
+        consistent = clean.consistent
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            flip_one_bit(model[0].bias.to_local(), index=1)
+    drifted = nanscan.verify_replicas(model)
+    grads = nanscan.verify_replicas(model, gradients=True)
+    assert calls[0] == 2, f"{calls[0]} all-reduces: no statistics, two for the replicate dim"
+    assert consistent and clean.divergent == {}, clean.divergent
+    assert grads.consistent, "the gradients still agree: only the weights drifted"
+    assert drifted.divergent == {"0.bias": [0, 2]}, drifted.divergent
+
+
+@case
+def tensor_parallel_replicated_gradient_is_compared(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(mlp([16, 32, 16]), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    backward(model, 16)
+    with counted_all_reduces() as calls:
+        clean = nanscan.check(model, verify_replicas=True)
+        consistent = clean.replicas_consistent
+    rank, bad = dist.get_rank(), world - 1
+    if rank == bad:
+        flip_one_bit(model[2].bias.grad.to_local())  # Replicate: every rank holds a copy
+    flip_one_bit(model[0].weight.grad.to_local(), index=rank)  # Shard: no copies, not compared
+    report = nanscan.check(model, verify_replicas=True)
+    with counted_all_reduces() as alone:
+        grads = nanscan.verify_replicas(model, gradients=True)
+        grads.divergent  # noqa: B018
+    assert calls[0] == 4, f"{calls[0]} all-reduces: two for the statistics, two for 2.bias's copies"
+    assert alone[0] == 2, f"{alone[0]} all-reduces for verify_replicas alone"
+    assert consistent and clean.divergent == {}, clean.divergent
+    # Two replicas have no majority: both are named. Four name the one that differs.
+    want = {"2.bias": [0, 1] if world == 2 else [bad]}
+    assert not report.replicas_consistent and report.divergent == want, report.divergent
+    assert grads.divergent == want, grads.divergent
+
+
+@case
+def fsdp_and_tensor_parallel_replicas_along_the_tp_dim(world: int) -> None:
+    if world != 4:
+        return
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # tp pairs: 0 and 1, 2 and 3
+    model = mlp([16, 32, 16])
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fsdp(model, mesh["dp"])
+    backward(model, 16)
+    placements = {n: p.grad.placements for n, p in model.named_parameters()}
+    with counted_all_reduces() as calls:
+        clean = nanscan.check(model, verify_replicas=True)
+        consistent = clean.replicas_consistent
+    if dist.get_rank() == 2:
+        flip_one_bit(model[2].bias.grad.to_local())
+    report = nanscan.check(model, verify_replicas=True)
+    assert placements["2.bias"][1] == Replicate(), placements
+    assert calls[0] == 4, f"{calls[0]} all-reduces: two for the statistics, two for the tp dim"
+    assert consistent and clean.divergent == {}, clean.divergent
+    assert report.divergent == {"2.bias": [2, 3]}, report.divergent
 
 
 if __name__ == "__main__":  # python tests/distributed_cases.py RANK WORLD INIT OUTDIR [CASE ...]
