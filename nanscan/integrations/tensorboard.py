@@ -1,0 +1,159 @@
+"""A Recorder sink that writes each step's gradient statistics to TensorBoard.
+
+    from nanscan.integrations.tensorboard import TensorBoardSink
+    recorder = nanscan.Recorder(sinks=[TensorBoardSink("runs/exp1")])
+
+Tags, under ``prefix`` (default ``nanscan``), at ``global_step = record.step``:
+
+* ``total_norm``, ``clip_coef`` and ``loss_scale`` (when the step has them), ``skipped`` (0/1),
+  ``nonfinite_parameters`` (parameters whose gradient held a NaN or an Inf), ``nan_count`` and
+  ``inf_count`` (summed over parameters), ``spikes`` (parameters at or above the spike factor);
+* ``grad_norm/<layer>``: the norm of each layer's gradients together (``nanscan.layers``: a few
+  hundred tags at most, however many parameters);
+* ``param_grad_norm/<name>``: each parameter's norm, when ``per_parameter`` (by default, for models
+  of at most ``nanscan.layers.MAX_GROUPS`` parameters);
+* ``log10_grad_norm``: a histogram of log10 of the step's finite, non-zero per-parameter norms, and
+  beside it ``nonfinite_norms``, the count of the NaN/Inf norms the histogram cannot hold. Both are
+  built from the recorded statistics, not from a copy of the gradients.
+
+TensorBoard is imported when a sink is made, not with nanscan (``pip install tensorboard``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..layers import MAX_GROUPS, Group, group_layers, group_norms
+from ..records import StepRecord
+
+
+class Writer(Protocol):
+    """What the sink uses of ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> None: ...
+
+    def add_histogram(self, tag: str, values: Any, global_step: int | None = None) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """Writes each ``StepRecord`` to TensorBoard (module notes for the tags).
+
+    Args:
+        log_dir_or_writer: a log directory (the sink opens a ``SummaryWriter`` there and closes it), an
+            open ``SummaryWriter`` (the sink writes to it and leaves it open for its owner), or None
+            (``SummaryWriter``'s default, ``runs/<date>_<host>``).
+        prefix: the first component of every tag.
+        per_parameter: write one norm per parameter too; None: only for models of at most
+            ``nanscan.layers.MAX_GROUPS`` parameters, where the tag list stays readable.
+        histograms: write the histogram of log10 norms and the count of non-finite norms.
+        global_step: the TensorBoard step of a record (default ``record.step``), e.g. to line the
+            records up with a trainer's own step count.
+    """
+
+    def __init__(
+        self,
+        log_dir_or_writer: str | Path | Writer | None = None,
+        *,
+        prefix: str = "nanscan",
+        per_parameter: bool | None = None,
+        histograms: bool = True,
+        global_step: Callable[[StepRecord], int] | None = None,
+    ) -> None:
+        if log_dir_or_writer is None or isinstance(log_dir_or_writer, (str, Path)):
+            summary_writer = _summary_writer_class()
+            self.writer: Writer = summary_writer(None if log_dir_or_writer is None else str(log_dir_or_writer))
+            self._owns_writer = True
+        else:
+            self.writer = log_dir_or_writer
+            self._owns_writer = False
+        self.prefix = prefix
+        self.per_parameter = per_parameter
+        self.histograms = histograms
+        self._global_step = global_step
+        self._closed = False
+        self._names: Sequence[str] | None = None
+        self._layers: list[Group] = []
+
+    def __call__(self, record: StepRecord) -> None:
+        if self._closed:
+            raise ValueError("nanscan.TensorBoardSink: the sink is closed")
+        step = record.step if self._global_step is None else self._global_step(record)
+        norm = np.asarray(record.norm, dtype=np.float64)
+        nan_count = sum(record.nan_count)
+        inf_count = sum(record.inf_count)
+        scalars: dict[str, float] = {
+            "total_norm": record.total_norm,
+            "skipped": float(record.skipped),
+            "nonfinite_parameters": float(len(record.nonfinite)),
+            "nan_count": float(nan_count),
+            "inf_count": float(inf_count),
+            "spikes": float(len(record.spikes)),
+        }
+        if record.clip_coef is not None:
+            scalars["clip_coef"] = record.clip_coef
+        if record.loss_scale is not None:
+            scalars["loss_scale"] = record.loss_scale
+        layers = self._layers_of(record.names)
+        for layer, layer_norm in zip(layers, group_norms(norm, layers), strict=True):
+            scalars[f"grad_norm/{layer.name}"] = float(layer_norm)
+        per_parameter = self.per_parameter if self.per_parameter is not None else len(record.names) <= MAX_GROUPS
+        if per_parameter:
+            scalars.update(
+                (f"param_grad_norm/{name}", value) for name, value in zip(record.names, record.norm, strict=True)
+            )
+        for tag, value in scalars.items():
+            self.writer.add_scalar(f"{self.prefix}/{tag}", value, step)
+        if self.histograms:
+            self._write_histogram(norm, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Closes the writer the sink opened; flushes one it was given (its owner closes that)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_writer:
+            self.writer.close()
+        else:
+            self.writer.flush()
+
+    def _layers_of(self, names: Sequence[str]) -> list[Group]:
+        # A recorder hands every record of one layout the same names object: group once per layout.
+        if names is not self._names and (self._names is None or list(names) != list(self._names)):
+            self._layers = group_layers(names, MAX_GROUPS)
+        self._names = names
+        return self._layers
+
+    def _write_histogram(self, norm: np.ndarray[Any, np.dtype[np.float64]], step: int) -> None:
+        finite = np.isfinite(norm)
+        # log10 of 0 has no bin: a zero norm (a parameter whose gradient is all zeros) is left out.
+        positive = norm[finite & (norm > 0)]
+        if positive.size:
+            self.writer.add_histogram(f"{self.prefix}/log10_grad_norm", np.log10(positive), step)
+        self.writer.add_scalar(f"{self.prefix}/nonfinite_norms", float(np.count_nonzero(~finite)), step)
+
+
+def _summary_writer_class() -> Callable[[str | None], Writer]:
+    try:  # torch.utils.tensorboard needs the tensorboard package, and says so less helpfully
+        importlib.import_module("tensorboard")
+    except ImportError:
+        raise ImportError(
+            "nanscan.integrations.tensorboard needs TensorBoard: pip install tensorboard (or nanscan[tensorboard])"
+        ) from None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter
+
+
+__all__ = ["TensorBoardSink", "Writer"]

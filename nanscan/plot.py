@@ -1,0 +1,598 @@
+"""Pictures of a recorded run: ``python -m nanscan plot RUN.jsonl -o run.png``, or ``plot_run``.
+
+One figure, three panels sharing the step axis:
+
+* a status strip: the steps that were non-finite, skipped by the optimizer, or held a spike;
+* a heatmap of log10 gradient norm, parameter (row) by step (column): NaN norms red, Inf norms
+  magenta, a parameter absent from a step's layout blank, spikes ringed, and the first non-finite step
+  marked with the names of its parameters;
+* the total norm over steps, with the clip threshold when the records have one.
+
+Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
+layer (``nanscan.layers``: a group's norm is its members' norms combined as one L2 norm, NaN or Inf
+if any member's is). Above ``MAX_COLUMNS`` records a column is a bin of consecutive records holding
+the largest finite norm of the bin and every flag raised in it, so that one NaN in ten thousand steps
+still shows.
+
+matplotlib is imported when a picture is drawn, never with this module (``nanscan[plot]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .layers import Group, group_layers, group_norms, group_reduce, layer_name
+from .records import StepRecord, iter_jsonl
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+MAX_ROWS = 200
+"""Most heatmap rows: above this many parameters, rows are layers (a row stays >= 2 pixels tall)."""
+MAX_COLUMNS = 500
+"""Most heatmap columns: above this many records, a column is a bin of records (>= 2 pixels wide)."""
+
+NAN_COLOR = "#e41a1c"
+INF_COLOR = "#ff00ff"
+SKIPPED_COLOR = "#555555"
+SPIKE_COLOR = "#ff9f1c"
+THRESHOLD_COLOR = "#444444"
+DPI = 110
+LABEL_FONT = 6.5
+MARKED_CELLS = 300
+"""Flagged cells up to this many are also ringed: a lone NaN cell two pixels wide is easy to miss."""
+SPARSE_COLUMN = 10
+SPIKE_MARKS = 2000
+FIRST_NAMES = 3
+"""Parameter names shown for the first non-finite step before "+N more"."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run's records as arrays, one column per record in file order.
+
+    ``names`` is the union of every layout's names, in order of first appearance; a parameter absent
+    from a record's layout is ``missing`` there (its norm 0, no flag). ``nan`` and ``inf`` say that a
+    parameter's gradient held a NaN (or its norm is NaN) and, failing that, an Inf. ``max_norm`` is NaN
+    where the step was not clipped. ``first_nonfinite`` is the record index and parameter names of the
+    first non-finite record, or None.
+    """
+
+    names: list[str]
+    steps: NDArray[np.int64]
+    norm: NDArray[np.float64]
+    missing: NDArray[np.bool_]
+    nan: NDArray[np.bool_]
+    inf: NDArray[np.bool_]
+    spike: NDArray[np.bool_]
+    total_norm: NDArray[np.float64]
+    max_norm: NDArray[np.float64]
+    skipped: NDArray[np.bool_]
+    finite: NDArray[np.bool_]
+    first_nonfinite: tuple[int, list[str]] | None
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What the heatmap and the status strip draw: rows (parameters or layers) by columns (records or
+    bins of ``per_column`` records). ``value`` is the norm where it is finite, else NaN; a cell's flags
+    say why it is not (``nan`` wins over ``inf``, both over ``missing``). ``nonfinite``, ``skipped`` and
+    ``spiked`` flag whole columns."""
+
+    groups: list[Group]
+    value: NDArray[np.float64]
+    nan: NDArray[np.bool_]
+    inf: NDArray[np.bool_]
+    missing: NDArray[np.bool_]
+    spike: NDArray[np.bool_]
+    nonfinite: NDArray[np.bool_]
+    skipped: NDArray[np.bool_]
+    spiked: NDArray[np.bool_]
+    per_column: int
+
+
+def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
+    """The records of a JSONL file (``JSONLSink``), or the records themselves, as a ``Run``."""
+    records = iter_jsonl(source) if isinstance(source, (str, Path)) else source
+    index: dict[str, int] = {}
+    layout: Sequence[str] | None = None
+    rows = np.empty(0, dtype=np.intp)
+    columns: list[tuple[NDArray[np.intp], NDArray[np.float64], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.bool_]]]
+    columns = []
+    steps: list[int] = []
+    totals: list[tuple[float, float, bool, bool]] = []
+    first: tuple[int, list[str]] | None = None
+    for record in records:
+        if layout is None or (record.names is not layout and list(record.names) != list(layout)):
+            rows = np.array([index.setdefault(name, len(index)) for name in record.names], dtype=np.intp)
+        layout = record.names
+        norm = np.asarray(record.norm, dtype=np.float64)
+        nan = (np.asarray(record.nan_count) > 0) | np.isnan(norm)
+        inf = ((np.asarray(record.inf_count) > 0) | np.isinf(norm)) & ~nan
+        spike = np.asarray(record.spike_ratio, dtype=np.float64) >= record.spike_factor
+        if first is None and (not record.finite or nan.any() or inf.any()):
+            first = (len(steps), record.nonfinite)
+        columns.append((rows, norm, nan, inf, spike))
+        steps.append(record.step)
+        max_norm = math.nan if record.max_norm is None else record.max_norm
+        totals.append((record.total_norm, max_norm, record.skipped, record.finite))
+    if not steps:
+        raise ValueError(
+            f"nanscan: {source} has no step records to plot"
+            if isinstance(source, (str, Path))
+            else "nanscan: no step records to plot"
+        )
+    if not index:
+        raise ValueError("nanscan: the records name no parameters: nothing to plot")
+    shape = (len(index), len(steps))
+    norm_grid = np.zeros(shape)
+    missing = np.ones(shape, dtype=bool)
+    flags = [np.zeros(shape, dtype=bool) for _ in range(3)]
+    for j, (column_rows, norm, *column_flags) in enumerate(columns):
+        norm_grid[column_rows, j] = norm
+        missing[column_rows, j] = False
+        for target, flag in zip(flags, column_flags, strict=True):
+            target[column_rows, j] = flag
+    total_norm, max_norms, skipped, finite = (np.array(column) for column in zip(*totals, strict=True))
+    return Run(
+        names=list(index),
+        steps=np.array(steps, dtype=np.int64),
+        norm=norm_grid,
+        missing=missing,
+        nan=flags[0],
+        inf=flags[1],
+        spike=flags[2],
+        total_norm=total_norm.astype(np.float64),
+        max_norm=max_norms.astype(np.float64),
+        skipped=skipped.astype(bool),
+        finite=finite.astype(bool),
+        first_nonfinite=first,
+    )
+
+
+def group_rows(run: Run, max_rows: int = MAX_ROWS) -> Grid:
+    """The heatmap grid of a run, one column per record: a row per parameter, or above ``max_rows``
+    parameters a row per layer (``nanscan.layers.group_layers``)."""
+    if len(run.names) <= max_rows:
+        groups = [Group(name, (i,)) for i, name in enumerate(run.names)]
+        norm = run.norm  # as recorded, not the root of its square
+    else:
+        groups = group_layers(run.names, max_rows)
+        norm = group_norms(run.norm, groups)  # missing members hold 0: they add nothing
+    nan = group_reduce(run.nan, groups, np.logical_or).astype(bool) | np.isnan(norm)
+    inf = (group_reduce(run.inf, groups, np.logical_or).astype(bool) | np.isinf(norm)) & ~nan
+    missing = group_reduce(run.missing, groups, np.logical_and).astype(bool)
+    return Grid(
+        groups=groups,
+        value=np.where(np.isfinite(norm) & ~missing, norm, np.nan),
+        nan=nan,
+        inf=inf,
+        missing=missing,
+        spike=group_reduce(run.spike, groups, np.logical_or).astype(bool),
+        nonfinite=~run.finite | nan.any(axis=0) | inf.any(axis=0),
+        skipped=run.skipped.copy(),
+        spiked=np.asarray(run.spike.any(axis=0)),
+        per_column=1,
+    )
+
+
+def downsample(grid: Grid, max_columns: int = MAX_COLUMNS) -> Grid:
+    """The grid with runs of ``per_column`` consecutive columns merged into one, so that at most
+    ``max_columns`` are left: the largest finite norm of each bin, any flag raised in it, and missing
+    only where every column of the bin was."""
+    columns = grid.value.shape[1]
+    if columns <= max_columns:
+        return grid
+    width = math.ceil(columns / max_columns)
+    starts = np.arange(0, columns, width)
+
+    def any_(flags: NDArray[np.bool_]) -> NDArray[np.bool_]:
+        return np.logical_or.reduceat(flags, starts, axis=-1).astype(bool)
+
+    return Grid(
+        groups=grid.groups,
+        value=np.fmax.reduceat(grid.value, starts, axis=1),  # fmax skips the NaNs of non-finite cells
+        nan=any_(grid.nan),
+        inf=any_(grid.inf) & ~any_(grid.nan),
+        missing=np.logical_and.reduceat(grid.missing, starts, axis=1).astype(bool),
+        spike=any_(grid.spike),
+        nonfinite=any_(grid.nonfinite),
+        skipped=any_(grid.skipped),
+        spiked=any_(grid.spiked),
+        per_column=grid.per_column * width,
+    )
+
+
+def plot_run(
+    records_or_path: str | Path | Iterable[StepRecord], output: str | Path, *, title: str | None = None
+) -> Path:
+    """Draws a recorded run (a JSONL file of ``JSONLSink``, or its records) into a PNG (module notes)
+    and returns the path written."""
+    figure = draw_run(records_or_path, title=title)
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save_png(figure, path)
+    return path
+
+
+def draw_run(records_or_path: str | Path | Iterable[StepRecord], *, title: str | None = None) -> Figure:
+    """The figure ``plot_run`` saves, for a notebook or another format (``figure.savefig("run.svg")``).
+
+    The title defaults to the file's name."""
+    figure_class = _matplotlib_figure()
+    run = load_run(records_or_path)
+    grid = downsample(group_rows(run))
+    if title is None and isinstance(records_or_path, (str, Path)):
+        title = Path(records_or_path).name
+    return _draw(figure_class, run, grid, title or "nanscan run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nanscan plot RUN.jsonl [-o OUT.png] [--title T]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nanscan plot",
+        description="Draw a run recorded by nanscan.Recorder (a JSONL file of JSONLSink) into a PNG: "
+        "a heatmap of log10 gradient norm per parameter and step, and the total norm.",
+    )
+    parser.add_argument("run", type=Path, help="the JSONL file")
+    parser.add_argument("-o", "--output", type=Path, help="the PNG to write (default: RUN with the suffix .png)")
+    parser.add_argument("--title", help="the figure's title (default: the file's name)")
+    args = parser.parse_args(argv)
+    if not args.run.is_file():
+        print(f"nanscan: no such file: {args.run}", file=sys.stderr)
+        return 2
+    output = args.output if args.output is not None else args.run.with_suffix(".png")
+    try:
+        path = plot_run(args.run, output, title=args.title)
+    except (ValueError, ImportError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"nanscan: wrote {path}")
+    return 0
+
+
+def _matplotlib_figure() -> type[Figure]:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("nanscan.plot needs matplotlib: pip install matplotlib (or nanscan[plot])") from None
+    # A bare Figure draws with Agg without touching pyplot's global backend or figure list.
+    return Figure
+
+
+def _save_png(figure: Figure, path: Path) -> None:
+    """The figure as a 256-colour PNG: a heatmap of noisy norms compresses poorly in full colour
+    (about 4x larger), and a picture of a few dozen colours loses nothing visible in a palette."""
+    from PIL import Image  # a dependency of matplotlib
+
+    full_colour = io.BytesIO()
+    figure.savefig(full_colour, format="png", dpi=DPI)
+    image = Image.open(full_colour).convert("RGB")
+    palette = image.quantize(colors=256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
+    palette.save(path, format="PNG", optimize=True)
+
+
+def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figure:
+    figure = figure_class(figsize=(12, 8))
+    label_chars = max(len(_row_label(group)) for group in grid.groups)
+    left = min(0.32, 0.03 + label_chars * LABEL_FONT * 0.6 / (12 * 72))
+    layout = figure.add_gridspec(
+        3,
+        2,
+        height_ratios=[0.45, 5, 2],
+        width_ratios=[1, 0.015],
+        hspace=0.08,
+        wspace=0.015,
+        left=left,
+        right=0.93,
+        top=0.9,
+        bottom=0.07,
+    )
+    strip = figure.add_subplot(layout[0, 0])
+    heat = figure.add_subplot(layout[1, 0], sharex=strip)
+    totals = figure.add_subplot(layout[2, 0], sharex=strip)
+    colorbar_axes = figure.add_subplot(layout[1, 1])
+    _draw_strip(strip, grid)
+    _draw_heatmap(figure, heat, colorbar_axes, grid)
+    _draw_totals(totals, run)
+    _label_steps(totals, run)
+    strip.set_xlim(-0.5, len(run.steps) - 0.5)
+    if run.first_nonfinite is not None:
+        _annotate_first(heat, totals, run, grid)
+    figure.suptitle(title, x=left, ha="left", y=0.985, fontsize=12, fontweight="bold")
+    figure.text(left, 0.94, _summary(run, grid), fontsize=8.5, color="#333333")
+    _draw_legend(figure)
+    return figure
+
+
+def _summary(run: Run, grid: Grid) -> str:
+    steps = (
+        f"{len(run.steps)} steps ({run.steps[0]}-{run.steps[-1]})" if len(run.steps) > 1 else f"1 step ({run.steps[0]})"
+    )
+    rows = f"{len(run.names)} parameters"
+    if len(grid.groups) < len(run.names):
+        rows += f" in {len(grid.groups)} layer rows"
+    nonfinite = int((~run.finite | run.nan.any(axis=0) | run.inf.any(axis=0)).sum())
+    parts = [
+        steps,
+        rows,
+        f"{nonfinite} non-finite",
+        f"{int(run.skipped.sum())} skipped",
+        f"{int(run.spike.sum())} spikes",
+    ]
+    if grid.per_column > 1:
+        parts.append(f"{grid.per_column} steps per column (max norm, any flag)")
+    return ",  ".join(parts)
+
+
+def _draw_strip(ax: Axes, grid: Grid) -> None:
+    """Three rows of column flags. A flag is drawn as a line at least 2 points wide, not as its
+    column alone: a column of a 5000-step run is a pixel or two, too thin to see by itself."""
+    ax.imshow(np.full((3, 1), 0.95), cmap="gray", vmin=0, vmax=1, aspect="auto", extent=_extent(grid, 3))
+    centre = _column_centres(grid)
+    for row, (flags, color) in enumerate(
+        [(grid.nonfinite, NAN_COLOR), (grid.skipped, SKIPPED_COLOR), (grid.spiked, SPIKE_COLOR)]
+    ):
+        if flags.any():
+            ax.vlines(centre[flags], row - 0.42, row + 0.42, colors=color, linewidths=2)
+    ax.set_ylim(2.5, -0.5)
+    ax.set_yticks(range(3), ["non-finite", "skipped", "spike"], fontsize=7)
+    ax.tick_params(axis="x", labelbottom=False, length=0)
+    ax.tick_params(axis="y", length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def _draw_heatmap(figure: Figure, ax: Axes, colorbar_axes: Axes, grid: Grid) -> None:
+    from matplotlib import colormaps
+    from matplotlib.colors import to_rgba
+
+    with np.errstate(divide="ignore"):
+        log_norm = np.log10(grid.value)  # 0 -> -inf, drawn at the floor below
+    positive = log_norm[np.isfinite(log_norm)]
+    # Percentiles, not the extremes: one exploding step before a NaN must not squash every other row
+    # into one colour. Beyond them cells take the end colours (the colour bar's arrows say so).
+    low, high = np.percentile(positive, [0.5, 99.5]) if positive.size else (-1.0, 1.0)
+    if high - low < 0.5:
+        low, high = (low + high) / 2 - 0.25, (low + high) / 2 + 0.25
+    has_zero = bool(np.isneginf(log_norm).any())
+    log_norm[np.isneginf(log_norm)] = low
+    colormap = colormaps["viridis"].with_extremes(bad=(0, 0, 0, 0))  # NaN cells: the overlay's or blank
+    extent = _extent(grid, len(grid.groups))
+    image = ax.imshow(
+        log_norm, cmap=colormap, vmin=low, vmax=high, aspect="auto", interpolation="nearest", extent=extent
+    )
+    overlay = np.zeros((*grid.value.shape, 4))
+    overlay[grid.inf] = to_rgba(INF_COLOR)
+    overlay[grid.nan] = to_rgba(NAN_COLOR)
+    ax.imshow(overlay, aspect="auto", interpolation="nearest", extent=extent)
+    ax.set_ylim(len(grid.groups) - 0.5, -0.5)
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[
+        (bool(positive.size and positive.min() < low), bool(positive.size and positive.max() > high))
+    ]
+    bar = figure.colorbar(image, cax=colorbar_axes, extend=extend)
+    floor = f"; a zero norm is drawn at the floor ({low:.1f})" if has_zero else ""
+    bar.set_label(f"log10 gradient norm{floor}", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    _mark_cells(ax, grid)
+    _separate_blocks(ax, grid)
+    _label_rows(figure, ax, grid)
+
+
+def _mark_cells(ax: Axes, grid: Grid) -> None:
+    """Rings around sparse NaN/Inf cells and light ones around spikes."""
+    centre = _column_centres(grid)
+    # Only cells of columns with few flags: an all-NaN step is a solid red column already.
+    sparse_columns = (grid.nan | grid.inf).sum(axis=0) <= SPARSE_COLUMN
+    for flags, color in [(grid.nan, NAN_COLOR), (grid.inf & ~grid.nan, INF_COLOR)]:
+        rows, cols = np.nonzero(flags & sparse_columns)
+        if 0 < rows.size <= MARKED_CELLS:
+            ax.scatter(centre[cols], rows, s=55, facecolors="none", edgecolors=color, linewidths=1.3, zorder=3)
+    rows, cols = np.nonzero(grid.spike & ~grid.nan & ~grid.inf)
+    if 0 < rows.size <= SPIKE_MARKS:
+        ax.scatter(centre[cols], rows, s=24, facecolors="none", edgecolors="white", linewidths=0.8, alpha=0.8, zorder=3)
+
+
+def _separate_blocks(ax: Axes, grid: Grid) -> None:
+    """Thin lines between numbered blocks (``transformer.h.3`` | ``transformer.h.4``), so that a row
+    can be placed in its block where only every k-th row is labelled."""
+    keys = [_block_key(group.name) for group in grid.groups]
+    edges = [row + 0.5 for row in range(len(keys) - 1) if keys[row] != keys[row + 1]]
+    if 2 <= len(edges) <= 80:
+        ax.hlines(edges, *ax.get_xlim(), colors="white", linewidths=0.5, alpha=0.6, zorder=2)
+
+
+def _block_key(name: str) -> str:
+    """A name up to its first numbered component (``transformer.h.3``), or its layer if none."""
+    parts = name.split(".")
+    numbered = next((i for i, part in enumerate(parts) if part.split("-")[0].isdigit()), None)
+    return ".".join(parts[: numbered + 1]) if numbered is not None else layer_name(name)
+
+
+def _label_rows(figure: Figure, ax: Axes, grid: Grid) -> None:
+    """Row labels, every k-th one where all would overlap."""
+    height_points = ax.get_position().height * figure.get_figheight() * 72
+    every = max(1, math.ceil(len(grid.groups) * LABEL_FONT * 1.3 / height_points))
+    rows = range(0, len(grid.groups), every)
+    ax.set_yticks(list(rows), [_row_label(grid.groups[row]) for row in rows], fontsize=LABEL_FONT)
+    ax.tick_params(axis="x", labelbottom=False)
+    grouped = any(len(group.members) > 1 for group in grid.groups)
+    noun = "layer (norm of its parameters together)" if grouped else "parameter"
+    ax.set_ylabel(noun + (f", 1 in {every} labelled" if every > 1 else ""), fontsize=8)
+
+
+def _row_label(group: Group) -> str:
+    label = group.name if len(group.name) <= 48 else "…" + group.name[-47:]
+    return label if len(group.members) == 1 else f"{label} ({len(group.members)})"
+
+
+def _draw_totals(ax: Axes, run: Run) -> None:
+    x = np.arange(len(run.steps))
+    finite = np.isfinite(run.total_norm)
+    positive = run.total_norm[finite & (run.total_norm > 0)]
+    log_scale = positive.size > 0 and positive.max() / positive.min() > 100
+    y = np.where(finite & (run.total_norm > 0 if log_scale else True), run.total_norm, np.nan)
+    ax.plot(x, y, color="#1f77b4", linewidth=1, marker="o" if len(x) <= 50 else None, markersize=3, label="total norm")
+    if log_scale:
+        ax.set_yscale("log")
+    if np.isfinite(run.max_norm).any():
+        values = np.unique(run.max_norm[np.isfinite(run.max_norm)])
+        if values.size == 1:  # one threshold throughout: a line across, which a single step also shows
+            ax.axhline(
+                values[0],
+                color=THRESHOLD_COLOR,
+                linestyle="--",
+                linewidth=1,
+                label=f"clip threshold (max_norm={values[0]:g})",
+            )
+        else:
+            ax.plot(
+                x,
+                run.max_norm,
+                color=THRESHOLD_COLOR,
+                linestyle="--",
+                linewidth=1,
+                drawstyle="steps-mid",
+                label="clip threshold (max_norm)",
+            )
+    # Bands across the panel, not markers on the curve: a non-finite step has no point on it, and a
+    # band at least 2 points wide shows one step in ten thousand.
+    across = ax.get_xaxis_transform()
+    bad = np.nonzero(~run.finite)[0]
+    if bad.size:
+        ax.vlines(
+            bad, 0, 1, transform=across, colors=NAN_COLOR, linewidths=2, alpha=0.3, zorder=0, label="non-finite step"
+        )
+    skipped = np.nonzero(run.skipped)[0]
+    if skipped.size:
+        ax.vlines(
+            skipped,
+            0,
+            1,
+            transform=across,
+            colors=SKIPPED_COLOR,
+            linewidths=1,
+            linestyles=":",
+            zorder=0,
+            label="skipped step",
+        )
+    if not positive.size:
+        ax.text(0.5, 0.5, "no finite total norm", transform=ax.transAxes, ha="center", va="center", color="#666666")
+    ax.set_ylabel("total norm", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="major", alpha=0.3)
+    _headroom(ax, log_scale)
+    ax.legend(fontsize=7, loc="upper right", ncols=4, framealpha=0.8)
+
+
+def _headroom(ax: Axes, log_scale: bool) -> None:
+    """Room above the curve for the legend and the annotation, so that neither covers it."""
+    low, high = ax.get_ylim()
+    if log_scale:
+        ax.set_ylim(low, 10 ** (math.log10(low) + (math.log10(high) - math.log10(low)) / 0.7))
+    else:
+        ax.set_ylim(low, low + (high - low) / 0.7)
+
+
+def _label_steps(ax: Axes, run: Run) -> None:
+    """The x axis counts records; its labels are their step numbers (a resumed run may repeat steps)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    steps = run.steps
+
+    def step_of(x: float, _: int | None) -> str:
+        i = round(x)
+        return str(steps[i]) if 0 <= i < len(steps) and abs(x - i) < 1e-6 else ""
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(step_of))
+    ax.set_xlabel("step", fontsize=8)
+
+
+def _annotate_first(heat: Axes, totals: Axes, run: Run, grid: Grid) -> None:
+    assert run.first_nonfinite is not None
+    index, names = run.first_nonfinite
+    shown = ", ".join(names[:FIRST_NAMES]) if names else "no parameter flagged"
+    more = f" +{len(names) - FIRST_NAMES} more" if len(names) > FIRST_NAMES else ""
+    step = run.steps[index]
+    right_half = index > len(run.steps) / 2
+    for ax in (heat, totals):
+        ax.axvline(index, color=NAN_COLOR, linestyle="--", linewidth=0.9, alpha=0.9, zorder=2)
+    box = {"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": NAN_COLOR, "alpha": 0.9}
+    side = "right" if right_half else "left"
+    heat_names = "\n".join(names[:FIRST_NAMES]) if names else shown
+    member_row = {i: row for row, group in enumerate(grid.groups) for i in group.members}
+    row = member_row[run.names.index(names[0])] if names else 0
+    # The box sits beside the step's line in the half of the panel away from the flagged row: the cells
+    # just before the first NaN (often a spike) are what a reader looks at next, so they stay uncovered.
+    x_text = index + (-0.03 if right_half else 0.03) * len(run.steps)
+    # In a grouped heatmap the names are parameters, the rows layers: say which row holds the first.
+    in_row = f"\nin row {grid.groups[row].name}" if names and len(grid.groups[row].members) > 1 else ""
+    heat.text(
+        x_text,
+        0.15 if row < len(grid.groups) / 2 else 0.85,
+        f"first non-finite: step {step}\n{heat_names}{more}{in_row}",
+        transform=heat.get_xaxis_transform(),
+        ha=side,
+        va="center",
+        fontsize=7.5,
+        bbox=box,
+        zorder=4,
+    )
+    totals.annotate(
+        f"first non-finite: step {step} ({shown}{more})",
+        xy=(index, 0.76),
+        xycoords=totals.get_xaxis_transform(),
+        xytext=(-12 if right_half else 12, 0),
+        textcoords="offset points",
+        ha=side,
+        va="center",
+        fontsize=7.5,
+        bbox=box,
+        zorder=4,
+    )
+
+
+def _draw_legend(figure: Figure) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [
+        Patch(facecolor=NAN_COLOR, label="NaN norm"),
+        Patch(facecolor=INF_COLOR, label="Inf norm"),
+        Patch(facecolor="white", edgecolor="#999999", label="absent from layout"),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            linestyle="none",
+            markerfacecolor="none",
+            markeredgecolor="#888888",
+            markersize=5,
+            label="spike",
+        ),
+        Patch(facecolor=SKIPPED_COLOR, label="skipped step"),
+    ]
+    figure.legend(
+        handles=handles, loc="upper right", bbox_to_anchor=(0.99, 0.995), ncols=5, fontsize=7.5, frameon=False
+    )
+
+
+def _column_centres(grid: Grid) -> NDArray[np.float64]:
+    return (np.arange(grid.value.shape[1], dtype=np.float64) + 0.5) * grid.per_column - 0.5
+
+
+def _extent(grid: Grid, rows: int) -> tuple[float, float, float, float]:
+    """Column c spans records [c * per_column, (c + 1) * per_column): x counts records on every panel."""
+    return (-0.5, grid.value.shape[1] * grid.per_column - 0.5, rows - 0.5, -0.5)

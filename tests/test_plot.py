@@ -1,0 +1,363 @@
+"""nanscan.layers (parameters grouped into layers) and nanscan.plot (pictures of a recorded run).
+
+The records are built directly (synthetic, deterministic) and go through JSONLSink, as a Recorder's do.
+The grouping and downsampling functions are checked on their own; the pictures are checked for being
+PNGs of the expected size and, through the figure ``draw_run`` returns, for what they annotate.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanscan.layers import Group, group_layers, group_norms, layer_name
+from nanscan.plot import Grid, downsample, group_rows, load_run
+from nanscan.records import StepRecord
+from nanscan.sinks import JSONLSink
+
+BLOCK = [
+    f"{module}.{kind}"
+    for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    for kind in ("weight", "bias")
+]
+PNG_SIZE = (1320, 880)  # 12 x 8 inches at 110 dpi
+
+
+def gpt2_names(blocks: int) -> list[str]:
+    """GPT-2's parameter names (12 blocks: GPT-2 small's 148)."""
+    body = [f"transformer.h.{b}.{name}" for b in range(blocks) for name in BLOCK]
+    return [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        *body,
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+    ]
+
+
+def make_records(
+    names: list[str],
+    steps: int,
+    *,
+    nan_at: dict[int, list[str]] | None = None,
+    skipped: tuple[int, ...] = (),
+    spikes: dict[int, list[str]] | None = None,
+) -> list[StepRecord]:
+    """Norms drifting down from step 0, a NaN in the named parameters at the given steps (those steps
+    not finite), spikes (spike ratio 10 against a factor of 5) where asked."""
+    nan_at = nan_at or {}
+    spikes = spikes or {}
+    records = []
+    for step in range(steps):
+        norm = [(1 + i % 7) * 0.1 * math.exp(-step / 50) + 0.01 for i in range(len(names))]
+        nan_count = [5 if name in nan_at.get(step, ()) else 0 for name in names]
+        norm = [math.nan if nan else value for nan, value in zip(nan_count, norm, strict=True)]
+        ratio = [10.0 if name in spikes.get(step, ()) else 1.0 for name in names]
+        records.append(
+            StepRecord(
+                step=step,
+                names=names,
+                nan_count=nan_count,
+                inf_count=[0] * len(names),
+                min=[-v / 10 for v in norm],
+                max=[v / 10 for v in norm],
+                norm=norm,
+                spike_ratio=ratio,
+                total_norm=math.sqrt(sum(v * v for v in norm)),
+                finite=not any(nan_count),
+                clip_coef=1.0,
+                max_norm=1.0,
+                skipped=step in skipped,
+                loss_scale=None,
+                spike_factor=5.0,
+            )
+        )
+    return records
+
+
+def write_jsonl(path: Path, records: list[StepRecord]) -> Path:
+    sink = JSONLSink(path)
+    for record in records:
+        sink(record)
+    sink.close()
+    return path
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """The width and height of a PNG's IHDR chunk, after checking the signature."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def figure_texts(figure: object) -> list[str]:
+    from matplotlib.text import Text
+
+    return [text.get_text() for text in figure.findobj(Text)]  # type: ignore[attr-defined]
+
+
+# --- layers ---------------------------------------------------------------------------------------
+
+
+def test_layer_name_drops_the_last_component() -> None:
+    assert layer_name("transformer.h.3.attn.c_attn.weight") == "transformer.h.3.attn.c_attn"
+    assert layer_name("bias") == "bias"
+
+
+def test_gpt2_small_groups_weight_and_bias_of_each_layer() -> None:
+    names = gpt2_names(12)
+    assert len(names) == 148
+    groups = group_layers(names)
+    by_name = {group.name: group for group in groups}
+    assert len(groups) == 2 + 12 * 6 + 1
+    c_attn = by_name["transformer.h.3.attn.c_attn"]
+    assert [names[i] for i in c_attn.members] == [
+        "transformer.h.3.attn.c_attn.weight",
+        "transformer.h.3.attn.c_attn.bias",
+    ]
+
+
+def test_a_1200_parameter_model_collapses_to_blocks() -> None:
+    names = gpt2_names(100)
+    assert len(names) == 1204
+    groups = group_layers(names, max_groups=200)
+    # Layers (600) and sub-modules (400) are too many: one group per block, plus the 3 outside them.
+    assert [g.name for g in groups[:3]] == ["transformer.wte", "transformer.wpe", "transformer.h.0"]
+    assert len(groups) == 103
+    assert sorted(i for g in groups for i in g.members) == list(range(len(names)))
+    assert [names[i] for i in groups[2].members] == [f"transformer.h.0.{name}" for name in BLOCK]
+
+
+def test_too_many_numbered_blocks_merge_into_ranges() -> None:
+    names = [f"blocks.{i}.{kind}" for i in range(500) for kind in ("weight", "bias")]
+    groups = group_layers(names, max_groups=200)
+    assert len(groups) == 125
+    assert groups[0].name == "blocks.0-3"
+    assert groups[-1].name == "blocks.496-499"
+    assert [names[i] for i in groups[1].members] == [f"blocks.{i}.{k}" for i in range(4, 8) for k in ("weight", "bias")]
+
+
+def test_names_without_structure_merge_with_neighbours() -> None:
+    names = [f"p{i}" for i in range(1000)]
+    groups = group_layers(names, max_groups=200)
+    assert len(groups) == 200
+    assert groups[0] == Group("p0 … p4", (0, 1, 2, 3, 4))
+    assert sorted(i for g in groups for i in g.members) == list(range(1000))
+
+
+def test_group_norms_are_the_root_of_summed_squares_and_nan_or_inf_if_any_member_is() -> None:
+    groups = [Group("a", (0, 3)), Group("b", (1,)), Group("c", (2, 4)), Group("d", (5, 6))]
+    norms = [3.0, 2.0, math.nan, 4.0, 1.0, math.inf, 1.0]
+    out = group_norms(norms, groups)
+    assert out[0] == 5.0
+    assert out[1] == 2.0
+    assert math.isnan(out[2])
+    assert out[3] == math.inf
+    # One column per step: every column is grouped the same way.
+    steps = group_norms(
+        np.array([[3.0, 6.0], [0.0, 0.0], [1.0, 1.0], [4.0, 8.0], [1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]), groups
+    )
+    np.testing.assert_allclose(steps[0], [5.0, 10.0])
+    np.testing.assert_allclose(steps[2], [math.sqrt(2), math.sqrt(2)])
+
+
+# --- the run as arrays -----------------------------------------------------------------------------
+
+
+def test_layout_changes_use_the_union_of_names_with_absent_cells_missing() -> None:
+    first = make_records(["a.w", "b.w"], 2)
+    later = [replace(r, step=r.step + 2) for r in make_records(["b.w", "c.w"], 2)]
+    run = load_run([*first, *later])
+    assert run.names == ["a.w", "b.w", "c.w"]
+    assert run.missing.tolist() == [
+        [False, False, True, True],
+        [False, False, False, False],
+        [True, True, False, False],
+    ]
+    assert run.steps.tolist() == [0, 1, 2, 3]
+    grid = group_rows(run)
+    assert np.isnan(grid.value[0, 2]) and not grid.nan[0, 2]  # absent: blank, not NaN
+    with pytest.raises(ValueError, match="name no parameters"):
+        load_run(
+            [replace(r, names=[], norm=[], nan_count=[], inf_count=[], min=[], max=[], spike_ratio=[]) for r in first]
+        )
+
+
+def test_grouped_rows_combine_norms_and_keep_every_flag() -> None:
+    names = [f"layer{i}.{kind}" for i in range(6) for kind in ("weight", "bias")]
+    records = make_records(names, 3, nan_at={1: ["layer2.bias"]}, spikes={2: ["layer4.weight"]})
+    run = load_run(records)
+    grid = group_rows(run, max_rows=8)  # 12 parameters > 8 rows: one row per layer
+    assert [g.name for g in grid.groups] == [f"layer{i}" for i in range(6)]
+    expected = math.hypot(records[0].norm[0], records[0].norm[1])
+    assert grid.value[0, 0] == pytest.approx(expected, rel=1e-12)
+    assert grid.nan[:, 1].tolist() == [False, False, True, False, False, False]
+    assert np.isnan(grid.value[2, 1])
+    assert grid.nonfinite.tolist() == [False, True, False]
+    assert grid.spike[4].tolist() == [False, False, True]
+    assert grid.spiked.tolist() == [False, False, True]
+
+
+def test_downsampling_keeps_a_single_nan_and_takes_the_largest_norm() -> None:
+    rows, columns = 3, 10_000
+    value = np.tile(np.linspace(1.0, 2.0, columns), (rows, 1))
+    nan = np.zeros((rows, columns), dtype=bool)
+    nan[1, 7_777] = True
+    value[1, 7_777] = np.nan
+    missing = np.zeros((rows, columns), dtype=bool)
+    missing[2, :5_000] = True
+    missing[2, 4_990] = False  # one present step in an otherwise absent bin: the bin is not blank
+    value[2, :5_000] = np.where(missing[2, :5_000], np.nan, value[2, :5_000])
+    column = np.zeros(columns, dtype=bool)
+    skipped = column.copy()
+    skipped[123] = True
+    grid = Grid(
+        groups=[Group(f"r{i}", (i,)) for i in range(rows)],
+        value=value,
+        nan=nan,
+        inf=np.zeros_like(nan),
+        missing=missing,
+        spike=np.zeros_like(nan),
+        nonfinite=np.asarray(nan.any(axis=0)),
+        skipped=skipped,
+        spiked=column,
+        per_column=1,
+    )
+    small = downsample(grid, max_columns=500)
+    assert small.value.shape == (3, 500)
+    assert small.per_column == 20
+    assert np.flatnonzero(small.nan[1]).tolist() == [7_777 // 20]
+    assert np.flatnonzero(small.nonfinite).tolist() == [7_777 // 20]
+    assert np.flatnonzero(small.skipped).tolist() == [123 // 20]
+    # The bin of the NaN still holds the largest finite norm of its other 19 steps.
+    assert small.value[1, 7_777 // 20] == value[0, 7_779]
+    np.testing.assert_array_equal(small.value[0], value[0, 19::20])
+    assert small.missing[2].tolist() == [True] * 249 + [False] * 251
+    assert downsample(grid, max_columns=columns) is grid
+
+
+# --- pictures --------------------------------------------------------------------------------------
+
+
+def test_cli_draws_a_gpt2_small_run_with_a_nan_a_skipped_step_and_a_spike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.__main__ import main
+
+    names = gpt2_names(12)
+    bad = "transformer.h.3.attn.c_attn.weight"
+    records = make_records(
+        names, 120, nan_at={90: [bad]}, skipped=(90,), spikes={85: ["transformer.h.3.mlp.c_fc.weight"]}
+    )
+    run = write_jsonl(tmp_path / "run.jsonl", records)
+    out = tmp_path / "pictures" / "run.png"
+    assert main(["plot", str(run), "-o", str(out), "--title", "gpt2 small"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert png_size(out) == PNG_SIZE
+    assert out.stat().st_size < 200_000
+
+
+def test_cli_default_output_is_next_to_the_input(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.__main__ import main
+
+    run = write_jsonl(tmp_path / "one.jsonl", make_records(["w"], 1))
+    assert main(["plot", str(run)]) == 0  # one step, one parameter: still a picture
+    assert png_size(tmp_path / "one.png") == PNG_SIZE
+
+
+def test_api_draws_a_1200_parameter_run_by_layer(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run, plot_run
+
+    names = gpt2_names(100)
+    bad = [f"transformer.h.{b}.mlp.c_proj.weight" for b in (40, 41, 42, 43, 44)]
+    records = make_records(names, 40, nan_at={30: bad})
+    run = write_jsonl(tmp_path / "big.jsonl", records)
+    out = plot_run(run, tmp_path / "big.png")
+    assert out == tmp_path / "big.png"
+    assert png_size(out) == PNG_SIZE
+    texts = figure_texts(draw_run(run))
+    assert "big.jsonl" in texts
+    assert any("in 103 layer rows" in text for text in texts)
+    note = next(text for text in texts if text.startswith("first non-finite: step 30\n"))
+    assert note.endswith(" +2 more\nin row transformer.h.40") and bad[0] in note and bad[3] not in note
+    assert any(label.startswith("transformer.h.") and label.endswith("(12)") for label in texts)
+
+
+def test_edge_cases_draw_and_say_what_they_show(tmp_path: Path) -> None:
+    """A layout change, zero norms, an Inf, an all-NaN step and a run long enough to be binned."""
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run, plot_run
+
+    records = make_records([f"m.{i}.w" for i in range(20)], 700, nan_at={650: [f"m.{i}.w" for i in range(20)]})
+    changed = []
+    for record in records:
+        norm = list(record.norm)
+        norm[3] = 0.0
+        inf_count = [0] * 20
+        if record.step == 400:
+            norm[5], inf_count[5] = math.inf, 2
+        # From step 500, m.19 loses its gradient and m.20 gains one.
+        names = [*record.names[:19], "m.20.w"] if record.step >= 500 else list(record.names)
+        finite = record.finite and record.step != 400
+        changed.append(replace(record, names=names, norm=norm, inf_count=inf_count, finite=finite))
+    out = plot_run(changed, tmp_path / "edge.png", title="edge cases")
+    assert png_size(out) == PNG_SIZE
+    texts = figure_texts(draw_run(changed))
+    assert any(text.startswith("first non-finite: step 400\nm.5.w") for text in texts)
+    assert any("a zero norm is drawn at the floor" in text for text in texts)
+    assert any("2 steps per column" in text for text in texts)
+    run = load_run(changed)
+    assert run.names[-1] == "m.20.w" and run.missing[-1, :500].all() and not run.missing[-1, 500:].any()
+
+
+def test_an_all_finite_run_has_no_annotation() -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run
+
+    texts = figure_texts(draw_run(make_records(gpt2_names(2), 30), title="fine"))
+    assert "fine" in texts
+    assert not any("first non-finite" in text for text in texts)
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nanscan.__main__ import main
+
+    assert main(["plot", str(tmp_path / "absent.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    layout_only = tmp_path / "layout_only.jsonl"
+    layout_only.write_text('{"kind": "layout", "schema": 1, "names": ["w"]}\n')
+    assert main(["plot", str(layout_only)]) == 1
+    assert "has no step records to plot" in capsys.readouterr().err
+    assert main(["nope"]) == 2
+    assert main([]) == 2
+    assert "python -m nanscan plot RUN.jsonl" in capsys.readouterr().out
+
+
+def test_missing_matplotlib_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanscan.plot import plot_run
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"pip install matplotlib \(or nanscan\[plot\]\)"):
+        plot_run(make_records(["w"], 1), tmp_path / "x.png")
+
+
+def test_importing_nanscan_plot_or_the_tensorboard_sink_imports_neither_package() -> None:
+    code = (
+        "import sys, nanscan.plot, nanscan.integrations.tensorboard\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tensorboard')]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
