@@ -7,10 +7,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from .recorder import Recorder
 from .report import check
+from .sinks import JSONLSink
 
 
 class TeacherStudentTask:
@@ -75,9 +78,15 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int = 30)
 
 
 def run_demo(
-    steps: int = 300, fault_step: int = 200, width: int = 384, depth: int = 4, device_name: str = "auto"
+    steps: int = 300,
+    fault_step: int = 200,
+    width: int = 384,
+    depth: int = 4,
+    device_name: str = "auto",
+    out_dir: str = "nanscan-demo",
 ) -> int:
-    """Trains, injects an Inf into one layer's gradient at ``fault_step``, reports, times. Returns 0 on success."""
+    """Trains, injects an Inf into one layer's gradient at ``fault_step``, reports, records every step
+    (``out_dir``/run.jsonl, drawn to run.png), times. Returns 0 on success."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device_name == "auto" else device_name)
     model = make_model(width, depth, device)
     task = TeacherStudentTask(width, device)
@@ -97,6 +106,8 @@ def run_demo(
     faulty.register_hook(lambda g: g * 1e39 if current["step"] == fault_step else g)
     print(f"  a fault will be injected at step {fault_step}: {fault_name}'s gradient overflows to Inf")
 
+    out = Path(out_dir)
+    recorder = Recorder([JSONLSink(out / "run.jsonl")], every=50, warn=False)
     found: list[tuple[int, list[str]]] = []
     skipped = 0
     started = time.perf_counter()
@@ -106,14 +117,14 @@ def run_demo(
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        report = check(model, max_norm=1.0)
+        report = check(model, max_norm=1.0, on_nonfinite="skip", optimizer=optimizer, recorder=recorder)
+        optimizer.step()  # skipped by nanscan when the check found a NaN/Inf
         if not report.finite:
             found.append((step, report.nonfinite))
             skipped += 1
             print(f"  step {step}: non-finite gradients in {', '.join(report.nonfinite)}; optimizer step skipped")
             print("    " + report.table(limit=3).replace("\n", "\n    "))
             continue
-        optimizer.step()
         if step % 50 == 0 or step == steps - 1:
             print(
                 f"  step {step:4d}  loss {loss.item():.5f}  grad norm {report.total_norm:.4f}  "
@@ -126,6 +137,14 @@ def run_demo(
         f"nanscan found {len(found)} bad step(s), {skipped} optimizer step(s) skipped: "
         + ("the injected fault, named exactly" if ok else f"UNEXPECTED: {found}")
     )
+    recorder.close()
+    print(f"\n{recorder}\n  every step's statistics: {out / 'run.jsonl'}")
+    try:
+        from .plot import plot_run
+
+        print(f"  drawn: {plot_run(out / 'run.jsonl', out / 'run.png', title='nanscan demo')}")
+    except ImportError as error:  # matplotlib is optional
+        print(f"  (not drawn: {error})")
 
     print("\nper-step cost on this model's gradients (median of 30, ms):")
     params = list(model.parameters())
@@ -249,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--out", default="nanscan-demo", help="where the training run's record and plot go")
     parser.add_argument(
         "--scenario",
         choices=["train", *SCENARIOS, "all"],
@@ -260,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be positive")
     status = 0
     if args.scenario in ("train", "all"):
-        status |= run_demo(args.steps, args.fault_step, args.width, args.depth, args.device)
+        status |= run_demo(args.steps, args.fault_step, args.width, args.depth, args.device, args.out)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     for name, scenario in SCENARIOS.items():
         if args.scenario in (name, "all"):

@@ -233,7 +233,8 @@ class Recorder:
             window = ring.params[:, _NORM_ROW].index_select(0, (ring.counter - self._back).remainder(ring.capacity))
             median = window.nanmedian(dim=0).values
             norm = stats.norm.float()
-            enough = (ring.counter >= ring.first_step + self.spike_min_history) & (median > 0)
+            # A non-finite norm is no spike: the non-finite counts say it, louder.
+            enough = (ring.counter >= ring.first_step + self.spike_min_history) & (median > 0) & norm.isfinite()
             ratio = torch.where(enough, norm / median, math.nan)
             rows = torch.stack(
                 [stats.nan_count.float(), stats.inf_count.float(), stats.min.float(), stats.max.float(), norm, ratio]
@@ -390,7 +391,7 @@ class Recorder:
     def __str__(self) -> str:
         parts = [
             f"nanscan.Recorder: {self.read} steps read (+{self._appended} not yet), {self.skipped} skipped, "
-            f"{len(self.sinks)} sinks, device buffer {self.nbytes / 1e6:.2f} MB"
+            f"{len(self.sinks)} sink{'' if len(self.sinks) == 1 else 's'}, device buffer {self.nbytes / 1e6:.2f} MB"
         ]
         if self._last_total is not None:
             parts.append(f"last total norm {self._last_total:.4g}")

@@ -109,7 +109,7 @@ class StepRecord:
         """A step line of the JSONL schema, with the names of the layout line before it."""
         if line.get("schema") != SCHEMA:
             raise ValueError(f"nanscan: JSONL schema {line.get('schema')!r}, this nanscan reads schema {SCHEMA}")
-        columns = {key: [_decode(v) for v in line[key]] for key in PER_PARAMETER}
+        columns = {key: _decode_list(line[key]) for key in PER_PARAMETER}
         if any(len(values) != len(names) for values in columns.values()):
             raise ValueError(
                 f"nanscan: step {line['step']} has arrays that do not match its layout's {len(names)} names"
@@ -144,6 +144,14 @@ def _decode(value: float | int | str | None) -> float:
     if value is None:
         raise ValueError("nanscan: a required number is null in the JSONL file")
     return float(value)  # float("nan"), float("inf"), float("-inf") read the strings back
+
+
+def _decode_list(values: list[float | int | str]) -> list[float]:
+    """A per-parameter array: numbers as they are (the common case, no call per value), the
+    non-finite strings converted."""
+    if any(type(v) is str for v in values):
+        return [float(v) for v in values]
+    return values  # type: ignore[return-value]  # ints (the counts) are read as numbers either way
 
 
 def _decode_optional(value: float | int | str | None) -> float | None:
