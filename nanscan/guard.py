@@ -78,7 +78,9 @@ class SkipGuard:
         )
         self._in_step = False  # inside the wrapped step: a step that the guard decides
         self._stepped = False  # whether any step has passed through the guard yet
-        if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS: as before (module notes)
+        # LBFGS: as before (module notes). A wrapper that skips Optimizer.__init__ (accelerate's
+        # AcceleratedOptimizer) has no hooks, and its step is no torch step that would call them.
+        if not isinstance(optimizer, torch.optim.LBFGS) and hasattr(optimizer, "_optimizer_step_post_hooks"):
             optimizer.register_step_post_hook(self._after_any_step)
         original = optimizer.step
 
@@ -204,9 +206,10 @@ class SkipGuard:
         if not self._stepped:
             self._stepped = True  # warn once
             warnings.warn(
-                "nanscan: check(..., on_nonfinite='skip') ran inside an optimizer step that began before "
-                "the guard wrapped optimizer.step (a check in the closure of the first step), so that step "
-                "could not be skipped; call nanscan.SkipGuard.of(optimizer) before the first step",
+                "nanscan: an optimizer step did not pass through the guard of check(..., on_nonfinite='skip'), "
+                "so it could not be skipped: a check inside the closure of the first step creates the guard too "
+                "late (call nanscan.SkipGuard.of(optimizer) before the first step), and a wrapper that saved "
+                "optimizer.step before the guard existed calls the unguarded step",
                 RuntimeWarning,
                 stacklevel=3,  # the caller of optimizer.step, past torch's step wrapper
             )

@@ -224,7 +224,7 @@ def test_first_closure_step_without_a_guard_warns_and_leaves_no_stale_flag() -> 
     armed must not decide the second step (here a NaN one, which must still be skipped)."""
     model, opt = setup()
     closure, _ = closure_for(model, opt, poison=False)
-    with pytest.warns(RuntimeWarning, match=r"could not be skipped; call nanscan\.SkipGuard\.of"):
+    with pytest.warns(RuntimeWarning, match=r"could not be skipped.*call nanscan\.SkipGuard\.of"):
         opt.step(closure)
     for poison in [True, False]:
         closure, _ = closure_for(model, opt, poison)
@@ -304,3 +304,27 @@ def test_lr_scheduler_created_after_the_guard() -> None:
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
         scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer wrapper that skips Optimizer.__init__, like accelerate's AcceleratedOptimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_guard_on_a_wrapper_that_skips_optimizer_init(poison: bool) -> None:
+    model, inner = setup()
+    opt = Wrapper(inner)
+    backward(model, poison)
+    before = params(model)
+    nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model), strict=True)) == (not poison)
