@@ -1,0 +1,221 @@
+"""PyTorch Lightning: ``NanscanCallback`` checks, clips and guards every optimizer step in one pass.
+
+The callback takes the place of Lightning's gradient clipping (``Trainer(gradient_clip_val=...)``):
+in ``on_before_optimizer_step`` it calls ``nanscan.check`` on the parameters of the optimizer being
+stepped, which clips them like ``torch.nn.utils.clip_grad_norm_`` and, with
+``on_nonfinite="skip"``, skips that optimizer step when a gradient holds a NaN or an Inf (with no
+host sync for fused optimizers).
+
+Where the hook runs (lightning/pytorch/plugins/precision/precision.py, ``Precision._after_closure``
+and ``_wrap_closure``): after the training closure (forward, backward) and, with ``16-mixed``, after
+the GradScaler's ``unscale_`` (plugins/precision/amp.py ``MixedPrecision.optimizer_step``), before
+Lightning's own clipping (``configure_gradient_clipping``) and before the step. In automatic
+optimization the closure, and so this hook, runs inside ``optimizer.step(closure=...)``; nanscan's
+SkipGuard runs such a closure first and decides the step after it (nanscan.guard). The callback
+wraps every optimizer's step at ``on_train_start``, before the first step.
+
+Clipping twice is refused: a Trainer with ``gradient_clip_val`` and a callback with ``max_norm``
+raise ValueError at setup. A LightningModule that clips in its own ``configure_gradient_clipping``
+cannot be seen from here; it would clip after nanscan. With ``16-mixed`` and a fused optimizer,
+Lightning does not unscale before the hook (the optimizer unscales inside its step), so the
+gradients the hook sees are still scaled: ``max_norm`` is refused there, as Lightning refuses its
+own clipping; skipping works.
+
+Logging: nothing is logged per step through ``LightningModule.log`` (it would copy a device value to
+the host every step). Give the callback a ``nanscan.Recorder``: the records reach the host once per
+``Recorder(every=...)`` steps, and the callback forwards each one's totals to every logger of the
+Trainer (``logger.log_metrics``, at ``step=record.step``) as ``nanscan/total_norm``,
+``nanscan/skipped``, ``nanscan/nonfinite_params`` (how many parameters hold a NaN/Inf gradient),
+``nanscan/clip_coef`` (when clipped) and ``nanscan/loss_scale`` (when a GradScaler recorded it);
+``log_every_n_steps`` thins them, never dropping a skipped or non-finite step. Without a recorder
+the callback logs nothing. LR schedulers step on skipped steps too, as they do on a step that
+Lightning's GradScaler skips.
+
+Works with either package: the callback derives from ``lightning.pytorch.Callback`` when
+``lightning`` is installed, else from ``pytorch_lightning.Callback``; a ``pytorch_lightning.Trainer``
+also takes the former (in a list: ``callbacks=[NanscanCallback(...)]``) when both are installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..guard import SkipGuard
+from ..report import check
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from ..recorder import Recorder
+    from ..records import StepRecord
+
+
+def _lightning() -> ModuleType:
+    """``lightning.pytorch``, or ``pytorch_lightning`` where only the older package is installed."""
+    if importlib.util.find_spec("lightning") is not None:
+        return importlib.import_module("lightning.pytorch")
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        return importlib.import_module("pytorch_lightning")
+    raise ImportError(
+        "nanscan.integrations.lightning needs PyTorch Lightning: pip install lightning (or pip install nanscan[lightning])"
+    )
+
+
+if not TYPE_CHECKING:
+    Callback = _lightning().Callback
+
+
+class NanscanCallback(Callback):
+    """Runs ``nanscan.check`` before every optimizer step, in place of Lightning's gradient clipping.
+
+    Args:
+        max_norm: clip the gradients of each stepped optimizer's parameters to this total norm (as
+            ``torch.nn.utils.clip_grad_norm_``); None: no clipping (the check still scans). Leave
+            the Trainer's ``gradient_clip_val`` unset.
+        norm_type: the order of the norm (as ``clip_grad_norm_``).
+        on_nonfinite: ``"skip"`` (default): skip the optimizer step whose gradients hold a NaN/Inf;
+            or ``"raise"``, ``"warn"``, ``"ignore"``, as ``nanscan.check``.
+        max_consecutive_skips: raise NonFiniteGradientError after more consecutive skipped steps.
+        recorder: a ``nanscan.Recorder`` that records every check; its records are also forwarded
+            to the Trainer's loggers (module notes).
+        log_every_n_steps: forward a record to the loggers when its step is a multiple of this, and
+            always when it was skipped or not finite; None: the Trainer's ``log_every_n_steps``.
+
+    Example:
+        >>> trainer = Trainer(callbacks=[NanscanCallback(max_norm=1.0)])  # no gradient_clip_val
+    """
+
+    def __init__(
+        self,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        on_nonfinite: str = "skip",
+        max_consecutive_skips: int | None = None,
+        recorder: Recorder | None = None,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(
+                f"nanscan.NanscanCallback: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}"
+            )
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.on_nonfinite = on_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.recorder = recorder
+        self.log_every_n_steps = log_every_n_steps
+        self._trainer: Trainer | None = None  # set while fitting: where the recorder's records go
+        # Per optimizer (by id): what to check, the LightningModule itself when the optimizer holds all
+        # of its trainable parameters (check's fast path), else that optimizer's (name, parameter) pairs.
+        self._targets: dict[int, tuple[torch.optim.Optimizer, Any]] = {}
+        if recorder is not None:
+            recorder.add_sink(self._log_record)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Refuses a Trainer that clips too, before any step."""
+        if stage == "fit" and self.max_norm is not None and (trainer.gradient_clip_val or 0) > 0:
+            raise ValueError(
+                f"nanscan.NanscanCallback(max_norm={self.max_norm}) clips the gradients, and so does "
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): clipping twice. Leave gradient_clip_val "
+                "unset (the callback replaces Lightning's clipping)"
+            )
+        self._trainer = trainer
+        self._targets = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Wraps each optimizer's step before the first one: the first check runs inside that step's
+        closure, too late to wrap it then (nanscan.guard)."""
+        if self.on_nonfinite == "skip":
+            for optimizer in trainer.optimizers:
+                SkipGuard.of(_torch_optimizer(optimizer), self.max_consecutive_skips)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """Checks (and clips) the gradients of ``optimizer``'s parameters, and arms the skip."""
+        optimizer = _torch_optimizer(optimizer)
+        if self.max_norm is not None and _still_scaled(trainer, optimizer):
+            raise ValueError(
+                f"nanscan.NanscanCallback: {type(optimizer).__qualname__} unscales its gradients inside its step "
+                "(a fused optimizer under precision='16-mixed'), so they are still scaled here and cannot be "
+                "clipped; use max_norm=None (skipping still works) or a non-fused optimizer"
+            )
+        check(
+            self._target(pl_module, optimizer),
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            on_nonfinite=self.on_nonfinite,
+            optimizer=optimizer if self.on_nonfinite == "skip" else None,
+            max_consecutive_skips=self.max_consecutive_skips,
+            recorder=self.recorder,
+        )
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Hands the recorder's last records to its sinks (the loggers among them)."""
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._trainer = None
+            self._targets = {}
+
+    def _target(self, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> Any:
+        cached = self._targets.get(id(optimizer))
+        if cached is not None and cached[0] is optimizer:
+            return cached[1]
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        named = list(pl_module.named_parameters())
+        trainable = {id(p) for _, p in named if p.requires_grad}
+        # A parameter the optimizer does not hold is no business of its step (Lightning clips
+        # ``main_params(optimizer)`` too); a frozen one has no gradient and is not scanned anyway.
+        target: Any = pl_module if trainable <= owned else [(n, p) for n, p in named if id(p) in owned]
+        self._targets[id(optimizer)] = (optimizer, target)
+        return target
+
+    def _log_record(self, record: StepRecord) -> None:
+        """The recorder's sink: one record's totals to the Trainer's loggers."""
+        trainer = self._trainer
+        if trainer is None or not trainer.loggers:
+            return
+        # (the Trainer sets log_every_n_steps in its logger connector, not in its annotations)
+        every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 0) or 1
+        if record.step % every and record.finite and not record.skipped:
+            return
+        metrics = {
+            "nanscan/total_norm": record.total_norm,
+            "nanscan/skipped": float(record.skipped),
+            "nanscan/nonfinite_params": float(len(record.nonfinite)),
+        }
+        if record.clip_coef is not None:
+            metrics["nanscan/clip_coef"] = record.clip_coef
+        if record.loss_scale is not None:
+            metrics["nanscan/loss_scale"] = record.loss_scale
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=record.step)
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under Lightning's ``LightningOptimizer`` wrapper (itself an instance of
+    the optimizer's class, by a dynamic subclass: the guard must wrap the inner one, whose ``step``
+    the precision plugin calls)."""
+    for namespace in ("lightning.pytorch", "pytorch_lightning"):  # a Trainer of either, both installed
+        module = sys.modules.get(namespace + ".core.optimizer")
+        if module is not None and isinstance(optimizer, module.LightningOptimizer):
+            optimizer = optimizer.optimizer
+            break
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"nanscan.NanscanCallback: expected a torch optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+def _still_scaled(trainer: Trainer, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the gradients at ``on_before_optimizer_step`` are still multiplied by a GradScaler's
+    scale: Lightning skips ``unscale_`` for optimizers that unscale in their step (fused ones)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler is not None and bool(getattr(optimizer, "_step_supports_amp_scaling", False))

@@ -1,0 +1,197 @@
+"""Hugging Face transformers: ``NanscanTrainerCallback`` checks, clips and guards every optimizer step
+of a ``Trainer`` in one pass.
+
+Where the hook runs (transformers/trainer.py, the training loop's sync step): the Trainer clips
+(``args.max_grad_norm > 0``), computes its own gradient norm for its logs (unscaling a GradScaler's
+gradients on the way, in ``accelerator.clip_grad_norm_``), then calls ``on_pre_optimizer_step``,
+then ``self.optimizer.step()``. In that hook the callback calls ``nanscan.check`` on the model, which
+clips like ``torch.nn.utils.clip_grad_norm_`` and, with ``on_nonfinite="skip"``, skips the step whose
+gradients hold a NaN or an Inf (with no host sync for fused optimizers such as
+``optim="adamw_torch_fused"``).
+
+Turn the Trainer's clipping off, ``TrainingArguments(max_grad_norm=0)`` (0 disables it; None is not
+accepted by this Trainer): with ``max_norm`` set, a Trainer that clips too is refused at
+``on_train_begin``, since the gradients would be clipped twice. The Trainer still computes its own
+gradient norm for its ``grad_norm`` log (``clip_grad_norm_`` with an infinite threshold: one more
+pass over the gradients, which a callback cannot turn off).
+
+The optimizer the Trainer steps is accelerate's ``AcceleratedOptimizer``, which calls the torch
+optimizer's ``step``; nanscan guards that inner optimizer, so fused optimizers keep the device-side
+skip. Under fp16 mixed precision accelerate swaps the inner ``step`` for its own wrapper around the
+step it saw at ``prepare``; the callback points that wrapper at the guarded step, so a step the
+GradScaler lets through is still decided by the check. Accelerate's ``optimizer_step_was_skipped``
+only knows the GradScaler's skips: the LR scheduler also advances on a step nanscan skipped.
+
+With a ``nanscan.Recorder``, the records that have reached the host (once per
+``Recorder(every=...)`` steps) are merged into the Trainer's next log: ``nanscan/total_norm``,
+``nanscan/clip_coef`` and ``nanscan/loss_scale`` of the latest record (with ``nanscan/step``, its
+record index), ``nanscan/skipped`` (steps skipped among those records) and
+``nanscan/nonfinite_params`` (the most parameters with a NaN/Inf gradient in one of them). They go
+into ``state.log_history`` and to the callbacks after this one; reporting integrations
+(``report_to``) come before user callbacks, so they see them only if the callback is moved first
+(``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(NanscanTrainerCallback))``).
+Without a recorder the callback logs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..guard import SkipGuard
+from ..report import check
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+    from ..recorder import Recorder
+    from ..records import StepRecord
+
+if importlib.util.find_spec("transformers") is None:
+    raise ImportError(
+        "nanscan.integrations.transformers needs Hugging Face transformers: pip install transformers "
+        "(or pip install nanscan[transformers])"
+    )
+if not TYPE_CHECKING:
+    TrainerCallback = importlib.import_module("transformers").TrainerCallback
+
+
+class NanscanTrainerCallback(TrainerCallback):
+    """Runs ``nanscan.check`` before every optimizer step of a ``transformers.Trainer``.
+
+    Args:
+        max_norm: clip the gradients to this total norm (as ``torch.nn.utils.clip_grad_norm_``); set
+            ``TrainingArguments(max_grad_norm=0)``. None: no clipping (the check still scans).
+        norm_type: the order of the norm (as ``clip_grad_norm_``).
+        on_nonfinite: ``"skip"`` (default): skip the optimizer step whose gradients hold a NaN/Inf;
+            or ``"raise"``, ``"warn"``, ``"ignore"``, as ``nanscan.check``.
+        max_consecutive_skips: raise NonFiniteGradientError after more consecutive skipped steps.
+        recorder: a ``nanscan.Recorder`` that records every check; its records are merged into the
+            Trainer's logs (module notes).
+        log_every_n_steps: merge only records whose step is a multiple of this (and every skipped or
+            non-finite one) into the logs; None: all of them.
+
+    Example:
+        >>> args = TrainingArguments(..., max_grad_norm=0)  # nanscan clips instead
+        >>> trainer = Trainer(model, args, callbacks=[NanscanTrainerCallback(max_norm=1.0)])
+    """
+
+    def __init__(
+        self,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        on_nonfinite: str = "skip",
+        max_consecutive_skips: int | None = None,
+        recorder: Recorder | None = None,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(
+                f"nanscan.NanscanTrainerCallback: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}"
+            )
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.on_nonfinite = on_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.recorder = recorder
+        self.log_every_n_steps = log_every_n_steps
+        self._pending: list[StepRecord] = []  # records read from the recorder, not yet logged
+        if recorder is not None:
+            recorder.add_sink(self._receive)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Refuses a Trainer that clips too; wraps the optimizer's step before the first one."""
+        if self.max_norm is not None and args.max_grad_norm is not None and args.max_grad_norm > 0:
+            raise ValueError(
+                f"nanscan.NanscanTrainerCallback(max_norm={self.max_norm}) clips the gradients, and so does the "
+                f"Trainer (TrainingArguments(max_grad_norm={args.max_grad_norm})): clipping twice. Set "
+                "TrainingArguments(max_grad_norm=0)"
+            )
+        optimizer = kwargs.get("optimizer")
+        if self.on_nonfinite == "skip" and optimizer is not None:
+            _guard(optimizer, self.max_consecutive_skips)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Checks (and clips) the gradients and arms the skip of the step that follows."""
+        model, optimizer = kwargs["model"], kwargs["optimizer"]
+        inner = _guard(optimizer, self.max_consecutive_skips) if self.on_nonfinite == "skip" else None
+        check(
+            model,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            on_nonfinite=self.on_nonfinite,
+            optimizer=inner,
+            max_consecutive_skips=self.max_consecutive_skips,
+            recorder=self.recorder,
+        )
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Merges the records read since the last log into this one (module notes)."""
+        records = [r for r in self._pending if self._logged(r)]
+        self._pending.clear()
+        if logs is None or not records:
+            return
+        latest = records[-1]
+        metrics: dict[str, float] = {
+            "nanscan/total_norm": latest.total_norm,
+            "nanscan/step": float(latest.step),
+            "nanscan/skipped": float(sum(r.skipped for r in records)),
+            "nanscan/nonfinite_params": float(max(len(r.nonfinite) for r in records)),
+        }
+        if latest.clip_coef is not None:
+            metrics["nanscan/clip_coef"] = latest.clip_coef
+        if latest.loss_scale is not None:
+            metrics["nanscan/loss_scale"] = latest.loss_scale
+        logs.update(metrics)
+        # The Trainer appended a copy of ``logs`` to the history before calling on_log.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Hands the recorder's last records to its sinks."""
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    def _receive(self, record: StepRecord) -> None:
+        """The recorder's sink: keeps a record for the next log."""
+        self._pending.append(record)
+
+    def _logged(self, record: StepRecord) -> bool:
+        every = self.log_every_n_steps
+        return every is None or record.step % every == 0 or record.skipped or not record.finite
+
+
+def _guard(optimizer: Any, max_consecutive_skips: int | None) -> torch.optim.Optimizer:
+    """Guards the torch optimizer under accelerate's wrapper (the one whose ``step`` does the update,
+    and whose flags a fused step reads), and returns it."""
+    inner = optimizer
+    # accelerate's AcceleratedOptimizer is itself a torch.optim.Optimizer, holding the real one.
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"nanscan.NanscanTrainerCallback: expected a torch optimizer, got {type(optimizer).__name__}")
+    fresh = getattr(inner, "_nanscan_guard", None) is None
+    SkipGuard.of(inner, max_consecutive_skips)
+    if fresh and inner is not optimizer and hasattr(optimizer, "_optimizer_original_step_method"):
+        # Under fp16 accelerate's step swaps in a wrapper of the inner step it saved at prepare, and
+        # then puts that saved step back: both must be the guarded step, or the guard is bypassed.
+        patch_optimizer_step = importlib.import_module("accelerate.optimizer").patch_optimizer_step
+        optimizer._optimizer_original_step_method = inner.step
+        optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer, inner.step)
+    return inner

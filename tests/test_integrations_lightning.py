@@ -1,0 +1,201 @@
+"""nanscan.integrations.lightning: a real Lightning Trainer with NanscanCallback clips every step and
+skips the one whose gradients are NaN."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+
+import nanscan
+from nanscan.integrations.lightning import NanscanCallback
+
+NAN_STEP = 3
+STEPS = 8
+LR = 0.1
+
+
+class Tiny(LightningModule):
+    """Two Linear layers on random data; the loss is multiplied by NaN at ``NAN_STEP``."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.fused = fused
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.global_step == NAN_STEP:
+            loss = loss * math.nan
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.fused:
+            return torch.optim.AdamW(self.parameters(), lr=LR, fused=True)
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def loader() -> torch.utils.data.DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(STEPS * 4, 8, generator=g)
+    y = 10 * torch.randn(STEPS * 4, 1, generator=g)  # large targets: gradient norms well above 1
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+class Gradients(Callback):
+    """Copies the gradients in on_before_optimizer_step (before or after nanscan's, by list order)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self.seen.append([p.grad.detach().clone() for p in pl_module.parameters()])
+
+
+class Parameters(Callback):
+    """The parameters before and after each training batch (the step happens in between)."""
+
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.before.append([p.detach().clone() for p in pl_module.parameters()])
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.after.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+def trainer(callbacks: list[Callback], logger: Any = False, **kwargs: Any) -> Trainer:
+    return Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_callback_clips_and_skips_the_nan_step(fused: bool) -> None:
+    torch.manual_seed(0)
+    model = Tiny(fused)
+    raw, clipped, params = Gradients(), Gradients(), Parameters()
+    trainer([raw, NanscanCallback(max_norm=1.0), clipped, params]).fit(model, loader())
+
+    assert len(raw.seen) == len(clipped.seen) == len(params.before) == STEPS
+    optimizer = model.trainer.optimizers[0]
+    assert nanscan.SkipGuard.of(optimizer).total_skips == 1
+    for step in range(STEPS):
+        before, after = params.before[step], params.after[step]
+        if step == NAN_STEP:
+            assert all(torch.isnan(g).all() for g in raw.seen[step])
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "the NaN step was taken"
+            continue
+        assert all(torch.isfinite(p).all() for p in after)
+        # Clipped exactly as torch's clip_grad_norm_ clips the same gradients (and the norms were > 1).
+        reference = [torch.nn.Parameter(torch.empty_like(g)) for g in raw.seen[step]]
+        for p, g in zip(reference, raw.seen[step], strict=True):
+            p.grad = g.clone()
+        norm = torch.nn.utils.clip_grad_norm_(reference, max_norm=1.0)
+        assert norm > 1.5, "this test's gradients must need clipping"
+        for p, c in zip(reference, clipped.seen[step], strict=True):
+            torch.testing.assert_close(c, p.grad)
+        assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "a finite step was skipped"
+        if not fused:  # SGD: the update is exactly lr times the clipped gradient
+            for a, b, c in zip(before, after, clipped.seen[step], strict=True):
+                torch.testing.assert_close(a - b, LR * c)
+    if fused:  # the skipped step did not advance AdamW's step count (device-side skip)
+        assert optimizer.state[next(iter(model.parameters()))]["step"].item() == STEPS - 1
+
+
+def test_gradient_clip_val_with_the_callback_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"clipping twice.*Leave gradient_clip_val"):
+        trainer([NanscanCallback(max_norm=1.0)], gradient_clip_val=0.5).fit(Tiny(False), loader())
+
+
+def test_recorder_gets_one_record_per_step_and_feeds_the_loggers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    records: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder(sinks=[records.append], every=3, warn=False)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callback = NanscanCallback(max_norm=1.0, recorder=recorder, log_every_n_steps=2)
+    trainer([callback], logger=logger).fit(Tiny(False), loader())
+
+    assert [r.step for r in records] == list(range(STEPS))  # the last ones flushed at on_train_end
+    for r in records:
+        bad = r.step == NAN_STEP
+        assert r.skipped == bad and r.finite == (not bad)
+        assert (len(r.nonfinite) == len(r.names)) if bad else not r.nonfinite
+        if not bad:
+            assert r.clip_coef is not None and r.clip_coef < 1 and r.max_norm == 1.0
+
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("nanscan/total_norm")]
+    logged = {int(row["step"]): row for row in rows}
+    assert sorted(logged) == [0, 2, NAN_STEP, 4, 6]  # every 2nd step, and the skipped one
+    assert float(logged[NAN_STEP]["nanscan/skipped"]) == 1.0
+    assert math.isnan(float(logged[NAN_STEP]["nanscan/total_norm"]))
+    assert float(logged[NAN_STEP]["nanscan/nonfinite_params"]) == 4.0
+    assert float(logged[2]["nanscan/skipped"]) == 0.0 and float(logged[2]["nanscan/clip_coef"]) < 1
+
+
+def test_importing_nanscan_imports_no_framework() -> None:
+    code = "import sys, nanscan; assert not {'lightning', 'pytorch_lightning', 'transformers'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pytorch_lightning_namespace() -> None:
+    """The older package name: its Trainer and LightningModule, the same callback."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Old(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            return loss * math.nan if self.global_step == 1 else loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    class Steps(pl.Callback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.weights: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.weights.append(args[1].net.weight.detach().clone())
+
+    model, steps = Old(), Steps()
+    pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[NanscanCallback(max_norm=1.0), steps],
+    ).fit(model, loader())
+    assert len(steps.weights) == 3
+    assert torch.equal(steps.weights[0], steps.weights[1]), "the NaN step was taken"
+    assert not torch.equal(steps.weights[1], steps.weights[2])
+    assert torch.isfinite(steps.weights[2]).all()
