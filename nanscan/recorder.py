@@ -9,15 +9,16 @@ and on leaving a ``with`` block by an exception too), the whole buffer goes to t
 (asynchronous on a GPU: a pinned buffer and an event, read at a later append once it has landed)
 and each new record goes to the sinks (nanscan.sinks) as a ``StepRecord`` (nanscan.records).
 
-Per parameter and step the buffer holds float32 rows: NaN count, Inf count, min, max, norm and the
-spike ratio (counts above 2^24 are rounded); per step float64: the total norm, the finite flag, the
-clip coefficient, max_norm, whether the step was skipped and the loss scale. Memory:
-``capacity * (24 * parameters + 48) + 8`` bytes on the device (``Recorder.nbytes``; GPT-2-small's
-148 parameters at capacity 100: 360 KB), the same again in pinned host memory on a GPU, and the last
-``history`` records on the host.
+A record is one float32 row: per parameter the NaN count, Inf count, min, max, norm and spike
+ratio (counts above 2^24 are rounded), then the step's total norm, finite flag, clip coefficient,
+max_norm, whether the step was skipped and the loss scale (float32: seven digits, plenty for a
+history). Memory: ``capacity * (24 * parameters + 24) + 8`` bytes on the device
+(``Recorder.nbytes``; GPT-2-small's 148 parameters at capacity 100: 358 KB), the same again in
+pinned host memory on a GPU, and the last ``history`` records on the host.
 
 Spikes are found on the device: a parameter's norm over the median of its norms in the
-``spike_window`` records before (``nanmedian``, records with no history ignored) is stored as its
+``spike_window`` records before (``nanmedian``, records with no history ignored; refreshed every
+``spike_window // 4`` records, and at every replay of a captured graph) is stored as its
 spike ratio; on the host, a ratio at or above ``spike_factor`` is a spike, warned about when its
 records are read, often steps before a NaN arrives. The first non-finite step is kept
 (``first_nonfinite``): which parameters went bad, and their norms over the ``history`` records
@@ -32,8 +33,10 @@ about, never silently dropped).
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
+import struct
 import sys
 import warnings
 import weakref
@@ -51,7 +54,7 @@ from .sinks import Sink
 if TYPE_CHECKING:
     from .report import Report
 
-# Per-parameter rows (float32) and per-step columns (float64) of one record in the ring buffer.
+# A record's per-parameter rows, then its per-step columns, in its float32 row of the ring buffer.
 _PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
 _NORM_ROW = _PARAM_ROWS.index("norm")
 _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "loss_scale")
@@ -89,32 +92,49 @@ class FirstNonfinite:
 
 class _Ring:
     """The device buffers of one layout (a list of parameter names on one device): a byte buffer
-    holding the counter, the per-step rows and the per-parameter rows, so a flush is one copy."""
+    holding the counter and one float32 row per record (the per-parameter rows, then the per-step
+    columns), so an append is one copy into a row and a read is one copy of the whole buffer."""
 
-    def __init__(self, names: Sequence[str], device: torch.device, capacity: int, first_step: int) -> None:
+    def __init__(
+        self, names: Sequence[str], device: torch.device, capacity: int, first_step: int, spike_window: int
+    ) -> None:
         self.names = names
         self.device = device
         self.capacity = capacity
         n = len(names)
-        step_bytes = capacity * len(_STEP_COLUMNS) * 8
-        param_bytes = capacity * len(_PARAM_ROWS) * n * 4
-        self.nbytes = 8 + step_bytes + param_bytes
+        self.row_length = len(_PARAM_ROWS) * n + len(_STEP_COLUMNS)
+        self.nbytes = 8 + capacity * self.row_length * 4
         self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        self.counter, self.steps, self.params = self.views(self.storage)
+        self.counter, self.rows = self.views(self.storage)
         self.counter.fill_(first_step)
-        self.steps.fill_(math.nan)
-        self.params.fill_(math.nan)  # the spike window ignores slots never written
+        self.rows.fill_(math.nan)  # the spike window ignores slots never written
+        self.norms = self.rows[:, _NORM_ROW * n : (_NORM_ROW + 1) * n]  # [capacity, n], a view
         self.first_step = first_step  # the record index of the layout's first record
         self.decoded = first_step  # records before this one have gone to the sinks
+        # Per-append working state, made once: the staging row an append fills, the spike window's
+        # offsets, each parameter's running median norm, and constants (a fill per append otherwise).
+        self.row = torch.empty((1, self.row_length), dtype=torch.float32, device=device)
+        self.back = torch.arange(1, spike_window + 1, device=device)
+        self.median = torch.full((n,), math.nan, dtype=torch.float32, device=device)
+        self.since_median = spike_window  # refreshed at the first append
+        self.nan = torch.full((1,), math.nan, dtype=torch.float32, device=device)
+        self._constants: dict[float, torch.Tensor] = {}
 
-    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(counter int64 [1], steps float64 [capacity, columns], params float32 [capacity, rows, n])
-        of a byte buffer laid out as ``storage`` (the device's, or its host copy)."""
-        step_end = 8 + self.capacity * len(_STEP_COLUMNS) * 8
-        counter = storage[:8].view(torch.int64)
-        steps = storage[8:step_end].view(torch.float64).view(self.capacity, len(_STEP_COLUMNS))
-        params = storage[step_end:].view(torch.float32).view(self.capacity, len(_PARAM_ROWS), len(self.names))
-        return counter, steps, params
+    def constant(self, value: float | None) -> torch.Tensor:
+        """A float32 [1] device tensor holding ``value`` (NaN for None), made once per value."""
+        if value is None:
+            return self.nan
+        tensor = self._constants.get(value)
+        if tensor is None:
+            if len(self._constants) > 64:  # a max_norm that changes every step: no unbounded cache
+                self._constants.clear()
+            tensor = self._constants[value] = torch.full((1,), float(value), dtype=torch.float32, device=self.device)
+        return tensor
+
+    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counter int64 [1], rows float32 [capacity, row_length]) of a byte buffer laid out as
+        ``storage`` (the device's, or its host copy)."""
+        return storage[:8].view(torch.int64), storage[8:].view(torch.float32).view(self.capacity, self.row_length)
 
 
 class Recorder:
@@ -188,7 +208,9 @@ class Recorder:
         self.skipped = 0  # skipped steps among the records read
         self.read = 0  # records handed to the sinks
         self._ring: _Ring | None = None
-        self._back: torch.Tensor | None = None  # 1..spike_window, on the ring's device
+        # Eagerly the median is refreshed every few records, not every one: it is most of an append's
+        # cost, and a median over 32 records moves little in 8.
+        self._median_every = max(1, spike_window // 4)
         self._appended = 0  # appends since the last flush, counted on the host
         self._next_step = 0  # the record index the next layout's counter starts from
         self._pending: tuple[_Ring, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -223,40 +245,52 @@ class Recorder:
                 )
             self._start_layout(names, device)
             ring = self._ring
-            assert ring is not None and self._back is not None
+            assert ring is not None
         elif not capturing:
             self._drain(wait=False)
-        assert self._back is not None
         with torch.no_grad():
+            if capturing or ring.since_median >= self._median_every:
+                # Inside a captured graph every replay refreshes the median; eagerly, every few records.
+                self._refresh_median(ring)
             slot = ring.counter.remainder(ring.capacity)
-            # The norms of the spike_window records before this one (slots never written are NaN).
-            window = ring.params[:, _NORM_ROW].index_select(0, (ring.counter - self._back).remainder(ring.capacity))
-            median = window.nanmedian(dim=0).values
-            norm = stats.norm.float()
-            # A non-finite norm is no spike: the non-finite counts say it, louder.
-            enough = (ring.counter >= ring.first_step + self.spike_min_history) & (median > 0) & norm.isfinite()
-            ratio = torch.where(enough, norm / median, math.nan)
-            rows = torch.stack(
-                [stats.nan_count.float(), stats.inf_count.float(), stats.min.float(), stats.max.float(), norm, ratio]
-            )
-            ring.params.index_copy_(0, slot, rows.unsqueeze(0))
-            columns = torch.stack(
+            # One copy of the whole record into the staging row (cat casts as it copies), one into the
+            # ring. A NaN/Inf norm gives a NaN/Inf ratio, which the host does not call a spike (the
+            # non-finite counts say it, louder).
+            torch.cat(
                 [
-                    report.total_norm_tensor.to(device, torch.float64).reshape(()),
-                    stats.finite.to(torch.float64),
-                    _scalar(report.clip_coef_tensor, device),
-                    _scalar(report.max_norm, device),
-                    _scalar(skipped, device),
-                    _scalar(loss_scale, device),
-                ]
+                    stats.nan_count,
+                    stats.inf_count,
+                    stats.min,
+                    stats.max,
+                    stats.norm,
+                    stats.norm / ring.median,
+                    report.total_norm_tensor.reshape(1),
+                    stats.finite.reshape(1),
+                    ring.nan if report.clip_coef_tensor is None else report.clip_coef_tensor.reshape(1),
+                    ring.constant(report.max_norm),
+                    ring.constant(skipped) if isinstance(skipped, bool) else skipped.reshape(1),
+                    _scale_of(loss_scale, ring),
+                ],
+                out=ring.row[0],
             )
-            ring.steps.index_copy_(0, slot, columns.unsqueeze(0))
+            ring.rows.index_copy_(0, slot, ring.row)
             ring.counter.add_(1)
+            ring.since_median += 1
         if capturing:
             return
         self._appended += 1
         if self._appended >= self.every:
             self.flush(wait=False)
+
+    def _refresh_median(self, ring: _Ring) -> None:
+        """Each parameter's median norm over the ``spike_window`` records before the next one, NaN
+        where fewer than ``spike_min_history`` of them exist (slots never written hold NaN) or the
+        median is 0: a ratio against it is then NaN, never a spike."""
+        window = ring.norms.index_select(0, (ring.counter - ring.back).remainder(ring.capacity))
+        median = window.nanmedian(dim=0).values
+        known = (~window.isnan()).sum(dim=0)
+        ring.median.copy_(torch.where((known >= self.spike_min_history) & (median > 0), median, math.nan))
+        ring.since_median = 0
 
     def _start_layout(self, names: Sequence[str], device: torch.device) -> None:
         """A new buffer for a new list of parameters (or device): the old one is read out first."""
@@ -264,8 +298,7 @@ class Recorder:
             self.flush(wait=True)
             assert self._ring is not None
             self._next_step = self._ring.decoded
-        self._ring = _Ring(names, device, self.capacity, self._next_step)
-        self._back = torch.arange(1, self.spike_window + 1, device=device)
+        self._ring = _Ring(names, device, self.capacity, self._next_step, self.spike_window)
 
     # ------------------------------------------------------------------------------------- reading
 
@@ -302,7 +335,7 @@ class Recorder:
         self._decode(ring, host)
 
     def _decode(self, ring: _Ring, host: torch.Tensor) -> None:
-        counter, steps, params = ring.views(host)
+        counter, rows = ring.views(host)
         end = int(counter.item())
         first = max(ring.decoded, end - ring.capacity)
         if first > ring.decoded:
@@ -312,16 +345,27 @@ class Recorder:
                 f"nanscan.Recorder: {lost} records were overwritten before they were read (capacity "
                 f"{ring.capacity}); flush more often, or raise capacity"
             )
-        for step in range(first, end):
-            slot = step % ring.capacity
-            self._emit(_record(step, ring.names, steps[slot], params[slot], self.spike_factor))
+        if end > first:
+            # The new records as Python values in three conversions for the whole block, not per record.
+            n = len(ring.names)
+            block = rows.index_select(0, torch.arange(first, end).remainder(ring.capacity))
+            params = block[:, : len(_PARAM_ROWS) * n].view(-1, len(_PARAM_ROWS), n)
+            counts = params[:, :2].to(torch.int64).tolist()
+            values = params[:, 2:].tolist()
+            columns = block[:, len(_PARAM_ROWS) * n :].tolist()
+            ratios = params[:, _PARAM_ROWS.index("spike_ratio")]
+            spiked = ((ratios >= self.spike_factor) & (ratios != math.inf)).any(dim=1).tolist()
+            for k, step in enumerate(range(first, end)):
+                record = _record(step, ring.names, columns[k], counts[k], values[k], self.spike_factor)
+                self._emit(record, spiked[k])
         ring.decoded = max(ring.decoded, end)
         if end > first:
             for sink in self.sinks:
                 _call_optional(sink, "flush")
 
-    def _emit(self, record: StepRecord) -> None:
-        """One record on the host: the answers kept here, then the sinks."""
+    def _emit(self, record: StepRecord, spiked: bool) -> None:
+        """One record on the host: the answers kept here, then the sinks. ``spiked``: whether any
+        ratio reached the spike factor (found for the whole block at once)."""
         self.read += 1
         self.skipped += record.skipped
         self._last_total = record.total_norm
@@ -329,7 +373,7 @@ class Recorder:
             self.first_nonfinite = self._first_nonfinite(record)
             if self.warn:
                 _warn(f"nanscan.Recorder: {self.first_nonfinite}")
-        spikes = record.spikes
+        spikes = record.spikes if spiked else {}
         for name, ratio in spikes.items():
             self.spikes.append((record.step, name, ratio))
         if spikes and self.warn:
@@ -413,15 +457,20 @@ class Recorder:
 
 
 def _record(
-    step: int, names: Sequence[str], columns: torch.Tensor, rows: torch.Tensor, spike_factor: float
+    step: int,
+    names: Sequence[str],
+    columns: list[float],
+    counts: list[list[int]],
+    values: list[list[float]],
+    spike_factor: float,
 ) -> StepRecord:
-    total_norm, finite, clip_coef, max_norm, skipped, loss_scale = columns.tolist()
-    nan, inf, low, high, norm, ratio = rows.tolist()
+    total_norm, finite, clip_coef, max_norm, skipped, loss_scale = columns
+    low, high, norm, ratio = values
     return StepRecord(
         step=step,
         names=names,
-        nan_count=[int(v) for v in nan],
-        inf_count=[int(v) for v in inf],
+        nan_count=counts[0],
+        inf_count=counts[1],
         min=low,
         max=high,
         norm=norm,
@@ -429,21 +478,35 @@ def _record(
         total_norm=total_norm,
         finite=bool(finite),
         clip_coef=None if math.isnan(max_norm) else clip_coef,
-        max_norm=None if math.isnan(max_norm) else max_norm,
+        max_norm=None if math.isnan(max_norm) else _shortest(max_norm),
         skipped=bool(skipped),
         loss_scale=None if math.isnan(loss_scale) else loss_scale,
         spike_factor=spike_factor,
     )
 
 
-def _scalar(value: torch.Tensor | float | bool | None, device: torch.device) -> torch.Tensor:
-    """A float64 0-dim tensor on ``device``; NaN for None. Python numbers are filled in by a kernel
-    (no host-to-device copy, which CUDA graph capture would refuse)."""
-    if value is None:
-        return torch.full((), math.nan, dtype=torch.float64, device=device)
-    if isinstance(value, torch.Tensor):
-        return value.to(device, torch.float64).reshape(())
-    return torch.full((), float(value), dtype=torch.float64, device=device)
+@functools.lru_cache(maxsize=64)  # one max_norm, over and over
+def _shortest(value: float) -> float:
+    """A float32's value as the shortest decimal that reads back as the same float32 (0.3, not
+    0.30000001192092896): a max_norm of 0.3 is recorded as 0.3."""
+    if not math.isfinite(value):
+        return value
+    for digits in range(1, 10):
+        candidate = float(f"{value:.{digits}g}")
+        if _FLOAT32.unpack(_FLOAT32.pack(candidate))[0] == value:
+            return candidate
+    return value
+
+
+_FLOAT32 = struct.Struct("f")
+
+
+def _scale_of(loss_scale: torch.Tensor | float | None, ring: _Ring) -> torch.Tensor:
+    """The loss scale as a [1] tensor on the ring's device (a GradScaler's own scale tensor, read
+    by the stack in stream order, before ``update()`` changes it)."""
+    if isinstance(loss_scale, torch.Tensor):
+        return loss_scale.reshape(1) if loss_scale.device == ring.device else loss_scale.to(ring.device).reshape(1)
+    return ring.constant(loss_scale)
 
 
 def _warn(message: str) -> None:

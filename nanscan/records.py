@@ -81,7 +81,9 @@ class StepRecord:
         return {
             name: ratio
             for name, ratio in zip(self.names, self.spike_ratio, strict=True)
-            if ratio >= self.spike_factor  # NaN compares False: no history, no spike
+            # NaN (no history) compares False; an infinite ratio is a non-finite norm, which the
+            # counts report, not a spike.
+            if ratio >= self.spike_factor and ratio != math.inf
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -276,10 +276,10 @@ def test_memory_is_bounded_and_stated() -> None:
     assert recorder.nbytes == 0
     backward(m, 0)
     nanscan.check(m, recorder=recorder)
-    assert recorder.nbytes == 50 * (24 * 4 + 48) + 8
+    assert recorder.nbytes == 50 * (24 * 4 + 24) + 8
     for _ in range(200):
         nanscan.check(m, recorder=recorder)
-    assert recorder.nbytes == 50 * (24 * 4 + 48) + 8 and len(recorder.records) == 64
+    assert recorder.nbytes == 50 * (24 * 4 + 24) + 8 and len(recorder.records) == 64
     assert "201 steps read" in str(recorder) or "200 steps read" in str(recorder)
 
 
