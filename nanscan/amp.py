@@ -92,9 +92,15 @@ class GradScaler(torch.amp.GradScaler):
         return self
 
     def _record(self, report: Report) -> None:
-        if self._recorder is not None:
-            found = self._last_found_inf[0] if len(self._last_found_inf) == 1 else False
-            self._recorder.append(report, skipped=found, loss_scale=self._scale)
+        if self._recorder is None:
+            return
+        found = self._last_found_inf
+        device = report.stats.norm.device
+        # The step is skipped when any device found an Inf/NaN (a float32 flag per device).
+        skipped: torch.Tensor | bool = (
+            False if not found else found[0] if len(found) == 1 else torch.stack([f.to(device) for f in found]).amax()
+        )
+        self._recorder.append(report, skipped=skipped, loss_scale=self._scale)
 
     @property
     def skipped(self) -> bool:
@@ -124,7 +130,10 @@ class GradScaler(torch.amp.GradScaler):
         max_norm = as_max_norm(max_norm)
         norm_type = as_norm_type(norm_type)
         scanned = None
-        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        # A disabled scaler has no per-optimizer state: it never unscales, so this call records.
+        ready = self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
+        scanned_by_unscale = not self._enabled or ready
+        if ready:
             self._keep_scan = True
             try:
                 self.unscale_(optimizer)
@@ -146,7 +155,8 @@ class GradScaler(torch.amp.GradScaler):
                 raise_if_nonfinite(total, norm_type)
             coef = clip_grads_with_norm_(grads, max_norm, total) if grads else None
         self.last_report = Report(names, stats, total, norm_type, max_norm, coef)
-        self._record(self.last_report)
+        if scanned_by_unscale:  # else unscale_ ran earlier this step and recorded it: once per step
+            self._record(self.last_report)
         return total
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

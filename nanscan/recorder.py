@@ -17,12 +17,16 @@ history). Memory: ``capacity * (24 * parameters + 24) + 8`` bytes on the device
 pinned host memory on a GPU, and the last ``history`` records on the host.
 
 Spikes are found on the device: a parameter's norm over the median of its norms in the
-``spike_window`` records before (``nanmedian``, records with no history ignored; refreshed every
+``spike_window`` records before (slots with no record ignored; refreshed every
 ``spike_window // 4`` records, and at every replay of a captured graph) is stored as its
 spike ratio; on the host, a ratio at or above ``spike_factor`` is a spike, warned about when its
 records are read, often steps before a NaN arrives. The first non-finite step is kept
 (``first_nonfinite``): which parameters went bad, and their norms over the ``history`` records
 before it.
+
+Append and flush on one CUDA stream (the copy is a snapshot in that stream's order). A change of
+parameter list (a parameter that gains or loses its gradient, one scaler recording two optimizers)
+reads the old buffer out (a sync) and starts a new one with no spike history: record one list.
 
 Under CUDA graph capture the append is captured like any other kernel; replays advance the device
 counter without Python, so the recorder cannot count them: call ``flush()`` at least every
@@ -126,9 +130,11 @@ class _Ring:
             return self.nan
         tensor = self._constants.get(value)
         if tensor is None:
-            if len(self._constants) > 64:  # a max_norm that changes every step: no unbounded cache
-                self._constants.clear()
-            tensor = self._constants[value] = torch.full((1,), float(value), dtype=torch.float32, device=self.device)
+            tensor = torch.full((1,), float(value), dtype=torch.float32, device=self.device)
+            # Kept (a captured graph may read it) up to 64 values; a max_norm that changes every step
+            # gets a fresh tensor each time instead of an unbounded cache.
+            if len(self._constants) < 64:
+                self._constants[value] = tensor
         return tensor
 
     def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,8 +293,11 @@ class Recorder:
         where fewer than ``spike_min_history`` of them exist (slots never written hold NaN) or the
         median is 0: a ratio against it is then NaN, never a spike."""
         window = ring.norms.index_select(0, (ring.counter - ring.back).remainder(ring.capacity))
-        median = window.nanmedian(dim=0).values
+        # The lower median of the known values (NaN sorts last), as nanmedian gives it, by a sort and
+        # a gather: plain ops, where nanmedian's indices output may meet torch's determinism checks.
         known = (~window.isnan()).sum(dim=0)
+        middle = ((known - 1).clamp(min=0) // 2).unsqueeze(0)
+        median = window.sort(dim=0).values.gather(0, middle).squeeze(0)
         ring.median.copy_(torch.where((known >= self.spike_min_history) & (median > 0), median, math.nan))
         ring.since_median = 0
 
@@ -312,10 +321,15 @@ class Recorder:
             self._drain(wait=True)
         self._appended = 0
         if ring.device.type == "cuda":
-            host = torch.empty(ring.nbytes, dtype=torch.uint8, pin_memory=True)
-            host.copy_(ring.storage, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            # On the ring's device and its current stream, which must be the appends' stream (the
+            # copy is a snapshot in that stream's order); the event on the same stream says when the
+            # copy has landed, whichever device is current.
+            with torch.cuda.device(ring.device):
+                stream = torch.cuda.current_stream(ring.device)
+                host = torch.empty(ring.nbytes, dtype=torch.uint8, pin_memory=True)
+                host.copy_(ring.storage, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
             self._pending = (ring, host, event)
         else:
             self._pending = (ring, ring.storage, None)  # the host's own memory: read it in place
@@ -357,6 +371,9 @@ class Recorder:
             spiked = ((ratios >= self.spike_factor) & (ratios != math.inf)).any(dim=1).tolist()
             for k, step in enumerate(range(first, end)):
                 record = _record(step, ring.names, columns[k], counts[k], values[k], self.spike_factor)
+                # Marked read before a sink (or a warning turned error) can raise: a record is handed
+                # on once, never again at the next read.
+                ring.decoded = step + 1
                 self._emit(record, spiked[k])
         ring.decoded = max(ring.decoded, end)
         if end > first:
@@ -534,7 +551,8 @@ def _call_optional(sink: object, method: str) -> None:
         fn()
 
 
-# Recorders still open at interpreter exit are closed, so no record is lost with the process.
+# Recorders still open (and referenced) at interpreter exit are closed, so their records are not
+# lost with the process; one dropped without close() loses its unread records.
 _open_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
 

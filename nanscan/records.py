@@ -12,7 +12,7 @@ The JSONL file (``JSONLSink``, read back by ``read_jsonl``) is one JSON object p
   per-parameter arrays of the step lines after it. Written before the first step and again whenever
   the parameters change (a parameter that gains or loses its gradient).
 * ``{"kind": "step", "schema": 1, "step": 12, "total_norm": 1.5, "finite": true, "clip_coef": 1.0,
-  "max_norm": 1.0, "skipped": false, "loss_scale": null, "nonfinite": ["h.3.attn.weight"],
+  "max_norm": 1.0, "skipped": false, "loss_scale": null, "spike_factor": 10.0, "nonfinite": ["h.3.attn.weight"],
   "spikes": {"h.2.mlp.weight": 14.2}, "nan_count": [...], "inf_count": [...], "min": [...],
   "max": [...], "norm": [...], "spike_ratio": [...]}``: one step. ``step`` counts the recorder's
   records from 0; ``clip_coef`` and ``max_norm`` are null when the step was not clipped,

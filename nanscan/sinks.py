@@ -26,7 +26,7 @@ class Sink(Protocol):
 
 class JSONLSink:
     """Writes the JSONL schema of nanscan.records: a layout line whenever the parameters change, then
-    one line per step. Appends to an existing file (a resumed run continues it)."""
+    one line per step. Appends to an existing file (a new Recorder counts its steps from 0 again)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -69,6 +69,7 @@ class CSVSink:
         "total_norm",
         "finite",
         "clip_coef",
+        "max_norm",
         "skipped",
         "loss_scale",
     )
@@ -89,6 +90,7 @@ class CSVSink:
             record.total_norm,
             int(record.finite),
             "" if record.clip_coef is None else record.clip_coef,
+            "" if record.max_norm is None else record.max_norm,
             int(record.skipped),
             "" if record.loss_scale is None else record.loss_scale,
         )

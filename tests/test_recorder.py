@@ -303,3 +303,41 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
 def test_a_sink_must_be_callable() -> None:
     with pytest.raises(TypeError, match="must be callable"):
         nanscan.Recorder(["run.jsonl"])  # type: ignore[list-item]
+
+
+def test_a_sink_that_raises_does_not_get_a_record_twice() -> None:
+    m = model()
+    seen: list[int] = []
+
+    def flaky(record: StepRecord) -> None:
+        if record.step == 2 and 2 not in seen:
+            seen.append(2)
+            raise OSError("disk full")
+        seen.append(record.step)
+
+    recorder = nanscan.Recorder([flaky], every=4, warn=False)
+    backward(m, 0)
+    with pytest.raises(OSError, match="disk full"):
+        for _ in range(4):
+            nanscan.check(m, recorder=recorder)
+    for _ in range(4):
+        nanscan.check(m, recorder=recorder)
+    recorder.close()
+    assert seen == [0, 1, 2, 3, 4, 5, 6, 7], "record 2 failed once and was not handed on again; none twice"
+
+
+def test_unscale_then_clip_is_recorded_once_per_step() -> None:
+    m = model()
+    optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=100)
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=64.0).record(recorder)
+    for _ in range(3):
+        scaler.scale(m(torch.randn(2, 8)).sum()).backward()
+        scaler.unscale_(optimizer)
+        scaler.clip_grad_norm_(optimizer, 1.0)  # scans again (nothing proves the gradients unchanged)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    recorder.close()
+    assert [r.step for r in sink.records] == [0, 1, 2]
