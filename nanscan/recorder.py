@@ -407,7 +407,7 @@ class Recorder:
 
     def _first_nonfinite(self, record: StepRecord) -> FirstNonfinite:
         bad = record.nonfinite
-        before = [r for r in self.records if r.names is record.names or list(r.names) == list(record.names)]
+        before = [r for r in self.records if _same_names(r.names, record.names)]
         index = {name: i for i, name in enumerate(record.names)}
         return FirstNonfinite(
             step=record.step,

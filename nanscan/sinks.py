@@ -21,26 +21,22 @@ from .records import StepRecord, layout_line
 class Sink(Protocol):
     """What a Recorder calls with each record (``flush``/``close`` are optional, looked up by name)."""
 
-    def __call__(self, record: StepRecord) -> None: ...
+    def __call__(self, record: StepRecord, /) -> None: ...
 
 
-class JSONLSink:
-    """Writes the JSONL schema of nanscan.records: a layout line whenever the parameters change, then
-    one line per step. Appends to an existing file (a new Recorder counts its steps from 0 again)."""
+class _FileSink:
+    """A sink that appends to a file it owns: opened at construction, flushed after each batch of
+    records, closed with the recorder."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, newline: str | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("a")
-        self._names: object = None
+        self._file: IO[str] | None = self.path.open("a", newline=newline)
 
-    def __call__(self, record: StepRecord) -> None:
+    def _open_file(self) -> IO[str]:
         if self._file is None:
-            raise ValueError(f"nanscan.JSONLSink: {self.path} is closed")
-        if record.names is not self._names and list(record.names) != list(self._names or ()):  # type: ignore[call-overload]
-            self._file.write(json.dumps(layout_line(record.names), allow_nan=False) + "\n")
-        self._names = record.names
-        self._file.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
+            raise ValueError(f"nanscan.{type(self).__name__}: {self.path} is closed")
+        return self._file
 
     def flush(self) -> None:
         if self._file is not None:
@@ -52,7 +48,23 @@ class JSONLSink:
             self._file = None
 
 
-class CSVSink:
+class JSONLSink(_FileSink):
+    """Writes the JSONL schema of nanscan.records: a layout line whenever the parameters change, then
+    one line per step. Appends to an existing file (a new Recorder counts its steps from 0 again)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self._names: object = None
+
+    def __call__(self, record: StepRecord) -> None:
+        file = self._open_file()
+        if record.names is not self._names and list(record.names) != list(self._names or ()):  # type: ignore[call-overload]
+            file.write(json.dumps(layout_line(record.names), allow_nan=False) + "\n")
+        self._names = record.names
+        file.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
+
+
+class CSVSink(_FileSink):
     """Writes one row per (step, parameter), long format (a pandas ``read_csv`` away from a pivot):
     ``step, parameter`` and the per-parameter statistics, then the step's totals repeated on each of
     its rows. Non-finite values are written as Python writes them (``nan``, ``inf``)."""
@@ -75,17 +87,14 @@ class CSVSink:
     )
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        self._file: IO[str] | None = self.path.open("a", newline="")
-        self._writer = csv.writer(self._file)
+        new = not Path(path).exists() or Path(path).stat().st_size == 0
+        super().__init__(path, newline="")
+        self._writer = csv.writer(self._open_file())
         if new:
             self._writer.writerow(self.COLUMNS)
 
     def __call__(self, record: StepRecord) -> None:
-        if self._file is None:
-            raise ValueError(f"nanscan.CSVSink: {self.path} is closed")
+        self._open_file()
         totals = (
             record.total_norm,
             int(record.finite),
@@ -107,12 +116,3 @@ class CSVSink:
                 strict=True,
             )
         )
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

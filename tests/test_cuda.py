@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import nanscan
 from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, needs_cuda, random_tensor
 
 pytestmark = [pytest.mark.cuda, needs_cuda]
+
+T = TypeVar("T")
 
 
 def cuda_and_cpu_agree(tensors: list[torch.Tensor]) -> None:
@@ -313,6 +316,21 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
 
 
+def warmed_up_and_captured(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``step`` run three times on a side stream (torch's recipe before a capture), then captured:
+    the graph, and what the captured call returned (its tensors refreshed by each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 def test_cuda_graph_capture_and_replays() -> None:
     model = make_model()
     static_x = torch.randn(32, 64, device="cuda")
@@ -325,15 +343,7 @@ def test_cuda_graph_capture_and_replays() -> None:
         model(static_x).square().mean().backward()
         return nanscan.check(model, max_norm=0.5)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        report = step()
+    graph, report = warmed_up_and_captured(step)
     for i in range(100):
         static_x.copy_(torch.randn(32, 64, device="cuda") * (1 + i % 5))
         if i % 10 == 3:
@@ -542,15 +552,7 @@ def test_recorder_inside_a_captured_graph() -> None:
         model(static_x).square().mean().backward()
         nanscan.check(model, max_norm=0.5, recorder=recorder)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = warmed_up_and_captured(step)
     for i in range(30):
         static_x.copy_(torch.randn(32, 64, device="cuda"))
         if i % 10 == 4:

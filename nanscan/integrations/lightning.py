@@ -48,6 +48,7 @@ import torch
 
 from ..guard import SkipGuard
 from ..report import check
+from ._logging import check_log_every, record_metrics, worth_logging
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -101,10 +102,7 @@ class NanscanCallback(Callback):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(
-                f"nanscan.NanscanCallback: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}"
-            )
+        check_log_every("NanscanCallback", log_every_n_steps)
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.on_nonfinite = on_nonfinite
@@ -185,17 +183,9 @@ class NanscanCallback(Callback):
             return
         # (the Trainer sets log_every_n_steps in its logger connector, not in its annotations)
         every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 0) or 1
-        if record.step % every and record.finite and not record.skipped:
+        if not worth_logging(record, every):
             return
-        metrics = {
-            "nanscan/total_norm": record.total_norm,
-            "nanscan/skipped": float(record.skipped),
-            "nanscan/nonfinite_params": float(len(record.nonfinite)),
-        }
-        if record.clip_coef is not None:
-            metrics["nanscan/clip_coef"] = record.clip_coef
-        if record.loss_scale is not None:
-            metrics["nanscan/loss_scale"] = record.loss_scale
+        metrics = record_metrics(record)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=record.step)
 

@@ -43,6 +43,7 @@ import torch
 
 from ..guard import SkipGuard
 from ..report import check
+from ._logging import check_log_every, record_metrics, worth_logging
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -88,10 +89,7 @@ class NanscanTrainerCallback(TrainerCallback):
         recorder: Recorder | None = None,
         log_every_n_steps: int | None = None,
     ) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(
-                f"nanscan.NanscanTrainerCallback: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}"
-            )
+        check_log_every("NanscanTrainerCallback", log_every_n_steps)
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.on_nonfinite = on_nonfinite
@@ -141,21 +139,17 @@ class NanscanTrainerCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         """Merges the records read since the last log into this one (module notes)."""
-        records = [r for r in self._pending if self._logged(r)]
+        records = [r for r in self._pending if worth_logging(r, self.log_every_n_steps)]
         self._pending.clear()
         if logs is None or not records:
             return
         latest = records[-1]
-        metrics: dict[str, float] = {
-            "nanscan/total_norm": latest.total_norm,
+        # The latest record's totals, with what the records since the last log add up to.
+        metrics = record_metrics(latest) | {
             "nanscan/step": float(latest.step),
             "nanscan/skipped": float(sum(r.skipped for r in records)),
             "nanscan/nonfinite_params": float(max(len(r.nonfinite) for r in records)),
         }
-        if latest.clip_coef is not None:
-            metrics["nanscan/clip_coef"] = latest.clip_coef
-        if latest.loss_scale is not None:
-            metrics["nanscan/loss_scale"] = latest.loss_scale
         logs.update(metrics)
         # The Trainer appended a copy of ``logs`` to the history before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -171,10 +165,6 @@ class NanscanTrainerCallback(TrainerCallback):
     def _receive(self, record: StepRecord) -> None:
         """The recorder's sink: keeps a record for the next log."""
         self._pending.append(record)
-
-    def _logged(self, record: StepRecord) -> bool:
-        every = self.log_every_n_steps
-        return every is None or record.step % every == 0 or record.skipped or not record.finite
 
 
 def _guard(optimizer: Any, max_consecutive_skips: int | None) -> torch.optim.Optimizer:
