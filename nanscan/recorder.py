@@ -9,24 +9,37 @@ and on leaving a ``with`` block by an exception too), the whole buffer goes to t
 (asynchronous on a GPU: a pinned buffer and an event, read at a later append once it has landed)
 and each new record goes to the sinks (nanscan.sinks) as a ``StepRecord`` (nanscan.records).
 
-A record is one float32 row: per parameter the NaN count, Inf count, min, max, norm and spike
-ratio (counts above 2^24 are rounded), then the step's total norm, finite flag, clip coefficient,
-max_norm, whether the step was skipped and the loss scale (float32: seven digits, plenty for a
-history). Memory: ``capacity * (24 * parameters + 24) + 8`` bytes on the device
-(``Recorder.nbytes``; GPT-2-small's 148 parameters at capacity 100: 358 KB), the same again in
-pinned host memory on a GPU, and the last ``history`` records on the host.
+A record is one float32 row: per parameter the NaN count, Inf count, min, max, norm and the running
+median its spike ratio is taken against (counts above 2^24 are rounded), then the step's total norm,
+finite flag, clip coefficient, max_norm, whether the step was skipped and the loss scale (float32:
+seven digits, plenty for a history). A report with a rank attribution (DTensors, ``process_group``,
+DDP with ``nanscan.ddp.attach``: ``Report.nonfinite_ranks``) adds a float64 row per record: per
+parameter the count, sum and sum of squares of the ranks whose local data held a NaN/Inf, then the
+per-rank flags (``world`` values): exact (integers below 2^53), so the records name the ranks
+``Report.nonfinite_ranks`` names, where float32 would round the sums of squares of a large world.
+Memory: ``capacity * (24 * parameters + 24) + 8`` bytes on the device (``Recorder.nbytes``;
+GPT-2-small's 148 parameters at capacity 100: 358 KB), plus ``capacity * 8 * (3 * parameters +
+world)`` with a rank attribution (GPT-2-small on 64 ranks, capacity 100: 406 KB more), the same
+again in pinned host memory on a GPU, and the last ``history`` records on the host.
 
-Spikes are found on the device: a parameter's norm over the median of its norms in the
-``spike_window`` records before (slots with no record ignored; refreshed every
-``spike_window // 4`` records, and at every replay of a captured graph) is stored as its
-spike ratio; on the host, a ratio at or above ``spike_factor`` is a spike, warned about when its
-records are read, often steps before a NaN arrives. The first non-finite step is kept
-(``first_nonfinite``): which parameters went bad, and their norms over the ``history`` records
-before it.
+The append is device-only: the record's statistics are copied into staging rows in one
+``_foreach_copy_`` (views made once per layout) and from there into the ring at the slot of the
+device counter, one ``index_copy_`` per row. The read turns a block of records into ``StepRecord``
+objects whose per-step values are Python values and whose per-parameter lists are made on first
+reading (most sinks read a few totals; 6 x N Python numbers per record were most of a read's cost).
+
+Spikes: the median of each parameter's norms in the ``spike_window`` records before (slots with no
+record ignored; refreshed every ``spike_window // 4`` records, and at every replay of a captured
+graph) is computed on the device and stored beside the norm; the read divides the two, for a whole
+block at once, into the spike ratio, and a ratio at or above ``spike_factor`` is a spike, warned
+about when its records are read, often steps before a NaN arrives. The first non-finite step is kept
+(``first_nonfinite``): which parameters went bad, on which ranks, and their norms over the
+``history`` records before it.
 
 Append and flush on one CUDA stream (the copy is a snapshot in that stream's order). A change of
-parameter list (a parameter that gains or loses its gradient, one scaler recording two optimizers)
-reads the old buffer out (a sync) and starts a new one with no spike history: record one list.
+parameter list (a parameter that gains or loses its gradient, one scaler recording two optimizers,
+reports that gain or lose a rank attribution) reads the old buffer out (a sync) and starts a new
+one with no spike history: record one list.
 
 Under CUDA graph capture the append is captured like any other kernel; replays advance the device
 counter without Python, so the recorder cannot count them: call ``flush()`` at least every
@@ -48,10 +61,12 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 
+from .distributed import Attribution
 from .records import StepRecord
 from .sinks import Sink
 
@@ -59,9 +74,16 @@ if TYPE_CHECKING:
     from .report import Report
 
 # A record's per-parameter rows, then its per-step columns, in its float32 row of the ring buffer.
-_PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
+# The running median is stored, not the spike ratio: the ratio is one division per block at the read
+# (norm / median, as the device would have computed it), not one more op per append.
+_PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "median")
 _NORM_ROW = _PARAM_ROWS.index("norm")
+_MEDIAN_ROW = _PARAM_ROWS.index("median")
 _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "loss_scale")
+_TAIL = _STEP_COLUMNS.index("max_norm")  # from here on, host constants in the usual case
+# Per parameter, in the float64 attribution row: nanscan.distributed.Attribution's rows, then its
+# per-rank row (``world`` values).
+_ATTRIBUTION_ROWS = ("count", "rank_sum", "rank_square_sum")
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,8 @@ class FirstNonfinite:
             up to the recorder's ``history``), so a climb to overflow shows.
         total_norm_history: the total norms over the same steps.
         steps: the record indices of those steps.
+        ranks: per such parameter, the ranks whose local data held its NaN/Inf
+            (``StepRecord.nonfinite_ranks``).
     """
 
     step: int
@@ -82,12 +106,15 @@ class FirstNonfinite:
     norm_history: dict[str, list[float]]
     total_norm_history: list[float]
     steps: list[int]
+    ranks: dict[str, list[int]]
+
+    def summary(self) -> str:
+        """Up to three of the parameters, each with its ranks: ``2.weight (rank 1), ...``."""
+        shown = ", ".join(f"{name} ({_ranks_text(self.ranks.get(name))})" for name in self.parameters[:3])
+        return shown + (f" (+{len(self.parameters) - 3} more)" if len(self.parameters) > 3 else "")
 
     def __str__(self) -> str:
-        shown = ", ".join(self.parameters[:3]) + (
-            f" (+{len(self.parameters) - 3} more)" if len(self.parameters) > 3 else ""
-        )
-        lines = [f"first non-finite gradients at step {self.step}: {shown}"]
+        lines = [f"first non-finite gradients at step {self.step}: {self.summary()}"]
         for name in self.parameters[:3]:
             norms = " ".join(f"{v:.3g}" for v in self.norm_history[name][-8:])
             lines.append(f"  {name}: norms before: {norms or '(no history)'}")
@@ -95,52 +122,87 @@ class FirstNonfinite:
 
 
 class _Ring:
-    """The device buffers of one layout (a list of parameter names on one device): a byte buffer
-    holding the counter and one float32 row per record (the per-parameter rows, then the per-step
-    columns), so an append is one copy into a row and a read is one copy of the whole buffer."""
+    """The device buffers of one layout (a list of parameter names on one device, and the world size
+    of its rank attribution, if any): one byte buffer holding the counter, the attribution rows
+    (float64, only for reports that carry one) and one float32 row per record (the per-parameter
+    rows, then the per-step columns), so an append is one copy into each row and a read is one copy
+    of the whole buffer."""
 
     def __init__(
-        self, names: Sequence[str], device: torch.device, capacity: int, first_step: int, spike_window: int
+        self,
+        names: Sequence[str],
+        device: torch.device,
+        capacity: int,
+        first_step: int,
+        spike_window: int,
+        world: int | None,
     ) -> None:
         self.names = names
         self.device = device
         self.capacity = capacity
+        self.world = world
         n = len(names)
         self.row_length = len(_PARAM_ROWS) * n + len(_STEP_COLUMNS)
-        self.nbytes = 8 + capacity * self.row_length * 4
+        # Float64, as the reduction computes them: the rank sums are integers up to world^3, exact
+        # in float64 (to 2^53) where a float32 row would round them (above 2^24) and so name the
+        # wrong ranks; copied as they are, they give Attribution.ranks the Report's very inputs.
+        self.attribution_length = 0 if world is None else len(_ATTRIBUTION_ROWS) * n + world
+        self.nbytes = 8 + capacity * (8 * self.attribution_length + 4 * self.row_length)
         self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        self.counter, self.rows = self.views(self.storage)
+        self.counter, self.attribution, self.rows = self.views(self.storage)
         self.counter.fill_(first_step)
         self.rows.fill_(math.nan)  # the spike window ignores slots never written
         self.norms = self.rows[:, _NORM_ROW * n : (_NORM_ROW + 1) * n]  # [capacity, n], a view
         self.first_step = first_step  # the record index of the layout's first record
         self.decoded = first_step  # records before this one have gone to the sinks
-        # Per-append working state, made once: the staging row an append fills, the spike window's
-        # offsets, each parameter's running median norm, and constants (a fill per append otherwise).
+        # Per-append working state, made once: the staging rows an append fills, and views of them
+        # for each input, so that one _foreach_copy_ fills them (a cat of 12 mixed-dtype inputs
+        # narrows its output per input, ~3 us each on a CPU: most of an append's cost).
         self.row = torch.empty((1, self.row_length), dtype=torch.float32, device=device)
+        self.attribution_row = torch.empty((1, self.attribution_length), dtype=torch.float64, device=device)
+        flat, columns = self.row[0], len(_PARAM_ROWS) * n
+        params = [flat[k * n : (k + 1) * n] for k in range(len(_PARAM_ROWS))]
+        # The per-step columns, each [1] (a 0-dim or [1] source copies into it); the last three
+        # (max_norm, skipped, loss_scale) also as one [3], for the usual case of host constants.
+        steps = [flat[columns + k : columns + k + 1] for k in range(len(_STEP_COLUMNS))]
+        self.targets_constant_tail = [*params, *steps[:_TAIL], flat[columns + _TAIL :]]
+        self.targets = [*params, *steps]
+        if world is not None:
+            attribution = self.attribution_row[0]
+            extra = [attribution[k * n : (k + 1) * n] for k in range(len(_ATTRIBUTION_ROWS))]
+            extra.append(attribution[len(_ATTRIBUTION_ROWS) * n :])
+            self.targets_constant_tail += extra
+            self.targets += extra
         self.back = torch.arange(1, spike_window + 1, device=device)
         self.median = torch.full((n,), math.nan, dtype=torch.float32, device=device)
         self.since_median = spike_window  # refreshed at the first append
         self.nan = torch.full((1,), math.nan, dtype=torch.float32, device=device)
-        self._constants: dict[float, torch.Tensor] = {}
+        self._constants: dict[tuple[float | None, ...], torch.Tensor] = {}
 
-    def constant(self, value: float | None) -> torch.Tensor:
-        """A float32 [1] device tensor holding ``value`` (NaN for None), made once per value."""
-        if value is None:
-            return self.nan
-        tensor = self._constants.get(value)
+    def constant(self, *values: float | None) -> torch.Tensor:
+        """A float32 [len(values)] device tensor holding ``values`` (NaN for None), made once."""
+        tensor = self._constants.get(values)
         if tensor is None:
-            tensor = torch.full((1,), float(value), dtype=torch.float32, device=self.device)
-            # Kept (a captured graph may read it) up to 64 values; a max_norm that changes every step
+            values_ = [math.nan if v is None else float(v) for v in values]
+            tensor = torch.tensor(values_, dtype=torch.float32, device=self.device)
+            # Kept (a captured graph may read it) up to 64 keys; a max_norm that changes every step
             # gets a fresh tensor each time instead of an unbounded cache.
             if len(self._constants) < 64:
-                self._constants[value] = tensor
+                self._constants[values] = tensor
         return tensor
 
-    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counter int64 [1], rows float32 [capacity, row_length]) of a byte buffer laid out as
-        ``storage`` (the device's, or its host copy)."""
-        return storage[:8].view(torch.int64), storage[8:].view(torch.float32).view(self.capacity, self.row_length)
+    def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(counter int64 [1], attribution float64 [capacity, attribution_length] or None, rows float32
+        [capacity, row_length]) of a byte buffer laid out as ``storage`` (the device's, or its host
+        copy). The float64 part comes first, at byte 8, where it is aligned."""
+        end = 8 + self.capacity * self.attribution_length * 8
+        attribution = (
+            None
+            if self.world is None
+            else storage[8:end].view(torch.float64).view(self.capacity, self.attribution_length)
+        )
+        rows = storage[end:].view(torch.float32).view(self.capacity, self.row_length)
+        return storage[:8].view(torch.int64), attribution, rows
 
 
 class Recorder:
@@ -241,45 +303,56 @@ class Recorder:
         stats = report.stats
         device = stats.norm.device
         names = report.name_sequence
+        attribution = stats.ranks
+        world = None if attribution is None else attribution.any_by_rank.numel()
         ring = self._ring
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if ring is None or ring.device != device or not _same_names(ring.names, names):
+        if ring is None or ring.device != device or ring.world != world or not _same_names(ring.names, names):
             if capturing:
                 raise RuntimeError(
                     "nanscan.Recorder: the parameters changed during CUDA graph capture; record one step "
                     "before capturing, so the buffer exists"
                 )
-            self._start_layout(names, device)
+            self._start_layout(names, device, world)
             ring = self._ring
             assert ring is not None
         elif not capturing:
             self._drain(wait=False)
+        clip_coef = ring.nan if report.clip_coef_tensor is None else report.clip_coef_tensor
+        sources = [
+            stats.nan_count,
+            stats.inf_count,
+            stats.min,
+            stats.max,
+            stats.norm,
+            ring.median,
+            report.total_norm_tensor,
+            stats.finite,
+            clip_coef,
+        ]
+        if isinstance(skipped, bool) and not isinstance(loss_scale, torch.Tensor):
+            targets = ring.targets_constant_tail  # max_norm, skipped and loss_scale: one cached tensor
+            sources.append(ring.constant(report.max_norm, skipped, loss_scale))
+        else:
+            targets = ring.targets
+            sources += [
+                ring.constant(report.max_norm),
+                ring.constant(skipped) if isinstance(skipped, bool) else skipped,
+                _scale_of(loss_scale, ring),
+            ]
+        if attribution is not None:
+            sources += attribution.rows()
         with torch.no_grad():
             if capturing or ring.since_median >= self._median_every:
                 # Inside a captured graph every replay refreshes the median; eagerly, every few records.
                 self._refresh_median(ring)
             slot = ring.counter.remainder(ring.capacity)
-            # One copy of the whole record into the staging row (cat casts as it copies), one into the
-            # ring. A NaN/Inf norm gives a NaN/Inf ratio, which the host does not call a spike (the
-            # non-finite counts say it, louder).
-            torch.cat(
-                [
-                    stats.nan_count,
-                    stats.inf_count,
-                    stats.min,
-                    stats.max,
-                    stats.norm,
-                    stats.norm / ring.median,
-                    report.total_norm_tensor.reshape(1),
-                    stats.finite.reshape(1),
-                    ring.nan if report.clip_coef_tensor is None else report.clip_coef_tensor.reshape(1),
-                    ring.constant(report.max_norm),
-                    ring.constant(skipped) if isinstance(skipped, bool) else skipped.reshape(1),
-                    _scale_of(loss_scale, ring),
-                ],
-                out=ring.row[0],
-            )
+            # The whole record into the staging rows in one call (casting as it copies), then one copy
+            # of each row into the ring at the device counter's slot.
+            torch._foreach_copy_(targets, sources)
             ring.rows.index_copy_(0, slot, ring.row)
+            if ring.attribution is not None:
+                ring.attribution.index_copy_(0, slot, ring.attribution_row)
             ring.counter.add_(1)
             ring.since_median += 1
         if capturing:
@@ -301,13 +374,14 @@ class Recorder:
         ring.median.copy_(torch.where((known >= self.spike_min_history) & (median > 0), median, math.nan))
         ring.since_median = 0
 
-    def _start_layout(self, names: Sequence[str], device: torch.device) -> None:
-        """A new buffer for a new list of parameters (or device): the old one is read out first."""
+    def _start_layout(self, names: Sequence[str], device: torch.device, world: int | None) -> None:
+        """A new buffer for a new list of parameters (or device, or attribution): the old one is read
+        out first."""
         if self._ring is not None:
             self.flush(wait=True)
             assert self._ring is not None
             self._next_step = self._ring.decoded
-        self._ring = _Ring(names, device, self.capacity, self._next_step, self.spike_window)
+        self._ring = _Ring(names, device, self.capacity, self._next_step, self.spike_window, world)
 
     # ------------------------------------------------------------------------------------- reading
 
@@ -349,7 +423,7 @@ class Recorder:
         self._decode(ring, host)
 
     def _decode(self, ring: _Ring, host: torch.Tensor) -> None:
-        counter, rows = ring.views(host)
+        counter, attribution, rows = ring.views(host)
         end = int(counter.item())
         first = max(ring.decoded, end - ring.capacity)
         if first > ring.decoded:
@@ -360,17 +434,20 @@ class Recorder:
                 f"{ring.capacity}); flush more often, or raise capacity"
             )
         if end > first:
-            # The new records as Python values in three conversions for the whole block, not per record.
+            # The block of new records in one copy, its per-step columns as Python values in one
+            # conversion; each record's per-parameter lists are converted when first read (StepRecord).
             n = len(ring.names)
-            block = rows.index_select(0, torch.arange(first, end).remainder(ring.capacity))
+            slots = torch.arange(first, end).remainder(ring.capacity)
+            block = rows.index_select(0, slots)
             params = block[:, : len(_PARAM_ROWS) * n].view(-1, len(_PARAM_ROWS), n)
-            counts = params[:, :2].to(torch.int64).tolist()
-            values = params[:, 2:].tolist()
+            # The spike ratio of each record: its norm over the median the device kept beside it.
+            ratios = params[:, _MEDIAN_ROW]
+            torch.div(params[:, _NORM_ROW], ratios, out=ratios)
             columns = block[:, len(_PARAM_ROWS) * n :].tolist()
-            ratios = params[:, _PARAM_ROWS.index("spike_ratio")]
             spiked = ((ratios >= self.spike_factor) & (ratios != math.inf)).any(dim=1).tolist()
+            ranks = _Ranks(ring, attribution, slots, params)
             for k, step in enumerate(range(first, end)):
-                record = _record(step, ring.names, columns[k], counts[k], values[k], self.spike_factor)
+                record = _record(step, ring.names, columns[k], params, k, self.spike_factor, ranks)
                 # Marked read before a sink (or a warning turned error) can raise: a record is handed
                 # on once, never again at the next read.
                 ring.decoded = step + 1
@@ -415,6 +492,7 @@ class Recorder:
             norm_history={name: [r.norm[index[name]] for r in before] for name in bad},
             total_norm_history=[r.total_norm for r in before],
             steps=[r.step for r in before],
+            ranks=record.nonfinite_ranks or {},
         )
 
     # ------------------------------------------------------------------------------------- the rest
@@ -457,9 +535,7 @@ class Recorder:
         if self._last_total is not None:
             parts.append(f"last total norm {self._last_total:.4g}")
         if self.first_nonfinite is not None:
-            f = self.first_nonfinite
-            shown = ", ".join(f.parameters[:3]) + (f" (+{len(f.parameters) - 3} more)" if len(f.parameters) > 3 else "")
-            parts.append(f"first non-finite at step {f.step}: {shown}")
+            parts.append(f"first non-finite at step {self.first_nonfinite.step}: {self.first_nonfinite.summary()}")
         else:
             parts.append("no non-finite step")
         if self.spikes:
@@ -473,25 +549,68 @@ class Recorder:
         return f"<nanscan.Recorder every={self.every} capacity={self.capacity}, {self.read} read>"
 
 
+class _Ranks:
+    """The ranks of each non-finite parameter of a block of records, read on the rare path (a record
+    with a NaN/Inf): from the attribution rows when the layout has them, as ``Report.nonfinite_ranks``
+    reads them; otherwise this process's rank, the rank-local answer a single process gives."""
+
+    def __init__(
+        self, ring: _Ring, attribution: torch.Tensor | None, slots: torch.Tensor, params: torch.Tensor
+    ) -> None:
+        self.ring = ring
+        self.attribution = attribution
+        self.slots = slots
+        self.params = params
+
+    def of(self, k: int) -> dict[str, list[int]]:
+        """The ranks of each parameter with a NaN/Inf in the block's ``k``-th record."""
+        names = self.ring.names
+        nan_count, inf_count = self.params[k, :2].to(torch.int64).tolist()
+        bad = [i for i, (nan, inf) in enumerate(zip(nan_count, inf_count, strict=True)) if nan or inf]
+        if self.attribution is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            return {names[i]: [rank] for i in bad}
+        n = len(names)
+        row = self.attribution[int(self.slots[k])].tolist()  # float64, exact: the Report's own values
+        count, rank_sum, rank_square_sum, any_by_rank = row[:n], row[n : 2 * n], row[2 * n : 3 * n], row[3 * n :]
+        return {names[i]: Attribution.ranks(count[i], rank_sum[i], rank_square_sum[i], any_by_rank) for i in bad}
+
+
+class _Column:
+    """One per-parameter list of a record, still in the block its read brought to the host (a view
+    of the float32 copy): what StepRecord calls on the field's first reading."""
+
+    __slots__ = ("k", "params", "row")
+
+    def __init__(self, params: torch.Tensor, k: int, row: int) -> None:
+        self.params, self.k, self.row = params, k, row
+
+    def __call__(self) -> list[Any]:
+        values = self.params[self.k, self.row]
+        return (values.to(torch.int64) if self.row < 2 else values).tolist()  # the counts as ints
+
+
 def _record(
     step: int,
     names: Sequence[str],
     columns: list[float],
-    counts: list[list[int]],
-    values: list[list[float]],
+    params: torch.Tensor,
+    k: int,
     spike_factor: float,
+    ranks: _Ranks,
 ) -> StepRecord:
     total_norm, finite, clip_coef, max_norm, skipped, loss_scale = columns
-    low, high, norm, ratio = values
+    # Callables in place of the lists (StepRecord converts them when first read); typed as the lists.
+    lists = [cast("list[Any]", _Column(params, k, row)) for row in range(len(_PARAM_ROWS))]
     return StepRecord(
         step=step,
         names=names,
-        nan_count=counts[0],
-        inf_count=counts[1],
-        min=low,
-        max=high,
-        norm=norm,
-        spike_ratio=ratio,
+        nan_count=lists[0],
+        inf_count=lists[1],
+        min=lists[2],
+        max=lists[3],
+        norm=lists[4],
+        spike_ratio=lists[_MEDIAN_ROW],  # the ratio, once _decode has divided
         total_norm=total_norm,
         finite=bool(finite),
         clip_coef=None if math.isnan(max_norm) else clip_coef,
@@ -499,7 +618,14 @@ def _record(
         skipped=bool(skipped),
         loss_scale=None if math.isnan(loss_scale) else loss_scale,
         spike_factor=spike_factor,
+        nonfinite_ranks={} if finite else ranks.of(k),
     )
+
+
+def _ranks_text(ranks: list[int] | None) -> str:
+    if not ranks:
+        return "rank unknown"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 @functools.lru_cache(maxsize=64)  # one max_norm, over and over
@@ -519,10 +645,10 @@ _FLOAT32 = struct.Struct("f")
 
 
 def _scale_of(loss_scale: torch.Tensor | float | None, ring: _Ring) -> torch.Tensor:
-    """The loss scale as a [1] tensor on the ring's device (a GradScaler's own scale tensor, read
-    by the stack in stream order, before ``update()`` changes it)."""
+    """The loss scale as a 0-dim or [1] tensor on the ring's device (a GradScaler's own scale tensor,
+    read by the append's copy in stream order, before ``update()`` changes it)."""
     if isinstance(loss_scale, torch.Tensor):
-        return loss_scale.reshape(1) if loss_scale.device == ring.device else loss_scale.to(ring.device).reshape(1)
+        return loss_scale if loss_scale.device == ring.device else loss_scale.to(ring.device)
     return ring.constant(loss_scale)
 
 

@@ -3,35 +3,42 @@
 A record holds one step's gradient statistics as Python values (they reached the host in the
 recorder's one copy per flush): per parameter the NaN and Inf counts, the min and max of the finite
 values, the L2 norm and the spike ratio (the norm over its running median); per step the total norm,
-the finite flag, the clip coefficient, whether the optimizer step was skipped and the loss scale.
+the finite flag, the clip coefficient, whether the optimizer step was skipped and the loss scale;
+and for a step with a NaN/Inf, the ranks whose local data held it, per parameter.
 
 The JSONL file (``JSONLSink``, read back by ``read_jsonl``) is one JSON object per line, strict JSON
 (non-finite floats are the strings ``"nan"``, ``"inf"`` and ``"-inf"``), of two kinds:
 
-* ``{"kind": "layout", "schema": 1, "names": [...]}``: the parameter names, in the order of the
+* ``{"kind": "layout", "schema": 2, "names": [...]}``: the parameter names, in the order of the
   per-parameter arrays of the step lines after it. Written before the first step and again whenever
   the parameters change (a parameter that gains or loses its gradient).
-* ``{"kind": "step", "schema": 1, "step": 12, "total_norm": 1.5, "finite": true, "clip_coef": 1.0,
-  "max_norm": 1.0, "skipped": false, "loss_scale": null, "spike_factor": 10.0, "nonfinite": ["h.3.attn.weight"],
-  "spikes": {"h.2.mlp.weight": 14.2}, "nan_count": [...], "inf_count": [...], "min": [...],
+* ``{"kind": "step", "schema": 2, "step": 12, "total_norm": "nan", "finite": false, "clip_coef": null,
+  "max_norm": null, "skipped": true, "loss_scale": null, "spike_factor": 10.0,
+  "nonfinite": ["h.3.attn.weight"], "spikes": {"h.2.mlp.weight": 14.2},
+  "nonfinite_ranks": {"h.3.attn.weight": [5]}, "nan_count": [...], "inf_count": [...], "min": [...],
   "max": [...], "norm": [...], "spike_ratio": [...]}``: one step. ``step`` counts the recorder's
   records from 0; ``clip_coef`` and ``max_norm`` are null when the step was not clipped,
   ``loss_scale`` when no GradScaler recorded it; ``nonfinite`` and ``spikes`` (ratio per parameter
   at or above the recorder's spike factor) are derived from the arrays, for readers that stop there.
+  ``nonfinite_ranks`` maps each name in ``nonfinite`` to the sorted ranks whose local data held its
+  NaN/Inf (``{}`` for a finite step; null for a record made without it).
 
-A field may be added in a later schema version; none is renamed or removed within one.
+A field may be added in a later schema version; none is renamed or removed within one. Schema 2 added
+``nonfinite_ranks``; ``read_jsonl`` reads schema 1 files too (their records' ``nonfinite_ranks`` is
+None). A file may hold lines of both, appended by two nanscan versions.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA = 1
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)  # schema 1: no nonfinite_ranks (read as None)
 PER_PARAMETER = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
 
 
@@ -52,6 +59,16 @@ class StepRecord:
             found an Inf/NaN).
         loss_scale: the GradScaler's scale when a scaler recorded the step, else None.
         spike_factor: the ratio at or above which a norm counts as a spike.
+        nonfinite_ranks: for each parameter in ``nonfinite``, the ranks whose local data held its
+            NaN/Inf, as ``Report.nonfinite_ranks`` gives them (a DTensor's shards, pipeline stages'
+            parameters, DDP ranks' own gradients with ``nanscan.ddp.attach``; a single process: its
+            own rank); empty for a finite step. None when not recorded (a schema 1 file, a record
+            made by hand).
+
+    A per-parameter field may be given as a callable that returns its list: it is called on the
+    field's first reading, and its list kept. The recorder's records are made so, from the block of
+    records one read brought to the host: a sink that reads only a step's totals (most loggers) does
+    not pay for 6 x N Python numbers per step, most of a read's cost otherwise.
     """
 
     step: int
@@ -69,6 +86,7 @@ class StepRecord:
     skipped: bool
     loss_scale: float | None
     spike_factor: float
+    nonfinite_ranks: dict[str, list[int]] | None = None
 
     @property
     def nonfinite(self) -> list[str]:
@@ -101,6 +119,7 @@ class StepRecord:
             "spike_factor": self.spike_factor,
             "nonfinite": self.nonfinite,
             "spikes": {name: _encode(ratio) for name, ratio in self.spikes.items()},
+            "nonfinite_ranks": self.nonfinite_ranks,
         }
         for key in PER_PARAMETER:
             line[key] = [_encode(v) for v in getattr(self, key)]
@@ -109,8 +128,11 @@ class StepRecord:
     @classmethod
     def from_json(cls, line: dict[str, Any], names: Sequence[str]) -> StepRecord:
         """A step line of the JSONL schema, with the names of the layout line before it."""
-        if line.get("schema") != SCHEMA:
-            raise ValueError(f"nanscan: JSONL schema {line.get('schema')!r}, this nanscan reads schema {SCHEMA}")
+        schema = line.get("schema")
+        if schema not in READABLE_SCHEMAS:
+            raise ValueError(
+                f"nanscan: JSONL schema {schema!r}, this nanscan reads schemas {', '.join(map(str, READABLE_SCHEMAS))}"
+            )
         columns = {key: _decode_list(line[key]) for key in PER_PARAMETER}
         if any(len(values) != len(names) for values in columns.values()):
             raise ValueError(
@@ -132,7 +154,35 @@ class StepRecord:
             skipped=bool(line["skipped"]),
             loss_scale=_decode_optional(line["loss_scale"]),
             spike_factor=float(line.get("spike_factor", math.inf)),
+            nonfinite_ranks=_decode_ranks(line.get("nonfinite_ranks"), names),
         )
+
+
+class _PerParameterField:
+    """A StepRecord per-parameter field (installed on the class below): holds the list it was given,
+    or the callable given in its place until the first reading makes the list (StepRecord notes).
+    A data descriptor, so the frozen dataclass's ``__init__`` sets it and its ``__setattr__`` still
+    refuses assignment; equality, ``repr`` and ``dataclasses.replace`` read lists through it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, record: StepRecord | None, owner: type | None = None) -> Any:
+        if record is None:
+            raise AttributeError(self.name)  # a field without a class-level default
+        value = record.__dict__[self.name]
+        if not isinstance(value, list):
+            value = record.__dict__[self.name] = value()
+        return value
+
+    def __set__(self, record: StepRecord, value: list[Any] | Callable[[], list[Any]]) -> None:
+        record.__dict__[self.name] = value
+
+
+# After the dataclass is made (its fields stay plain annotated lists for it and for type checkers).
+for _name in PER_PARAMETER:
+    setattr(StepRecord, _name, _PerParameterField(_name))
+del _name
 
 
 def _encode(value: float | None) -> float | str | None:
@@ -154,6 +204,16 @@ def _decode_list(values: list[float | int | str]) -> list[float]:
     if any(type(v) is str for v in values):
         return [float(v) for v in values]
     return values  # type: ignore[return-value]  # ints (the counts) are read as numbers either way
+
+
+def _decode_ranks(value: dict[str, list[int]] | None, names: Sequence[str]) -> dict[str, list[int]] | None:
+    """A step line's ``nonfinite_ranks`` (absent in schema 1, null when not recorded)."""
+    if value is None:
+        return None
+    known = set(names)
+    if not all(name in known for name in value):
+        raise ValueError(f"nanscan: nonfinite_ranks names a parameter outside its layout: {sorted(set(value) - known)}")
+    return {name: [int(r) for r in ranks] for name, ranks in value.items()}
 
 
 def _decode_optional(value: float | int | str | None) -> float | None:
