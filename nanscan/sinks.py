@@ -67,7 +67,12 @@ class JSONLSink(_FileSink):
 class CSVSink(_FileSink):
     """Writes one row per (step, parameter), long format (a pandas ``read_csv`` away from a pivot):
     ``step, parameter`` and the per-parameter statistics, then the step's totals repeated on each of
-    its rows. Non-finite values are written as Python writes them (``nan``, ``inf``)."""
+    its rows, then ``nonfinite_ranks``: on the row of a parameter whose gradient held a NaN/Inf, the
+    ranks whose local data held it, space-separated (``"1 3"``; empty on every other row, and where
+    the record has no ranks). Non-finite values are written as Python writes them (``nan``, ``inf``).
+
+    Appends to an existing file only if its header is this one: a file begun by a nanscan with other
+    columns is refused, rather than given rows that do not match its header."""
 
     COLUMNS = (
         "step",
@@ -84,10 +89,19 @@ class CSVSink(_FileSink):
         "max_norm",
         "skipped",
         "loss_scale",
+        "nonfinite_ranks",
     )
 
     def __init__(self, path: str | Path) -> None:
         new = not Path(path).exists() or Path(path).stat().st_size == 0
+        if not new:
+            with Path(path).open(newline="") as existing:
+                header = next(csv.reader(existing), [])
+            if tuple(header) != self.COLUMNS:
+                raise ValueError(
+                    f"nanscan.CSVSink: {path} has the columns {header}, not {list(self.COLUMNS)} (written by "
+                    "another nanscan version?); write to a new file"
+                )
         super().__init__(path, newline="")
         self._writer = csv.writer(self._open_file())
         if new:
@@ -103,8 +117,9 @@ class CSVSink(_FileSink):
             int(record.skipped),
             "" if record.loss_scale is None else record.loss_scale,
         )
+        ranks = record.nonfinite_ranks or {}
         self._writer.writerows(
-            (record.step, name, nan, inf, lo, hi, norm, ratio, *totals)
+            (record.step, name, nan, inf, lo, hi, norm, ratio, *totals, " ".join(map(str, ranks.get(name, ()))))
             for name, nan, inf, lo, hi, norm, ratio in zip(
                 record.names,
                 record.nan_count,

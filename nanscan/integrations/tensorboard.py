@@ -8,6 +8,9 @@ Tags, under ``prefix`` (default ``nanscan``), at ``global_step = record.step``:
 * ``total_norm``, ``clip_coef`` and ``loss_scale`` (when the step has them), ``skipped`` (0/1),
   ``nonfinite_parameters`` (parameters whose gradient held a NaN or an Inf), ``nan_count`` and
   ``inf_count`` (summed over parameters), ``spikes`` (parameters at or above the spike factor);
+* ``nonfinite_rank/<rank>``: at a step with a NaN/Inf, for each rank whose local data held one, how
+  many parameters it held them in (``StepRecord.nonfinite_ranks``), so the ranks that went bad show
+  over the run as points at the bad steps (a tag per such rank, not per rank of the world);
 * ``grad_norm/<layer>``: the norm of each layer's gradients together (``nanscan.layers``: a few
   hundred tags at most, however many parameters);
 * ``param_grad_norm/<name>``: each parameter's norm, when ``per_parameter`` (by default, for models
@@ -102,6 +105,8 @@ class TensorBoardSink:
             scalars["clip_coef"] = record.clip_coef
         if record.loss_scale is not None:
             scalars["loss_scale"] = record.loss_scale
+        for rank, count in _parameters_by_rank(record.nonfinite_ranks).items():
+            scalars[f"nonfinite_rank/{rank}"] = float(count)
         layers = self._layers_of(record.names)
         for layer, layer_norm in zip(layers, group_norms(norm, layers), strict=True):
             scalars[f"grad_norm/{layer.name}"] = float(layer_norm)
@@ -142,6 +147,15 @@ class TensorBoardSink:
         if positive.size:
             self.writer.add_histogram(f"{self.prefix}/log10_grad_norm", np.log10(positive), step)
         self.writer.add_scalar(f"{self.prefix}/nonfinite_norms", float(np.count_nonzero(~finite)), step)
+
+
+def _parameters_by_rank(nonfinite_ranks: dict[str, list[int]] | None) -> dict[int, int]:
+    """For each rank named in a record's ``nonfinite_ranks``, how many parameters it is named for."""
+    counts: dict[int, int] = {}
+    for ranks in (nonfinite_ranks or {}).values():
+        for rank in ranks:
+            counts[rank] = counts.get(rank, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _summary_writer_class() -> Callable[[str | None], Writer]:
