@@ -4,6 +4,7 @@ point at the planted fault. The CUDA side (no sync, graph replays) is in tests/t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 import nanscan
-from nanscan.records import StepRecord, read_jsonl
+from nanscan.distributed import Attribution
+from nanscan.records import PER_PARAMETER, StepRecord, read_jsonl
 from nanscan.sinks import CSVSink, JSONLSink
 
 from conftest import ROOT, reference_stats
@@ -341,3 +343,149 @@ def test_unscale_then_clip_is_recorded_once_per_step() -> None:
         optimizer.zero_grad()
     recorder.close()
     assert [r.step for r in sink.records] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------- rank attribution
+
+
+def attributed(report: nanscan.Report, world: int, ranks: dict[str, list[int]], flagged: list[int]) -> nanscan.Report:
+    """``report`` as a distributed check would have made it: the same statistics, with an attribution
+    saying that ``ranks[name]`` held each name's NaN/Inf and ``flagged`` held any (what the cross-rank
+    reduction computes, nanscan.distributed; the real processes are in tests/distributed_cases.py)."""
+    n = len(report.names)
+    rows = torch.zeros(3, n, dtype=torch.float64)
+    for name, held in ranks.items():
+        i = report.names.index(name)
+        rows[:, i] = torch.tensor([len(held), sum(held), sum(r * r for r in held)], dtype=torch.float64)
+    any_by_rank = torch.zeros(world, dtype=torch.float64)
+    any_by_rank[flagged] = 1.0
+    stats = dataclasses.replace(report.stats, ranks=Attribution(rows[0], rows[1], rows[2], any_by_rank))
+    return nanscan.Report(report.names, stats, report.total_norm_tensor, report.norm_type)
+
+
+def test_records_name_the_ranks_a_report_names_exactly_for_a_large_world() -> None:
+    world = 20_000
+    # Two neighbouring high ranks: their sum of squares (8e8) is no float32 (its step there is 64),
+    # and rounded it would name other ranks. Three ranks, found among the four flagged ones.
+    held = {"0.weight": [19_997, 19_998], "2.bias": [5, 19_000, 19_998]}
+    flagged = [5, 19_000, 19_997, 19_998]
+    s1, s2 = sum(held["0.weight"]), sum(r * r for r in held["0.weight"])
+    rounded = float(torch.tensor(s2, dtype=torch.float32))
+    assert Attribution.ranks(2, s1, rounded, [0.0] * world) != held["0.weight"], "float32 must not suffice here"
+    m = model()
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=4, warn=False)
+    reports = []
+    for step in range(6):
+        backward(m, step)
+        if step == 4:
+            plant(m, "0.weight", math.nan)
+            plant(m, "2.bias", math.inf)
+        report = nanscan.check(m)
+        report = attributed(report, world, held if step == 4 else {}, flagged if step == 4 else [])
+        recorder.append(report)
+        reports.append(report)
+        m.zero_grad()
+    recorder.close()
+    n = len(reports[0].names)
+    assert recorder.nbytes == 33 * (24 * n + 24) + 8 + 33 * 8 * (3 * n + world), "the stated formula"
+    assert [r.nonfinite_ranks for r in sink.records] == [report.nonfinite_ranks for report in reports]
+    assert sink.records[4].nonfinite_ranks == held and sink.records[3].nonfinite_ranks == {}
+    first = recorder.first_nonfinite
+    assert first is not None and first.step == 4 and first.ranks == held
+    assert "0.weight (ranks 19997, 19998), 2.bias (ranks 5, 19000, 19998)" in str(first)
+    assert "step 4: 0.weight (ranks 19997, 19998)" in str(recorder)
+
+
+def test_a_single_process_names_its_own_rank_and_pays_nothing_for_attribution() -> None:
+    m = model()
+    recorder = nanscan.Recorder(every=40, capacity=40, warn=False)
+    for step in range(3):
+        backward(m, step)
+        if step == 1:
+            plant(m, "2.weight", math.nan)
+        nanscan.check(m, recorder=recorder)
+        m.zero_grad()
+    assert recorder.nbytes == 40 * (24 * 4 + 24) + 8, "no attribution rows without an attribution"
+    recorder.close()
+    assert [r.nonfinite_ranks for r in recorder.records] == [{}, {"2.weight": [0]}, {}]
+    assert "step 1: 2.weight (rank 0)" in str(recorder)
+
+
+def test_gaining_an_attribution_starts_a_layout_and_keeps_every_record() -> None:
+    m = model()
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=40, capacity=40, warn=False)
+    backward(m, 0)
+    plant(m, "0.bias", math.inf)
+    plain = nanscan.check(m)
+    recorder.append(plain)
+    recorder.append(attributed(plain, 4, {"0.bias": [2]}, [2]))
+    recorder.append(plain)
+    recorder.close()
+    assert [r.step for r in sink.records] == [0, 1, 2]
+    assert [r.nonfinite_ranks for r in sink.records] == [{"0.bias": [0]}, {"0.bias": [2]}, {"0.bias": [0]}]
+
+
+def test_ranks_round_trip_through_jsonl_and_csv_and_schema_1_still_reads(tmp_path: Path) -> None:
+    m = model()
+    path, csv_path = tmp_path / "run.jsonl", tmp_path / "run.csv"
+    with nanscan.Recorder([JSONLSink(path), CSVSink(csv_path)], every=2, warn=False) as recorder:
+        for step in range(3):
+            backward(m, step)
+            if step == 1:
+                plant(m, "2.weight", math.nan)
+                plant(m, "0.bias", math.inf)
+            report = nanscan.check(m)
+            recorder.append(attributed(report, 8, {"2.weight": [3, 6], "0.bias": [0]} if step == 1 else {}, [0, 3, 6]))
+            m.zero_grad()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[2]["schema"] == 2 and lines[2]["nonfinite_ranks"] == {"0.bias": [0], "2.weight": [3, 6]}
+    assert lines[1]["nonfinite_ranks"] == {}
+    back = read_jsonl(path)
+    assert [r.nonfinite_ranks for r in back] == [r.nonfinite_ranks for r in recorder.records]
+    assert [r.to_json() for r in back] == [r.to_json() for r in recorder.records]
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].endswith(",loss_scale,nonfinite_ranks")
+    assert [row.rsplit(",", 1)[1] for row in rows if row.startswith("1,")] == ["", "0", "3 6", ""]
+    # A file of schema 1 (no nonfinite_ranks) reads, its records' ranks unknown (None).
+    old = tmp_path / "old.jsonl"
+    old.write_text(
+        "\n".join(
+            json.dumps({**line, "schema": 1} if line["kind"] == "layout" else _schema_1(line)) for line in lines[:3]
+        )
+    )
+    assert [r.nonfinite_ranks for r in read_jsonl(old)] == [None, None]
+    with pytest.raises(ValueError, match="reads schemas 1, 2"):
+        old.write_text(json.dumps({**lines[0], "schema": 1}) + "\n" + json.dumps({**lines[1], "schema": 3}))
+        read_jsonl(old)
+    with pytest.raises(ValueError, match="nonfinite_ranks names a parameter outside its layout"):
+        old.write_text(json.dumps(lines[0]) + "\n" + json.dumps({**lines[2], "nonfinite_ranks": {"x": [1]}}))
+        read_jsonl(old)
+    # A CSV file begun with other columns is refused, not given rows that do not match its header.
+    (tmp_path / "old.csv").write_text("step,parameter,nan_count\n")
+    with pytest.raises(ValueError, match="another nanscan version"):
+        CSVSink(tmp_path / "old.csv")
+
+
+def _schema_1(line: dict[str, Any]) -> dict[str, Any]:
+    """A step line as schema 1 wrote it: no nonfinite_ranks."""
+    return {key: value for key, value in line.items() if key != "nonfinite_ranks"} | {"schema": 1}
+
+
+def test_per_parameter_lists_are_made_on_first_reading_and_equal_given_ones() -> None:
+    m = model()
+    sink = Collect()
+    recorder = nanscan.Recorder([sink], every=3, warn=False)
+    for step in range(3):
+        backward(m, step)
+        nanscan.check(m, recorder=recorder)
+        m.zero_grad()
+    record = sink.records[1]
+    assert not isinstance(vars(record)["norm"], list), "a sink that reads no list pays for none"
+    norm = record.norm
+    assert isinstance(norm, list) and record.norm is norm and vars(record)["norm"] is norm
+    given = dataclasses.replace(record, **{key: list(getattr(record, key)) for key in PER_PARAMETER})
+    assert given == record and isinstance(record.nan_count[0], int)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.norm = []  # type: ignore[misc]

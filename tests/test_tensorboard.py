@@ -3,6 +3,7 @@ written, then the event files are read back with TensorBoard's own EventAccumula
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -172,3 +173,15 @@ def test_missing_tensorboard_says_what_to_install(tmp_path: Path, monkeypatch: p
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ImportError, match=r"pip install tensorboard \(or nanscan\[tensorboard\]\)"):
         TensorBoardSink(tmp_path)
+
+
+def test_ranks_of_a_nonfinite_step_are_counted_per_rank() -> None:
+    writer = RecordingWriter()
+    sink = TensorBoardSink(writer, per_parameter=False, histograms=False)
+    names = names_of(1)
+    bad = record(1, names, nan="h.0.ln_1.weight")
+    sink(record(0, names))
+    sink(dataclasses.replace(bad, nonfinite_ranks={"h.0.ln_1.weight": [1, 3], "wte.weight": [3]}))
+    sink(record(2, names))  # a record made without ranks (None): no rank tags
+    by_rank = [(tag, value, step) for tag, value, step in writer.scalars if "nonfinite_rank/" in tag]
+    assert by_rank == [("nanscan/nonfinite_rank/1", 1.0, 1), ("nanscan/nonfinite_rank/3", 2.0, 1)]
