@@ -642,6 +642,94 @@ def fsdp_and_tensor_parallel_replicas_along_the_tp_dim(world: int) -> None:
     assert report.divergent == {"2.bias": [2, 3]}, report.divergent
 
 
+# ---------------------------------------------------------------------- the recorder's ranks
+
+
+def recorded(
+    steps: int, backward_step: Callable[[int], None], check: Callable[[nanscan.Recorder], nanscan.Report]
+) -> tuple[list[nanscan.records.StepRecord], list[nanscan.Report], nanscan.Recorder, list[int]]:
+    """For each step, ``backward_step(step)`` then ``check(recorder)``, with a Recorder read every 2
+    steps; returns its records, the reports, the recorder (closed) and the all-reduces of each check."""
+    records: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder([records.append], every=2, warn=False)
+    reports, calls = [], []
+    for step in range(steps):
+        backward_step(step)
+        with counted_all_reduces() as counted:
+            reports.append(check(recorder))
+        calls.append(counted[0])
+    recorder.close()
+    return records, reports, recorder, calls
+
+
+@case
+def recorder_names_the_rank_of_a_nan_in_an_fsdp_shard(world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([16, 24, 6]), mesh)
+    bad = 1 % world  # Linear(24, 6)'s 6 rows: every rank but the last of 4 holds some
+
+    def backward_step(step: int) -> None:
+        model.zero_grad()
+        backward(model, 16, seed=1 + step)
+        if step == 1 and dist.get_rank() == bad:
+            model[2].weight.grad.to_local()[0, 1] = math.nan
+
+    records, reports, recorder, calls = recorded(3, backward_step, lambda r: nanscan.check(model, recorder=r))
+    assert calls == [2, 2, 2], f"{calls}: the recorder added a collective"
+    assert [r.step for r in records] == [0, 1, 2]
+    assert [r.nonfinite_ranks for r in records] == [{}, {"2.weight": [bad]}, {}], [r.nonfinite_ranks for r in records]
+    assert records[1].nonfinite_ranks == reports[1].nonfinite_ranks
+    assert recorder.first_nonfinite is not None and recorder.first_nonfinite.ranks == {"2.weight": [bad]}
+    assert f"2.weight (rank {bad})" in str(recorder), str(recorder)
+    # The global statistics: the norms of the whole gradients, as the report has them.
+    want_norms = [values["norm"] for values in reports[0].to_dict()["parameters"].values()]
+    assert_close(records[0].norm, want_norms, "recorded global norms (float32)", rtol=1e-6)
+
+
+@case
+def recorder_names_the_ddp_rank_that_made_the_nan(world: int) -> None:
+    bad = world - 1
+    model = ddp_model()
+    poison = [False]  # this rank's own gradient of 2.weight goes NaN at one step, before the all-reduce
+    if dist.get_rank() == bad:
+        model.module[2].weight.register_hook(lambda g: g * math.nan if poison[0] else g)
+
+    def backward_step(step: int) -> None:
+        model.zero_grad()
+        poison[0] = step == 2
+        backward(model, 12, seed=1 + step)
+
+    records, reports, _, calls = recorded(4, backward_step, lambda r: nanscan.check(model, recorder=r))
+    assert calls == [1] * 4, f"{calls}: one all-reduce per check, for the attribution; none for the recorder"
+    want: list[dict[str, list[int]]] = [{}, {}, {"module.2.weight": [bad]}, {}]
+    assert [r.nonfinite_ranks for r in records] == want, [r.nonfinite_ranks for r in records]
+    assert [r.nonfinite_ranks for r in records] == [report.nonfinite_ranks for report in reports]
+
+
+@case
+def recorder_names_the_pipeline_stages_of_a_nan(world: int) -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(10 + rank)
+    stage = torch.nn.Linear(8 + rank, 4 + 2 * rank)  # stage `rank`: its own parameters, its own sizes
+    params = [(f"stage{rank}.{n}", p) for n, p in stage.named_parameters()]
+
+    def backward_step(step: int) -> None:
+        stage.zero_grad()
+        stage(torch.randn(3, 8 + rank)).square().sum().backward()
+        if step == 1 and rank in (0, world - 1):
+            stage.bias.grad[0] = math.inf
+
+    def check(recorder: nanscan.Recorder) -> nanscan.Report:
+        return nanscan.check(params, process_group=dist.group.WORLD, recorder=recorder)
+
+    records, reports, _, calls = recorded(3, backward_step, check)
+    assert calls == [2, 2, 2], f"{calls}: the recorder added a collective"
+    assert list(records[1].names) == [f"stage{r}.{n}" for r in range(world) for n in ("weight", "bias")]
+    want = {f"stage{r}.bias": [r] for r in sorted({0, world - 1})}
+    assert [r.nonfinite_ranks for r in records] == [{}, want, {}], [r.nonfinite_ranks for r in records]
+    assert records[1].nonfinite_ranks == reports[1].nonfinite_ranks
+
+
 if __name__ == "__main__":  # python tests/distributed_cases.py RANK WORLD INIT OUTDIR [CASE ...]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     rank, world, init, out, *names = sys.argv[1:]
