@@ -3,12 +3,17 @@
     python benchmarks/bench_recorder.py                          # every zoo model but llama-1b, CPU
     python benchmarks/bench_recorder.py --models gpt2-small --device cuda
     python benchmarks/bench_recorder.py --quick                  # smoke test (CI)
+    python benchmarks/bench_recorder.py --sink lists             # a sink that reads every list
 
 Per model: ``check(model, max_norm=...)`` alone, and with ``recorder=`` (a Recorder that reads its
-buffer every ``--every`` steps, into a sink that drops the records, so the decode on the host is
+buffer every ``--every`` steps, into a sink, so the read and the records' making on the host are
 timed but no file writing is), in alternating rounds of ``--every`` steps, so each recorded round
-holds exactly one read of the buffer. The figure is the median over rounds of the time per step.
-The issue's target: at most 5% over a plain check on the CPU zoo lists, and zero syncs.
+holds exactly one read of the buffer. ``--sink drop`` (default) drops each record: what the recorder
+itself costs, and what a sink that reads a step's totals adds to it (a record's per-parameter lists
+are made only when read). ``--sink lists`` reads every per-parameter list of every record: the
+Python numbers a sink that writes them (JSONL, CSV, TensorBoard) pays for before its own writing.
+The figure is the median over rounds of the time per step. The issue's target: at most 5% over a
+plain check on the CPU zoo lists, and zero syncs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 import nanscan
+from nanscan.records import PER_PARAMETER, StepRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scan import DEFAULT_ZOO, load_zoo  # a sibling script, not a package
@@ -38,6 +44,15 @@ def model_of(shapes: list[list[int]], device: str) -> torch.nn.ParameterList:
         p.grad = torch.randn(shape, generator=gen).to(device)
         params.append(p)
     return torch.nn.ParameterList(params)
+
+
+def read_lists(record: StepRecord) -> None:
+    """Reads every per-parameter list of a record (each made a Python list on first reading)."""
+    for key in PER_PARAMETER:
+        getattr(record, key)
+
+
+SINKS: dict[str, Callable[[StepRecord], None]] = {"drop": lambda record: None, "lists": read_lists}
 
 
 def round_seconds(step: Callable[[], object], steps: int, device: str) -> float:
@@ -59,6 +74,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per method and model")
     parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO)
     parser.add_argument("--quick", action="store_true", help="smoke test: the smallest model, 2 rounds")
+    parser.add_argument(
+        "--sink", choices=sorted(SINKS), default="drop", help="what the sink reads of each record (module notes)"
+    )
     args = parser.parse_args()
     zoo = load_zoo(args.zoo)
     if args.quick:
@@ -71,7 +89,10 @@ def main() -> None:
     unknown = [m for m in names if m not in zoo]
     if unknown:
         sys.exit(f"bench_recorder: unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(zoo)}")
-    print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {args.device}, threads {torch.get_num_threads()}")
+    print(
+        f"nanscan {nanscan.__version__}, torch {torch.__version__}, {args.device}, threads {torch.get_num_threads()}, "
+        f"sink {args.sink}"
+    )
     print(
         f"{'model':<12} {'params':>6} {'MB':>7} {'check ms':>9} {'+recorder ms':>13} {'overhead':>9} {'buffer KB':>10}"
     )
@@ -81,7 +102,7 @@ def main() -> None:
         )
         model = model_of(zoo[name], args.device)
         megabytes = sum(p.numel() for p in model.parameters()) * 4 / 1e6
-        recorder = nanscan.Recorder([lambda record: None], every=args.every, warn=False)
+        recorder = nanscan.Recorder([SINKS[args.sink]], every=args.every, warn=False)
 
         def plain(model: torch.nn.Module = model) -> object:
             return nanscan.check(model, max_norm=1e30)
