@@ -183,8 +183,11 @@ class _Ring:
         """A float32 [len(values)] device tensor holding ``values`` (NaN for None), made once."""
         tensor = self._constants.get(values)
         if tensor is None:
-            values_ = [math.nan if v is None else float(v) for v in values]
-            tensor = torch.tensor(values_, dtype=torch.float32, device=self.device)
+            # A fill per value, not torch.tensor(list): on a GPU that is a copy from pageable host
+            # memory, a sync (and not capturable); a fill takes its value as a kernel argument.
+            tensor = torch.empty(len(values), dtype=torch.float32, device=self.device)
+            for i, value in enumerate(values):
+                tensor[i].fill_(math.nan if value is None else float(value))
             # Kept (a captured graph may read it) up to 64 keys; a max_norm that changes every step
             # gets a fresh tensor each time instead of an unbounded cache.
             if len(self._constants) < 64:
