@@ -208,8 +208,8 @@ def _decode_list(values: list[float | int | str]) -> list[float]:
 
 def _decode_ranks(value: dict[str, list[int]] | None, names: Sequence[str]) -> dict[str, list[int]] | None:
     """A step line's ``nonfinite_ranks`` (absent in schema 1, null when not recorded)."""
-    if value is None:
-        return None
+    if value is None or not value:  # not recorded; a finite step (most lines): no names to check
+        return value
     known = set(names)
     if not all(name in known for name in value):
         raise ValueError(f"nanscan: nonfinite_ranks names a parameter outside its layout: {sorted(set(value) - known)}")
