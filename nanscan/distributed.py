@@ -9,10 +9,18 @@ reduction of the per-tensor results, all of it here:
   into one float64 buffer, reduced by one SUM all-reduce; every one that takes a maximum (max, -min,
   the layout fingerprint) into another, reduced by one MAX all-reduce. So two collectives per
   distinct device mesh (and two more across ``process_group``), with a payload of O(tensors + ranks),
-  never O(tensors x ranks), issued on the device's stream: no host sync (with NCCL; gloo on the CPU
-  is synchronous by nature).
+  never O(tensors x ranks), both in flight at once, issued on the device's stream: no host sync (with
+  NCCL; gloo on the CPU is synchronous by nature).
+* The total norm alone (``clip_grad_norm_``, ``get_total_norm``: ``total_norm``) needs no per-tensor
+  statistic on other ranks: each rank combines its counted local parts first, so a mesh costs one
+  collective of one number (L2: a SUM of squares) or two (inf: a MAX of a NaN flag and a magnitude).
+  On gloo a collective's latency (~0.3 ms on 2 processes of a 2-core VM), not its size, is the cost.
+* NaN and Inf reach the norms by IEEE arithmetic: a NaN or Inf norm squares to NaN or Inf and every
+  SUM keeps it (NaN + Inf is NaN), so a reduced sum of squares is the square of torch's norm. Counts
+  and flags, never norms, say whether a tensor is finite (a finite 1e20 gradient stays finite).
 * Replicated mesh dims are counted once: only the replica at coordinate 0 of each of a tensor's
-  Replicate dims adds its counts and squares (the max and min are the same on every replica).
+  Replicate dims adds its counts and squares (the max and min are the same on every replica); the
+  others add zeros, selected (``where``), not multiplied: a NaN square times 0 is NaN.
 * Partial placements are reduced first (redistributed to Replicate, one collective per such tensor;
   gradients of FSDP2 and tensor parallel are Shard or Replicate, so this is rare).
 * Which rank held a NaN/Inf, per tensor, without a per-rank row per tensor: each rank adds, for each
@@ -40,16 +48,20 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import operator
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from .scan import ScanResult, empty_result, scan_local
+
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")  # a DTensor's local shard
+_SPEC = operator.attrgetter("_spec")  # a DTensor's layout (mesh, placements, shape, dtype)
 
 # SUM rows, per tensor: statistics that add up over shards, then the attribution rows.
 _NAN, _INF, _SUMSQ, _BAD, _RANK_SUM, _RANK_SQUARE_SUM = range(6)
@@ -76,8 +88,11 @@ def to_local(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
     Read from the DTensor's ``_local_tensor`` attribute: what ``to_local()`` returns outside autograd,
     without its Python method call (a microsecond per tensor, most of a check's host time on a list
-    of thousands of DTensors)."""
-    return [getattr(t, "_local_tensor", t) for t in tensors]
+    of thousands of DTensors); by one C-level map while every entry is a DTensor (half the time)."""
+    try:
+        return list(map(_LOCAL_TENSOR, tensors))
+    except AttributeError:  # plain tensors among them
+        return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -132,26 +147,49 @@ class _Group:
     counted: list[bool]  # per tensor: this rank adds its counts and squares (False on extra replicas)
     fingerprint: float  # the same on every rank that scans the same layout
     # Made once, on the buffers' device (a host-to-device copy per call would be a sync point):
+    device: torch.device | None = None  # where the tensors below are
     index: torch.Tensor | None = None  # the indices
-    row_masks: dict[int, torch.Tensor] | None = None  # by row count: 0/1 per (row, tensor); 0 on
-    # the counted rows of the tensors this rank does not count
     fingerprints: torch.Tensor | None = None  # [h, -h]
+    counted_mask: torch.Tensor | None = None  # bool [N], ``counted``; None when every tensor counts
+    row_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by row count: bool [R, N],
+    # False on the counted rows of the tensors this rank does not count
 
-    def on(self, device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indices, row mask, fingerprints) on ``device``, made on first use."""
-        if self.index is None or self.index.device != device:
+    def _made_on(self, device: torch.device) -> None:
+        if self.device != device:
             self.index = torch.tensor(self.indices, device=device)
             self.fingerprints = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.float64, device=device)
+            every = all(self.counted)
+            self.counted_mask = None if every else torch.tensor(self.counted, dtype=torch.bool, device=device)
             self.row_masks = {}
-        assert self.row_masks is not None and self.fingerprints is not None
+            self.device = device
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        self._made_on(device)
+        assert self.index is not None
+        return self.index
+
+    def fingerprints_on(self, device: torch.device) -> torch.Tensor:
+        self._made_on(device)
+        assert self.fingerprints is not None
+        return self.fingerprints
+
+    def counted_on(self, device: torch.device) -> torch.Tensor | None:
+        """The counted flags (bool [N]), or None when this rank counts every tensor of the group."""
+        self._made_on(device)
+        return self.counted_mask
+
+    def row_mask_on(self, device: torch.device, rows: int) -> torch.Tensor | None:
+        """Which of the SUM rows [rows, N] this rank adds (bool), or None when it adds all of them."""
+        counted = self.counted_on(device)
+        if counted is None:
+            return None
         if rows not in self.row_masks:
-            mask = torch.ones((rows, len(self.indices)), dtype=torch.float64)
-            counted = torch.tensor(self.counted, dtype=torch.float64)
+            mask = torch.ones((rows, len(self.indices)), dtype=torch.bool, device=device)
             for row in (*_COUNTED_ROWS, _FP16_OVERFLOW, _FP16_UNDERFLOW):
                 if row < rows:
                     mask[row] = counted
-            self.row_masks[rows] = mask.to(device)
-        return self.index, self.row_masks[rows], self.fingerprints
+            self.row_masks[rows] = mask
+        return self.row_masks[rows]
 
 
 @dataclass
@@ -177,12 +215,19 @@ class _Plan:
     """How one list layout is reduced: its mesh groups, made once per distinct layout."""
 
     groups: list[_Group]
+    plain: list[int]  # indices of the plain tensors (in no group: this rank's own, never reduced)
     partial: list[int]  # indices of DTensors with a Partial placement (reduced before the scan)
     specs: list[Any]  # the DTensorSpecs of the layout, held so that their ids stay theirs
     # Per (mesh, mesh dim) with copies, in order of first appearance (so every rank, holding the same
     # list, compares them in the same order); the plain tensors under (None, None). A tensor
     # replicated along two dims is in two; one sharded along every dim of its mesh in none.
     replicated: list[Replicated]
+    plain_index: torch.Tensor | None = None  # ``plain`` on the scan's device, made on first use
+
+    def plain_on(self, device: torch.device) -> torch.Tensor:
+        if self.plain_index is None or self.plain_index.device != device:
+            self.plain_index = torch.tensor(self.plain, dtype=torch.int64, device=device)
+        return self.plain_index
 
 
 # Plans by the ids of the tensors' DTensorSpecs (None for plain tensors). FSDP2 gives a parameter's
@@ -208,13 +253,8 @@ def _fingerprint(layout: Sequence[Any]) -> float:
     return float(int.from_bytes(digest, "little"))
 
 
-def _plan(specs: list[Any]) -> _Plan:
-    """The reduction plan of a list of DTensorSpecs (None for plain tensors), cached."""
-    key = tuple(map(id, specs))
-    plan = _plans.get(key)
-    if plan is not None:
-        _plans.move_to_end(key)
-        return plan
+def _plan(key: tuple[int, ...], specs: list[Any]) -> _Plan:
+    """The reduction plan of a list of DTensorSpecs (None for plain tensors), cached under ``key``."""
     by_mesh: dict[Any, list[int]] = {}
     for i, spec in enumerate(specs):
         if spec is not None:
@@ -229,7 +269,8 @@ def _plan(specs: list[Any]) -> _Plan:
         description = [(specs[i].placements, specs[i].shape) for i in indices]
         groups.append(_Group(indices, mesh_group(mesh), counted, _fingerprint(description)))
     partial = [i for i, spec in enumerate(specs) if spec is not None and any(p.is_partial() for p in spec.placements)]
-    plan = _Plan(groups, partial, list(specs), _replicated(specs))
+    plain = [i for i, spec in enumerate(specs) if spec is None]
+    plan = _Plan(groups, plain, partial, list(specs), _replicated(specs))
     _plans[key] = plan
     if len(_plans) > _PLANS:
         _plans.popitem(last=False)
@@ -251,14 +292,29 @@ def _replicated(specs: list[Any]) -> list[Replicated]:
 
 def plan_of(tensors: Sequence[torch.Tensor]) -> _Plan:
     """The (cached) plan of a list that holds DTensors: its mesh groups, Partial tensors, replicas."""
-    return _plan([getattr(t, "_spec", None) for t in tensors])  # a DTensor's layout; plain ones have none
+    try:
+        key = tuple(map(id, map(_SPEC, tensors)))  # C-level maps while every entry is a DTensor
+    except AttributeError:
+        key = tuple([id(getattr(t, "_spec", None)) for t in tensors])  # plain tensors have no layout
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(key, [getattr(t, "_spec", None) for t in tensors])
+    else:
+        _plans.move_to_end(key)
+    return plan
 
 
-def local_parts(tensors: Sequence[torch.Tensor], plan: _Plan) -> list[torch.Tensor]:
+def local_parts(
+    tensors: Sequence[torch.Tensor], plan: _Plan, shards: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """What a distributed scan reads of each tensor: a DTensor's local shard, a Partial DTensor's
     local part once reduced (one collective each: every rank of the mesh must call this), a plain
-    tensor itself."""
-    locals_ = to_local(tensors)
+    tensor itself. ``shards``: ``to_local(tensors)`` when the caller has it already."""
+    if shards is None:
+        return local_parts(tensors, plan, to_local(tensors))
+    if not plan.partial:
+        return shards
+    locals_ = list(shards)  # the caller's list keeps the Partial parts (a clip scales those)
     for i in plan.partial:
         locals_[i] = _without_partial(tensors[i])
     return locals_
@@ -273,54 +329,90 @@ def _without_partial(t: Any) -> torch.Tensor:
     return cast(torch.Tensor, t.redistribute(t.device_mesh, placements).to_local())
 
 
-def _local_rows(local: ScanResult, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's SUM rows [R, N] and MAX rows [2, N] of its local scan (float64, on its device)."""
+def _local_rows(local: ScanResult, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's SUM rows [R, N], MAX rows [2, N] and per-rank row [world] of its local scan
+    (float64, on its device)."""
     bad = (local.nan_count + local.inf_count) > 0
+    flags = bad.double()
     rows = [
-        local.nan_count.double(),
-        local.inf_count.double(),
-        # A non-finite local part adds no squares: its counts carry the NaN/Inf to the norm rule.
-        torch.where(bad, 0.0, local.norm.square()),
-        bad.double(),
+        local.nan_count,
+        local.inf_count,
+        # A NaN or Inf norm squares to NaN or Inf, and sums keep them with torch's precedence (NaN +
+        # Inf is NaN): the reduced row is the square of torch's norm, non-finite ones included.
+        local.norm.square(),
+        flags,
+        flags * rank,
+        flags * (rank * rank),
     ]
-    rows += [rows[_BAD] * rank, rows[_BAD] * (rank * rank)]
     if local.fp16_overflow is not None and local.fp16_underflow is not None:
-        rows += [local.fp16_overflow.double(), local.fp16_underflow.double()]
-    return torch.stack(rows), torch.stack([local.max, -local.min])
+        rows += [local.fp16_overflow, local.fp16_underflow]
+    # This rank's position in the per-rank row: 1 if any of its local parts held a NaN/Inf.
+    any_by_rank = _unit_row(rank, world, local.norm.device) * bad.any()
+    return torch.stack(rows).double(), torch.stack([local.max, -local.min]), any_by_rank
+
+
+_unit_rows: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _unit_row(rank: int, world: int, device: torch.device) -> torch.Tensor:
+    """float64 [world], 1 at ``rank``, 0 elsewhere: made once per device (a host copy per call would sync)."""
+    key = (rank, world, device)
+    row = _unit_rows.get(key)
+    if row is None:
+        row = torch.zeros(world, dtype=torch.float64, device=device)
+        row[rank] = 1.0
+        _unit_rows[key] = row
+    return row
 
 
 def _all_reduce(sums: torch.Tensor, maxes: torch.Tensor, group: Any) -> None:
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    """The SUM and the MAX in flight together. NCCL queues both on its stream, and ``wait()`` makes
+    the current stream wait for them: no host sync. Gloo runs them side by side on its worker threads,
+    and ``wait()`` blocks until both are done, which the CPU tensors need anyway."""
+    works = [
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True),
+    ]
+    for work in works:
+        work.wait()
 
 
 def _reduce_groups(
     plan: _Plan, sums: torch.Tensor, maxes: torch.Tensor, any_by_rank: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduces each mesh group's columns of ``sums``/``maxes`` in place. Returns the per-rank row,
-    reduced, and whether every group's ranks scanned the same layout (both on the device)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reduces each mesh group's columns of ``sums``/``maxes``. Returns the reduced rows (views of the
+    reduced buffers when one mesh holds every tensor, the usual case; else ``sums``/``maxes``,
+    updated in place), the per-rank row, reduced, and whether every group's ranks scanned the same
+    layout (all on the device)."""
+    assert plan.groups
     world = any_by_rank.numel()
-    reduced_any = any_by_rank
-    consistent = torch.ones((), dtype=torch.bool, device=sums.device)
+    device = sums.device
+    reduced_any: torch.Tensor | None = None
+    consistent: torch.Tensor | None = None
     for g in plan.groups:
-        index, row_mask, fingerprints = g.on(sums.device, len(sums))
         n = len(g.indices)
-        whole = n == sums.shape[1]  # the usual case: one mesh holds every tensor
-        group_sums = (sums if whole else sums.index_select(1, index)) * row_mask
-        group_maxes = maxes if whole else maxes.index_select(1, index)
+        whole = n == sums.shape[1]
+        group_sums = sums if whole else sums.index_select(1, g.index_on(device))
+        group_maxes = maxes if whole else maxes.index_select(1, g.index_on(device))
+        row_mask = g.row_mask_on(device, len(sums))
+        if row_mask is not None:  # a select, not a product: a NaN or Inf square times 0 is NaN
+            group_sums = torch.where(row_mask, group_sums, 0.0)
         flat_sums = torch.cat([group_sums.flatten(), any_by_rank])
-        flat_maxes = torch.cat([group_maxes.flatten(), fingerprints])
+        flat_maxes = torch.cat([group_maxes.flatten(), g.fingerprints_on(device)])
         _all_reduce(flat_sums, flat_maxes, g.group)
         reduced_sums, reduced_maxes = flat_sums[:-world].view(-1, n), flat_maxes[:-2].view(2, n)
         if whole:
-            sums.copy_(reduced_sums)
-            maxes.copy_(reduced_maxes)
+            sums, maxes = reduced_sums, reduced_maxes
         else:
-            sums.index_copy_(1, index, reduced_sums)
-            maxes.index_copy_(1, index, reduced_maxes)
-        reduced_any = torch.maximum(reduced_any, flat_sums[-world:].clamp(max=1.0))
-        consistent = consistent & (flat_maxes[-2] == -flat_maxes[-1])  # max(h) == min(h)
-    return reduced_any, consistent
+            sums.index_copy_(1, g.index_on(device), reduced_sums)
+            maxes.index_copy_(1, g.index_on(device), reduced_maxes)
+        # Every group's sum holds this rank's own row: their maximum is the union over the groups.
+        group_any = flat_sums[-world:].clamp(max=1.0)
+        reduced_any = group_any if reduced_any is None else torch.maximum(reduced_any, group_any)
+        agree = flat_maxes[-2] == -flat_maxes[-1]  # max(h) == min(h)
+        consistent = agree if consistent is None else consistent & agree
+    assert reduced_any is not None and consistent is not None
+    return sums, maxes, reduced_any, consistent
 
 
 def _union(group: Any, names: Sequence[str]) -> tuple[list[str], list[int]]:
@@ -386,8 +478,7 @@ def scan(
     gets the global statistics of every tensor (see the module notes). ``checksum`` adds the replica
     checksum of each tensor's local part on this rank, not reduced (nanscan.scan refuses it with
     ``process_group``, whose ranks hold different tensors, and with ``fp16_range``)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("nanscan: DTensors and process_group need torch.distributed to be initialized")
+    _require_initialized()
     plan = plan_of(tensors)
     locals_ = local_parts(tensors, plan)
     rank = dist.get_rank()
@@ -399,13 +490,11 @@ def scan(
         else empty_result(fp16_range, _group_device(process_group), checksum=checksum)
     )
     device = local.norm.device
-    sums, maxes = _local_rows(local, rank)
-    # This rank's position in the per-rank row: 1 if any of its local parts held a NaN/Inf.
-    any_by_rank = torch.zeros(world, dtype=torch.float64, device=device)
-    any_by_rank[rank] = sums[_BAD].amax() if sums.shape[1] else 0.0
-    consistent = torch.ones((), dtype=torch.bool, device=device)
+    sums, maxes, any_by_rank = _local_rows(local, rank, world)
     if plan.groups:
-        any_by_rank, consistent = _reduce_groups(plan, sums, maxes, any_by_rank)
+        sums, maxes, any_by_rank, consistent = _reduce_groups(plan, sums, maxes, any_by_rank)
+    else:  # process_group alone: nothing reduced yet, so nothing to disagree on
+        consistent = torch.ones((), dtype=torch.bool, device=device)
     result_names: tuple[str, ...] | None = None
     if process_group is not None:
         local_names = list(names) if names is not None else [f"[{i}]@rank{rank}" for i in range(len(tensors))]
@@ -423,6 +512,76 @@ def scan(
     return _result(sums, maxes, any_by_rank, consistent, result_names, local.checksum)
 
 
+def total_norm(
+    tensors: list[torch.Tensor], norm_type: float, process_group: Any = None, shards: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The total L2 (``norm_type`` 2) or infinity norm, float64, of a list that holds DTensors or is
+    reduced over ``process_group``: a plain tensor, the same on every rank. What ``clip_grad_norm_``
+    and ``get_total_norm`` need, and nothing more; ``shards``: ``to_local(tensors)``, if at hand.
+
+    No per-tensor statistic leaves the rank: each rank combines the terms of its local parts into one
+    partial per mesh (the counted parts only: a Replicate dim's extra copies add nothing, as in
+    ``scan``), so a mesh costs one collective of one number (L2: a SUM of squares) or two (inf: a MAX
+    of a NaN flag and a magnitude), and ``process_group`` one more. Results are ``scan``'s totals,
+    summed in another order (within fp64 rounding): NaN if any counted element is NaN, else inf if
+    any is inf, as torch's norm."""
+    _require_initialized()
+    plan = plan_of(tensors)
+    locals_ = local_parts(tensors, plan, shards)
+    local = scan_local(locals_, None, False) if locals_ else empty_result(False, _group_device(process_group))
+    l2 = norm_type == 2.0
+    op = dist.ReduceOp.SUM if l2 else dist.ReduceOp.MAX
+    terms = _norm_terms(local, l2)
+    device = terms.device
+    whole = len(plan.groups) == 1 and not plan.plain  # the usual case: one mesh holds every tensor
+    partials = []
+    for g in plan.groups:
+        group_terms = terms if whole else terms.index_select(1, g.index_on(device))
+        counted = g.counted_on(device)
+        if counted is not None:  # 0 is neutral for the sum and the max: every term is >= 0
+            group_terms = torch.where(counted, group_terms, 0.0)
+        partial = _combine(group_terms, l2)
+        dist.all_reduce(partial, op=op, group=g.group)
+        partials.append(partial)
+    if plan.plain:  # this rank's own tensors (with ``process_group``: its stage's), not reduced here
+        partials.append(_combine(terms.index_select(1, plan.plain_on(device)) if plan.groups else terms, l2))
+    if not partials:  # nothing to scan on this rank; it still takes part in process_group's collective
+        combined = terms.new_zeros(len(terms))
+    else:
+        combined = partials[0] if len(partials) == 1 else _combine(torch.stack(partials, dim=1), l2)
+    if process_group is not None:
+        dist.all_reduce(combined, op=op, group=process_group)
+    if l2:
+        return combined[0].sqrt()
+    return torch.where(combined[0] > 0, math.nan, combined[1])
+
+
+def _norm_terms(local: ScanResult, l2: bool) -> torch.Tensor:
+    """Per tensor, what this rank's part adds to the total norm, [R, N] float64, every term >= 0.
+
+    L2 (R = 1): the square of the part's norm. A NaN or Inf norm squares to NaN or Inf, and IEEE sums
+    (gloo's and NCCL's too) keep them with torch's precedence: NaN + Inf is NaN. Inf (R = 2): a NaN
+    flag and the largest magnitude (inf where the part holds an Inf; 0 where it has no finite value).
+    The NaN has a row of its own because a MAX need not propagate it: gloo's keeps whichever operand
+    comes first."""
+    if l2:
+        return local.norm.square().unsqueeze(0)
+    magnitude = torch.where(local.inf_count > 0, math.inf, torch.maximum(local.max, -local.min))
+    return torch.stack([(local.nan_count > 0).double(), magnitude.clamp(min=0.0)])
+
+
+def _combine(terms: torch.Tensor, l2: bool) -> torch.Tensor:
+    """Terms [R, N] combined over the N tensors into [R]: summed (L2) or their maximum (inf)."""
+    if terms.shape[1] == 0:
+        return terms.new_zeros(len(terms))
+    return terms.sum(1) if l2 else terms.amax(1)
+
+
+def _require_initialized() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("nanscan: DTensors and process_group need torch.distributed to be initialized")
+
+
 def _result(
     sums: torch.Tensor,
     maxes: torch.Tensor,
@@ -433,9 +592,7 @@ def _result(
 ) -> ScanResult:
     """The global ScanResult from the reduced rows; ``checksum``, this rank's local one, as it is."""
     nan, inf, sumsq = sums[_NAN], sums[_INF], sums[_SUMSQ]
-    norm = torch.where(nan > 0, math.nan, torch.where(inf > 0, math.inf, sumsq.sqrt()))
-    total_nan, total_inf, total_sumsq = nan.sum(), inf.sum(), sumsq.sum()
-    total_norm = torch.where(total_nan > 0, math.nan, torch.where(total_inf > 0, math.inf, total_sumsq.sqrt()))
+    totals = sums[: _SUMSQ + 1].sum(1)  # NaN count, Inf count, sum of squares (NaN/Inf kept) of all
     extra: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if len(sums) > _FP16_OVERFLOW:
         extra = (sums[_FP16_OVERFLOW].to(torch.int64), sums[_FP16_UNDERFLOW].to(torch.int64))
@@ -444,9 +601,10 @@ def _result(
         inf.to(torch.int64),
         -maxes[1],
         maxes[0],
-        norm,
-        total_norm,
-        (total_nan + total_inf) == 0,
+        sumsq.sqrt(),
+        totals[_SUMSQ].sqrt(),
+        # From the counts, never from the norm: a finite gradient of 1e20 everywhere is finite.
+        totals[: _INF + 1].sum() == 0,
         *extra,
         names=names,
         ranks=Attribution(sums[_BAD], sums[_RANK_SUM], sums[_RANK_SQUARE_SUM], any_by_rank),

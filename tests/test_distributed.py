@@ -1,9 +1,11 @@
 """nanscan across real processes: torch.distributed with gloo on the CPU, 2 and 4 ranks.
 
 Every case of tests/distributed_cases.py (FSDP2, tensor parallel, FSDP2 + TP on a 2x2 mesh, HSDP,
-DTensors of every placement, pipeline stages with process_group) runs on every rank, all cases of a
-world size in one launch of that many processes (their start-up, importing torch, is most of the
-cost); each case is then one test here. NCCL takes the same code path; no multi-GPU machine runs it.
+DTensors of every placement, pipeline stages with process_group, DDP, replicas) and of
+tests/distributed_norm_cases.py (the total norm of clip_grad_norm_ and get_total_norm) runs on every
+rank, all cases of a world size in one launch of that many processes (their start-up, importing
+torch, is most of the cost); each case is then one test here. NCCL takes the same code path; no
+multi-GPU machine runs it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from distributed_cases import CASES
+from distributed_norm_cases import CASES
 
 from conftest import ROOT
 
@@ -28,7 +30,7 @@ def results(world: int) -> dict[str, list[str]]:
     """Runs every case on ``world`` processes once; per case, each rank's error ('' when it passed)."""
     with tempfile.TemporaryDirectory() as out:
         init = f"file://{Path(out, 'store')}"
-        script = str(ROOT / "tests" / "distributed_cases.py")
+        script = str(ROOT / "tests" / "distributed_norm_cases.py")  # registers distributed_cases' cases too
         procs = [
             subprocess.Popen(
                 [sys.executable, script, str(rank), str(world), init, out],
