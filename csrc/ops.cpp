@@ -234,7 +234,7 @@ ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
 TORCH_LIBRARY(nanscan, m) {
   // fp16_range adds two rows to counts: finite values that overflow fp16, and non-zero values that
   // fp16 would flush to zero (the AMP advisor's evidence). checksum adds one: each tensor's replica
-  // checksum (scan_rules.h), its 64 bits as an int64. One option or the other.
+  // checksum (scan_rules.h), a value in [0, 2^32). One option or the other.
   m.def(
       "scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (Tensor counts, Tensor stats, Tensor "
       "total_norm, Tensor finite)");

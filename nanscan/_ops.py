@@ -4,7 +4,7 @@ The ops themselves are declared once, in csrc/ops.cpp:
 
 * ``nanscan::scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (counts, stats,
   total_norm, finite)``: counts int64 [2, N] (NaN, Inf; with fp16_range also fp16 overflow and
-  underflow: [4, N]; with checksum the replica checksums' bits: [3, N]), stats float64 [3, N] (min,
+  underflow: [4, N]; with checksum the replica checksums, in [0, 2^32): [3, N]), stats float64 [3, N] (min,
   max, L2 norm), total_norm float64 [], finite bool []. All outputs live on the tensors' device.
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite)``:

@@ -38,28 +38,33 @@ struct TensorStats {
   int64_t half_overflow;
   int64_t half_underflow;
   // Only when the checksum option is on (zero otherwise): the replica checksum (below).
-  uint64_t checksum;
+  uint32_t checksum;
 };
 
 NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFINITY, 0.0, 0, 0, 0}; }
 
 // The replica checksum: an order-sensitive hash of a tensor's bits, so that replicas whose values
 // must be bit-identical (DDP gradients after the all-reduce, Replicate placements, parameters after
-// the step) can be compared with one small collective. Every element adds, modulo 2^64, a 32-bit
+// the step) can be compared with one small collective. Every element adds, modulo 2^32, a 32-bit
 // mix of its bits and its position (memory order from the lowest address for a tensor dense in some
 // permutation of its dimensions, logical row-major order otherwise): murmur3's finalizer of
 // (bits ^ salt(position)), a bijection of the bits for a given position, so a change of one element
-// always changes the sum, and changes of several cancel with probability about 2^-32. Combining
-// partial sums is addition, so the result does not depend on how the work was split.
-constexpr uint32_t kSaltLow = 0x9E3779B9u;   // per unit of the position's low 32 bits
-constexpr uint32_t kSaltHigh = 0x85EBCA77u;  // per unit of its high 32 bits
+// always changes the sum, and changes of several cancel with probability about 2^-32 (a sum modulo
+// 2^64 of the same 32-bit terms would be no stronger, and costs twice the SIMD lanes: entry 20 of
+// benchmarks/NOTES.md). Combining partial sums is addition, so the result does not depend on how the
+// work was split.
+constexpr uint32_t kSaltLow = 0x9E3779B9u;       // per unit of the position's low 32 bits
+constexpr uint32_t kSaltHigh = 0x85EBCA77u;      // per unit of its high 32 bits
+constexpr uint32_t kSaltFp64High = 0x5BD1E995u;  // xor'ed in for an fp64 element's high word
 
 NANSCAN_HD uint32_t replica_salt(uint64_t position) {
   return static_cast<uint32_t>(position) * kSaltLow + static_cast<uint32_t>(position >> 32) * kSaltHigh;
 }
 
-NANSCAN_HD uint32_t replica_mix(uint32_t word, uint32_t salt) {
-  uint32_t x = word ^ salt;
+// murmur3's finalizer. A template so that the CPU applies this one definition to SIMD vectors of
+// words too (GCC vector extensions), where Word is a vector of uint32 and the operators act per lane.
+template <class Word>
+NANSCAN_HD Word replica_mix(Word x) {
   x ^= x >> 16;
   x *= 0x85EBCA6Bu;
   x ^= x >> 13;
@@ -68,17 +73,29 @@ NANSCAN_HD uint32_t replica_mix(uint32_t word, uint32_t salt) {
   return x;
 }
 
-// One element's term of the checksum. Elements of up to 32 bits are one word; an fp64 element is
-// two, its high half mixed with a second salt of the same position.
-template <class Codec>
-NANSCAN_HD uint64_t replica_term(typename Codec::Raw raw, uint32_t salt) {
-  if constexpr (sizeof(typename Codec::Raw) == 8) {
-    const uint64_t bits = raw;
-    return static_cast<uint64_t>(replica_mix(static_cast<uint32_t>(bits), salt)) +
-           replica_mix(static_cast<uint32_t>(bits >> 32), salt ^ 0x5BD1E995u);
-  } else {
-    return replica_mix(static_cast<uint32_t>(raw), salt);
+// Truncates an element's bits to a word; a vector's counterpart is __builtin_convertvector.
+struct LowWord {
+  template <class Bits>
+  NANSCAN_HD uint32_t operator()(Bits bits) const {
+    return static_cast<uint32_t>(bits);
   }
+};
+
+// One element's term of the checksum (or a SIMD vector of elements' terms: Bits and Word vectors,
+// to_word their conversion). Elements of up to 32 bits are one word; an fp64 element is two, its
+// high half mixed with a second salt of the same position.
+template <class Codec, class Bits, class Word, class ToWord>
+NANSCAN_HD Word replica_terms(Bits bits, Word salt, ToWord to_word) {
+  if constexpr (sizeof(typename Codec::Raw) == 8) {
+    return replica_mix(to_word(bits) ^ salt) + replica_mix(to_word(bits >> 32) ^ (salt ^ kSaltFp64High));
+  } else {
+    return replica_mix(to_word(bits) ^ salt);
+  }
+}
+
+template <class Codec>
+NANSCAN_HD uint32_t replica_term(typename Codec::Raw raw, uint32_t salt) {
+  return replica_terms<Codec>(raw, salt, LowWord{});
 }
 
 // fp16's limits: the largest finite value, and the smallest subnormal (values below it, other than
@@ -213,7 +230,7 @@ struct ResultPointers {
   bool* finite;        // 0-dim
   int64_t num_tensors;
   bool half_range;
-  bool checksum;  // counts has one more row, after the fp16 ones: the checksums' bits as int64
+  bool checksum;  // counts has one more row, after the fp16 ones: the checksums (0 to 2^32 - 1)
 };
 
 NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const TensorStats& s) {

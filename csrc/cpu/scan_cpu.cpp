@@ -6,6 +6,12 @@
 #include <cstring>
 #include <type_traits>
 
+// The checksum's SIMD vectors pass only between always-inline functions of this file, so no ABI
+// carries them; gcc's note that 32-byte vector arguments changed ABI in GCC 4.6 does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace nanscan::cpu {
 namespace {
 
@@ -72,31 +78,77 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   }
 }
 
-// The replica checksum (scan_rules.h) of a run of elements at positions position, position + 1, ...:
-// a second pass over the run while it is in L1, in lanes of 64-bit sums of 32-bit mixes, so that the
-// plain scan's loop keeps its registers. Within a run the salt steps by kSaltLow per element (it
-// vectorises), unless the run crosses a multiple of 2^32 (a tensor of more than 4G elements).
-template <class Codec>
-NANSCAN_INLINE uint64_t checksum_run(const typename Codec::Raw* p, int64_t len, uint64_t position) {
-  if (len <= 0) return 0;
-  if ((position >> 32) != ((position + static_cast<uint64_t>(len) - 1) >> 32)) {
-    uint64_t sum = 0;
-    for (int64_t i = 0; i < len; ++i) sum += replica_term<Codec>(p[i], replica_salt(position + i));
-    return sum;
+// The checksum's SIMD lanes, written with GCC vector extensions rather than left to the
+// auto-vectoriser: gcc 12 at -O3 miscompiled the same loop written over arrays (an array of salts
+// stepped by a constant per lane gave wrong sums, for 1-byte elements in one form and every width in
+// another; NOTES.md entry 20). Two vectors of 8 uint32 (AVX2 registers) per step: one leaves the
+// multiplies' latency exposed, four spill.
+using ChecksumWords = uint32_t __attribute__((vector_size(32)));
+constexpr int64_t kWordLanes = 8;
+constexpr int64_t kChecksumVectors = 2;
+constexpr int64_t kChecksumStep = kWordLanes * kChecksumVectors;
+
+// kWordLanes elements' raw bits as one vector (an alias template would drop the attribute).
+template <class Raw>
+struct RawVector {
+  typedef Raw type __attribute__((vector_size(kWordLanes * sizeof(Raw))));
+};
+
+struct LowWords {
+  template <class Bits>
+  NANSCAN_INLINE ChecksumWords operator()(Bits bits) const {
+    return __builtin_convertvector(bits, ChecksumWords);
   }
-  const uint32_t first = replica_salt(position);
-  uint64_t lanes[kLanes] = {};
-  const int64_t full = len - len % kLanes;
-  for (int64_t i = 0; i < full; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      lanes[l] += replica_term<Codec>(p[i + l], first + static_cast<uint32_t>(i + l) * kSaltLow);
+};
+
+// The terms of kWordLanes consecutive elements from p (any alignment), with their salts.
+template <class Codec>
+NANSCAN_INLINE ChecksumWords checksum_terms(const typename Codec::Raw* p, ChecksumWords salt) {
+  typename RawVector<typename Codec::Raw>::type raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return replica_terms<Codec>(raw, salt, LowWords{});
+}
+
+// The replica checksum (scan_rules.h) of a run of elements at positions position, position + 1, ...:
+// a second pass over the run while it is in L1, so that the plain scan's loop keeps its registers.
+// Each lane steps its salt by kChecksumStep * kSaltLow (an add, not a multiply per element), unless
+// the run crosses a multiple of 2^32 (a tensor of more than 4G elements), where the salt's high part
+// changes. With prefetch_next_run (a dense tensor, whose next run follows this one in memory), the
+// pass also prefetches the next run, a line per 64 bytes checksummed: the memory then keeps streaming
+// while the mix computes, instead of waiting for the next run's first loads (NOTES.md entry 20).
+template <class Codec>
+NANSCAN_INLINE uint32_t checksum_run(const typename Codec::Raw* p, int64_t len, uint64_t position,
+                                     bool prefetch_next_run) {
+  using Raw = typename Codec::Raw;
+  if (len <= 0) return 0;
+  uint32_t sum = 0;
+  int64_t i = 0;
+  if ((position >> 32) == ((position + static_cast<uint64_t>(len) - 1) >> 32)) {
+    const uint32_t first = replica_salt(position);
+    ChecksumWords lanes[kChecksumVectors] = {}, salt[kChecksumVectors];
+    for (int64_t v = 0; v < kChecksumVectors; ++v) {
+      for (int64_t l = 0; l < kWordLanes; ++l)
+        salt[v][l] = first + static_cast<uint32_t>(v * kWordLanes + l) * kSaltLow;
+    }
+    // An address, not a pointer: past the tensor's end it points at nothing (a prefetch never faults).
+    const uintptr_t next_run = reinterpret_cast<uintptr_t>(p + len);
+    for (; i + kChecksumStep <= len; i += kChecksumStep) {
+      if (prefetch_next_run) {
+        for (uintptr_t b = 0; b < kChecksumStep * sizeof(Raw); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(next_run + i * sizeof(Raw) + b));
+        }
+      }
+      for (int64_t v = 0; v < kChecksumVectors; ++v) {
+        lanes[v] += checksum_terms<Codec>(p + i + v * kWordLanes, salt[v]);
+        salt[v] += static_cast<uint32_t>(kChecksumStep) * kSaltLow;
+      }
+    }
+    for (int64_t v = 0; v < kChecksumVectors; ++v) {
+      for (int64_t l = 0; l < kWordLanes; ++l) sum += lanes[v][l];
     }
   }
-  for (int64_t i = full; i < len; ++i) {
-    lanes[i - full] += replica_term<Codec>(p[i], first + static_cast<uint32_t>(i) * kSaltLow);
-  }
-  uint64_t sum = 0;
-  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  // The tail, and every element of a run that crosses a multiple of 2^32, one by one.
+  for (; i < len; ++i) sum += replica_term<Codec>(p[i], replica_salt(position + static_cast<uint64_t>(i)));
   return sum;
 }
 
@@ -120,7 +172,7 @@ NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end
     const int64_t len = std::min(kRunElements, end - i);
     if (multiply_by != nullptr) multiply_run<Codec>(p + i, len, *multiply_by);
     scan_run<Codec, kHalfRange>(p + i, len, s);
-    if (checksum) s.checksum += checksum_run<Codec>(p + i, len, static_cast<uint64_t>(i));
+    if (checksum) s.checksum += checksum_run<Codec>(p + i, len, static_cast<uint64_t>(i), true);
   }
 }
 
@@ -152,7 +204,7 @@ NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end
       }
     }
     scan_run<Codec, kHalfRange>(buffer, len, s);
-    if (checksum) s.checksum += checksum_run<Codec>(buffer, len, static_cast<uint64_t>(i));
+    if (checksum) s.checksum += checksum_run<Codec>(buffer, len, static_cast<uint64_t>(i), false);
     i += len;
   }
 }

@@ -122,7 +122,7 @@ __device__ TensorStats warp_combine(TensorStats s) {
     other.sumsq = shfl_xor(s.sumsq, offset);
     other.half_overflow = shfl_xor(static_cast<long long>(s.half_overflow), offset);
     other.half_underflow = shfl_xor(static_cast<long long>(s.half_underflow), offset);
-    other.checksum = static_cast<uint64_t>(shfl_xor(static_cast<long long>(s.checksum), offset));
+    other.checksum = shfl_xor(s.checksum, offset);
     s = combine(s, other);
   }
   return s;
@@ -226,7 +226,7 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
 
   FastRun<Codec> run = empty_run<Codec>();
   long long over = 0, under = 0;
-  uint64_t lane_checksum = 0;
+  uint32_t lane_checksum = 0;
   auto observe = [&](Raw r, int64_t index) {
     accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
     if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
@@ -268,13 +268,11 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     run_sumsq += shfl_xor(run_sumsq, offset);
   }
   // The checksum is of the bits, whichever rule the statistics take below.
-  uint64_t checksum = 0;
+  uint32_t checksum = 0;
   if constexpr (kChecksum) {
     checksum = lane_checksum;
 #pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      checksum += static_cast<uint64_t>(shfl_xor(static_cast<long long>(checksum), offset));
-    }
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) checksum += shfl_xor(checksum, offset);
   }
   TensorStats s = empty_stats();
   if (run_is_exact<Codec>(run_min, run_max, run_sumsq)) {
@@ -339,7 +337,7 @@ __device__ TensorStats load_coherent(const TensorStats* p) {
   s.inf_count = __ldcg(reinterpret_cast<const long long*>(&p->inf_count));
   s.half_overflow = __ldcg(reinterpret_cast<const long long*>(&p->half_overflow));
   s.half_underflow = __ldcg(reinterpret_cast<const long long*>(&p->half_underflow));
-  s.checksum = static_cast<uint64_t>(__ldcg(reinterpret_cast<const long long*>(&p->checksum)));
+  s.checksum = __ldcg(&p->checksum);
   s.min = __ldcg(&p->min);
   s.max = __ldcg(&p->max);
   s.sumsq = __ldcg(&p->sumsq);
