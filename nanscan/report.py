@@ -338,6 +338,18 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
             if len(grads) == len(items):
                 return PositionalNames(range(len(items))), grads
             return PositionalNames([i for i, g in enumerate(all_grads) if g is not None]), grads
+        if all(type(item) is tuple and len(item) == 2 for item in items):
+            # A list of (name, parameter) pairs made once (list(model.named_parameters())), the way to
+            # skip the walk of the module tree each step: comprehensions, no per-pair Python branch.
+            try:
+                all_grads = [p.grad for _, p in items]
+            except AttributeError:
+                pass  # an entry that is no tensor: named one by one below
+            else:
+                grads = [g for g in all_grads if g is not None]
+                if len(grads) == len(items):
+                    return [str(name) for name, _ in items], grads
+                return [str(name) for (name, _), g in zip(items, all_grads, strict=True) if g is not None], grads
         pairs = (
             item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item) for i, item in enumerate(items)
         )
