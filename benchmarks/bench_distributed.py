@@ -13,6 +13,11 @@ is a DTensor with Shard(0) placement; one backward, then each method is timed on
 * ``nanscan.clip``: ``nanscan.clip_grad_norm_(params, 1e9)``, and ``float()`` of its plain norm.
 * ``nanscan.check``: ``nanscan.check(model, max_norm=1e9)`` and ``report.finite`` (global statistics
   of every parameter, read on the host).
+* ``check(named)``: ``nanscan.check(named, max_norm=1e9)`` and ``report.finite``, where ``named`` is
+  ``list(model.named_parameters())`` made once, as torch's and nanscan's clips get their parameter
+  list made once: the same report without the walk of the module tree each call.
+* ``named_params``: ``list(model.named_parameters())`` alone, no collective: that walk, which
+  ``check(model)`` makes to name the gradients. ``check(model)`` cannot be faster than this row.
 
 Times are of the whole call on rank 0 (gloo collectives are synchronous on the CPU, so host time is
 the time). Collectives per call are counted with the profiler (gloo's collective events). What this
@@ -76,10 +81,13 @@ def measure(tensors: int, rounds: int) -> dict[str, Any]:
     fully_shard(model)
     model(torch.randn(4, 16)).square().mean().backward()
     params = list(model.parameters())
+    named = list(model.named_parameters())
     methods: dict[str, Callable[[], object]] = {
         "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).full_tensor(),
         "nanscan.clip": lambda: float(nanscan.clip_grad_norm_(params, 1e9)),
         "nanscan.check": lambda: nanscan.check(model, max_norm=1e9).finite,
+        "check(named)": lambda: nanscan.check(named, max_norm=1e9).finite,
+        "named_params": lambda: list(model.named_parameters()),
     }
     torch_norm = float(methods["torch"]())  # type: ignore[arg-type]
     ours = float(nanscan.clip_grad_norm_(params, 1e9))
