@@ -14,7 +14,8 @@ reduction of the per-tensor results, all of it here:
 * The total norm alone (``clip_grad_norm_``, ``get_total_norm``: ``total_norm``) needs no per-tensor
   statistic on other ranks: each rank combines its counted local parts first, so a mesh costs one
   collective of one number (L2: a SUM of squares) or two (inf: a MAX of a NaN flag and a magnitude).
-  On gloo a collective's latency (~0.3 ms on 2 processes of a 2-core VM), not its size, is the cost.
+  On gloo (2 processes on a 2-core VM) a collective costs its latency, 0.15-0.3 ms, or in a large
+  share of calls of three numbers or more a ~4 ms stall (a scheduler tick); its size barely matters.
 * NaN and Inf reach the norms by IEEE arithmetic: a NaN or Inf norm squares to NaN or Inf and every
   SUM keeps it (NaN + Inf is NaN), so a reduced sum of squares is the square of torch's norm. Counts
   and flags, never norms, say whether a tensor is finite (a finite 1e20 gradient stays finite).
