@@ -12,8 +12,10 @@ holds exactly one read of the buffer. ``--sink drop`` (default) drops each recor
 itself costs, and what a sink that reads a step's totals adds to it (a record's per-parameter lists
 are made only when read). ``--sink lists`` reads every per-parameter list of every record: the
 Python numbers a sink that writes them (JSONL, CSV, TensorBoard) pays for before its own writing.
-The figure is the median over rounds of the time per step. The issue's target: at most 5% over a
-plain check on the CPU zoo lists, and zero syncs.
+Each round is a pair of one plain and one recorded run, in alternating order. The times are the
+medians over rounds of the time per step; the overhead is the median over rounds of each pair's
+ratio, with its quartiles (the spread a shared machine gives one run). The issue's target: at most
+5% over a plain check on the CPU zoo lists, and zero syncs.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def main() -> None:
         f"sink {args.sink}"
     )
     print(
-        f"{'model':<12} {'params':>6} {'MB':>7} {'check ms':>9} {'+recorder ms':>13} {'overhead':>9} {'buffer KB':>10}"
+        f"{'model':<12} {'params':>6} {'MB':>7} {'check ms':>9} {'+recorder ms':>13} {'overhead':>9} "
+        f"{'quartiles %':>12} {'buffer KB':>10}"
     )
     for name in names:
         print(
@@ -113,13 +116,21 @@ def main() -> None:
         round_seconds(plain, 2, args.device)
         round_seconds(recorded, args.every, args.device)  # allocates the buffer; its first read
         plain_times, recorded_times = [], []
-        for _ in range(args.rounds):
-            plain_times.append(round_seconds(plain, args.every, args.device))
-            recorded_times.append(round_seconds(recorded, args.every, args.device))
+        for r in range(args.rounds):
+            # Each round is a pair, in alternating order (plain first, then recorded first), so neither
+            # method always follows the other; the overhead is the median of the pairs' ratios, which
+            # a slow spell of the shared machine shifts for both halves of a pair alike.
+            first, second = (plain, recorded) if r % 2 == 0 else (recorded, plain)
+            times = {id(first): round_seconds(first, args.every, args.device)}
+            times[id(second)] = round_seconds(second, args.every, args.device)
+            plain_times.append(times[id(plain)])
+            recorded_times.append(times[id(recorded)])
         base, with_recorder = statistics.median(plain_times), statistics.median(recorded_times)
+        ratios = sorted(rec / pl - 1 for rec, pl in zip(recorded_times, plain_times, strict=True))
+        low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
         print(
             f"{name:<12} {len(zoo[name]):>6} {megabytes:>7.0f} {base * 1e3:>9.3f} {with_recorder * 1e3:>13.3f} "
-            f"{(with_recorder / base - 1) * 100:>8.1f}% {recorder.nbytes / 1e3:>10.0f}",
+            f"{statistics.median(ratios) * 100:>8.1f}% {low * 100:>5.1f}..{high * 100:<5.1f} {recorder.nbytes / 1e3:>10.0f}",
             flush=True,
         )
         recorder.close()
