@@ -49,6 +49,16 @@ def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     return params
 
 
+def total_norms_and_collectives(tensors: list[torch.Tensor]) -> tuple[dict[float, torch.Tensor], dict[float, int]]:
+    """``get_total_norm`` of ``tensors`` for each norm type, and the all-reduces each one issued."""
+    got, calls = {}, {}
+    for norm_type in NORM_TYPES:
+        with counted_all_reduces() as counted:
+            got[norm_type] = nanscan.get_total_norm(tensors, norm_type)
+        calls[norm_type] = counted[0]
+    return got, calls
+
+
 def placements_of_every_kind(mesh: DeviceMesh) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(whole tensors, the same as DTensors): uneven Shard(0) and Shard(1), Replicate (counted once),
     Partial (reduced first), and last a one-row Shard(0), whose shard is empty past rank 0 (torch's
@@ -147,11 +157,7 @@ def replicated_mesh_dim_counted_once_in_the_total(world: int) -> None:
         distribute_tensor(full[1], mesh, [Replicate(), Replicate()]),  # a copy on every rank
         distribute_tensor(full[2], mesh, [Shard(1), Replicate()]),
     ]
-    got, calls = {}, {}
-    for norm_type in NORM_TYPES:
-        with counted_all_reduces() as counted:
-            got[norm_type] = nanscan.get_total_norm(dtensors, norm_type)
-        calls[norm_type] = counted[0]
+    got, calls = total_norms_and_collectives(dtensors)
     for norm_type in NORM_TYPES:
         assert calls[norm_type] == 1, f"{calls[norm_type]} all-reduces for a 2-d mesh"
         assert_close(got[norm_type], full_norm(full, norm_type), f"{norm_type} norm", 1e-6)
@@ -167,11 +173,7 @@ def total_norm_over_two_meshes_and_a_plain_tensor(world: int) -> None:
     torch.manual_seed(7)
     a, b, plain = torch.randn(8, 3), torch.randn(4, 6), torch.randn(5)
     tensors = [distribute_tensor(a, whole, [Shard(0)]), distribute_tensor(b, pairs, [Shard(1)]), plain]
-    got, calls = {}, {}
-    for norm_type in NORM_TYPES:
-        with counted_all_reduces() as counted:
-            got[norm_type] = nanscan.get_total_norm(tensors, norm_type)
-        calls[norm_type] = counted[0]
+    got, calls = total_norms_and_collectives(tensors)
     for norm_type in NORM_TYPES:
         assert calls[norm_type] == 2, f"{calls[norm_type]} all-reduces for two meshes"
         assert_close(got[norm_type], full_norm([a, b, plain], norm_type), f"{norm_type} norm", 1e-6)
