@@ -116,3 +116,14 @@ settings.register_profile(
 )
 settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
+
+
+# Settings both framework callbacks must refuse when they are made (nanscan.integrations._logging),
+# with the message each raises.
+CALLBACK_BAD_SETTINGS = [
+    ({"on_nonfinite": "skipp"}, "on_nonfinite must be one of"),
+    ({"max_norm": -1.0}, "max_norm must be a non-negative number"),
+    ({"norm_type": "two"}, "norm_type must be a real number"),
+    ({"max_consecutive_skips": -1}, "max_consecutive_skips must be >= 0"),
+    ({"log_every_n_steps": 0}, "log_every_n_steps must be >= 1"),
+]

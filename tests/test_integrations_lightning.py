@@ -21,6 +21,8 @@ from lightning.pytorch.loggers import CSVLogger
 import nanscan
 from nanscan.integrations.lightning import NanscanCallback
 
+from conftest import CALLBACK_BAD_SETTINGS
+
 NAN_STEP = 3
 STEPS = 8
 LR = 0.1
@@ -129,6 +131,12 @@ def test_callback_clips_and_skips_the_nan_step(fused: bool) -> None:
 def test_gradient_clip_val_with_the_callback_is_refused() -> None:
     with pytest.raises(ValueError, match=r"clipping twice.*Leave gradient_clip_val"):
         trainer([NanscanCallback(max_norm=1.0)], gradient_clip_val=0.5).fit(Tiny(False), loader())
+
+
+@pytest.mark.parametrize(("settings", "message"), CALLBACK_BAD_SETTINGS)
+def test_bad_settings_are_refused_when_the_callback_is_made(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NanscanCallback(**settings)
 
 
 def test_recorder_gets_one_record_per_step_and_feeds_the_loggers(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from transformers import (
 import nanscan
 from nanscan.integrations.transformers import NanscanTrainerCallback
 
+from conftest import CALLBACK_BAD_SETTINGS
+
 NAN_STEP = 2
 STEPS = 6
 LR = 0.05
@@ -135,6 +137,12 @@ def test_trainer_clipping_with_the_callback_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"clipping twice.*max_grad_norm=0"):
         trainer.train()
+
+
+@pytest.mark.parametrize(("settings", "message"), CALLBACK_BAD_SETTINGS)
+def test_bad_settings_are_refused_when_the_callback_is_made(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NanscanTrainerCallback(**settings)
 
 
 def test_recorder_gets_one_record_per_step_and_feeds_the_logs(tmp_path: Path) -> None:

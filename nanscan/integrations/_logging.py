@@ -1,8 +1,71 @@
-"""What both framework callbacks log of a recorder's records, and which records they log."""
+"""What both framework callbacks share: the check they run before each optimizer step, and what
+they log of a recorder's records, and which records they log."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..clip import as_max_norm, as_norm_type
+from ..guard import ON_NONFINITE, check_max_consecutive_skips
 from ..records import StepRecord
+from ..report import check
+
+if TYPE_CHECKING:
+    from ..recorder import Recorder
+
+
+class CheckingCallback:
+    """The settings of the check a framework callback runs, and the run itself (a mixin: the
+    callbacks derive from their framework's own callback class too).
+
+    The settings are validated when the callback is made, as ``check`` would validate them, so a
+    typo fails at construction rather than at the first optimizer step of a long run."""
+
+    max_norm: float | None
+    norm_type: float
+    on_nonfinite: str
+    max_consecutive_skips: int | None
+    recorder: Recorder | None
+    log_every_n_steps: int | None
+
+    def _set_check(
+        self,
+        owner: str,
+        max_norm: float | None,
+        norm_type: float,
+        on_nonfinite: str,
+        max_consecutive_skips: int | None,
+        recorder: Recorder | None,
+        log_every_n_steps: int | None,
+    ) -> None:
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"nanscan.{owner}: on_nonfinite must be one of {', '.join(map(repr, ON_NONFINITE))}, got "
+                f"{on_nonfinite!r}"
+            )
+        check_max_consecutive_skips(max_consecutive_skips)
+        check_log_every(owner, log_every_n_steps)
+        self.max_norm = None if max_norm is None else as_max_norm(max_norm)
+        self.norm_type = as_norm_type(norm_type)
+        self.on_nonfinite = on_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.recorder = recorder
+        self.log_every_n_steps = log_every_n_steps
+
+    def _run_check(self, target: Any, optimizer: torch.optim.Optimizer | None) -> None:
+        """``check`` of ``target`` with these settings; ``optimizer`` is the one whose step a
+        ``"skip"`` guards (None otherwise)."""
+        check(
+            target,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            on_nonfinite=self.on_nonfinite,
+            optimizer=optimizer,
+            max_consecutive_skips=self.max_consecutive_skips,
+            recorder=self.recorder,
+        )
 
 
 def check_log_every(owner: str, log_every_n_steps: int | None) -> None:

@@ -47,8 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..guard import SkipGuard
-from ..report import check
-from ._logging import check_log_every, record_metrics, worth_logging
+from ._logging import CheckingCallback, record_metrics, worth_logging
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -72,7 +71,7 @@ if not TYPE_CHECKING:
     Callback = _lightning().Callback
 
 
-class NanscanCallback(Callback):
+class NanscanCallback(Callback, CheckingCallback):
     """Runs ``nanscan.check`` before every optimizer step, in place of Lightning's gradient clipping.
 
     Args:
@@ -102,13 +101,9 @@ class NanscanCallback(Callback):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
-        check_log_every("NanscanCallback", log_every_n_steps)
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.on_nonfinite = on_nonfinite
-        self.max_consecutive_skips = max_consecutive_skips
-        self.recorder = recorder
-        self.log_every_n_steps = log_every_n_steps
+        self._set_check(
+            "NanscanCallback", max_norm, norm_type, on_nonfinite, max_consecutive_skips, recorder, log_every_n_steps
+        )
         self._trainer: Trainer | None = None  # set while fitting: where the recorder's records go
         # Per optimizer (by id): what to check, the LightningModule itself when the optimizer holds all
         # of its trainable parameters (check's fast path), else that optimizer's (name, parameter) pairs.
@@ -143,15 +138,7 @@ class NanscanCallback(Callback):
                 "(a fused optimizer under precision='16-mixed'), so they are still scaled here and cannot be "
                 "clipped; use max_norm=None (skipping still works) or a non-fused optimizer"
             )
-        check(
-            self._target(pl_module, optimizer),
-            max_norm=self.max_norm,
-            norm_type=self.norm_type,
-            on_nonfinite=self.on_nonfinite,
-            optimizer=optimizer if self.on_nonfinite == "skip" else None,
-            max_consecutive_skips=self.max_consecutive_skips,
-            recorder=self.recorder,
-        )
+        self._run_check(self._target(pl_module, optimizer), optimizer if self.on_nonfinite == "skip" else None)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Hands the recorder's last records to its sinks (the loggers among them)."""

@@ -42,8 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..guard import SkipGuard
-from ..report import check
-from ._logging import check_log_every, record_metrics, worth_logging
+from ._logging import CheckingCallback, record_metrics, worth_logging
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -60,7 +59,7 @@ if not TYPE_CHECKING:
     TrainerCallback = importlib.import_module("transformers").TrainerCallback
 
 
-class NanscanTrainerCallback(TrainerCallback):
+class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
     """Runs ``nanscan.check`` before every optimizer step of a ``transformers.Trainer``.
 
     Args:
@@ -89,13 +88,15 @@ class NanscanTrainerCallback(TrainerCallback):
         recorder: Recorder | None = None,
         log_every_n_steps: int | None = None,
     ) -> None:
-        check_log_every("NanscanTrainerCallback", log_every_n_steps)
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.on_nonfinite = on_nonfinite
-        self.max_consecutive_skips = max_consecutive_skips
-        self.recorder = recorder
-        self.log_every_n_steps = log_every_n_steps
+        self._set_check(
+            "NanscanTrainerCallback",
+            max_norm,
+            norm_type,
+            on_nonfinite,
+            max_consecutive_skips,
+            recorder,
+            log_every_n_steps,
+        )
         self._pending: list[StepRecord] = []  # records read from the recorder, not yet logged
         if recorder is not None:
             recorder.add_sink(self._receive)
@@ -120,15 +121,7 @@ class NanscanTrainerCallback(TrainerCallback):
         """Checks (and clips) the gradients and arms the skip of the step that follows."""
         model, optimizer = kwargs["model"], kwargs["optimizer"]
         inner = _guard(optimizer, self.max_consecutive_skips) if self.on_nonfinite == "skip" else None
-        check(
-            model,
-            max_norm=self.max_norm,
-            norm_type=self.norm_type,
-            on_nonfinite=self.on_nonfinite,
-            optimizer=inner,
-            max_consecutive_skips=self.max_consecutive_skips,
-            recorder=self.recorder,
-        )
+        self._run_check(model, inner)
 
     def on_log(
         self,
