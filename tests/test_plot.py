@@ -7,12 +7,14 @@ PNGs of the expected size and, through the figure ``draw_run`` returns, for what
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import struct
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -22,24 +24,24 @@ from nanscan.plot import Grid, downsample, group_rows, load_run
 from nanscan.records import StepRecord
 from nanscan.sinks import JSONLSink
 
-BLOCK = [
-    f"{module}.{kind}"
-    for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-    for kind in ("weight", "bias")
-]
+from conftest import ROOT
+
 PNG_SIZE = (1320, 880)  # 12 x 8 inches at 110 dpi
 
 
-def gpt2_names(blocks: int) -> list[str]:
-    """GPT-2's parameter names (12 blocks: GPT-2 small's 148)."""
-    body = [f"transformer.h.{b}.{name}" for b in range(blocks) for name in BLOCK]
-    return [
-        "transformer.wte.weight",
-        "transformer.wpe.weight",
-        *body,
-        "transformer.ln_f.weight",
-        "transformer.ln_f.bias",
-    ]
+def _tool(name: str) -> ModuleType:
+    """A script of tools/ as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# GPT-2's parameter names, as the docs' example picture has them (one definition, in its script).
+_example = _tool("make_plot_example")
+BLOCK: list[str] = _example.BLOCK
+gpt2_names = _example.gpt2_names
 
 
 def make_records(
