@@ -5,7 +5,8 @@ One figure, three panels sharing the step axis:
 * a status strip: the steps that were non-finite, skipped by the optimizer, or held a spike;
 * a heatmap of log10 gradient norm, parameter (row) by step (column): NaN norms red, Inf norms
   magenta, a parameter absent from a step's layout blank, spikes ringed, and the first non-finite step
-  marked with the names of its parameters;
+  marked with the names of its parameters and, in a distributed run, the ranks whose local data held
+  them (``StepRecord.nonfinite_ranks``);
 * the total norm over steps, with the clip threshold when the records have one.
 
 Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
@@ -56,6 +57,8 @@ SPARSE_COLUMN = 10
 SPIKE_MARKS = 2000
 FIRST_NAMES = 3
 """Parameter names shown for the first non-finite step before "+N more"."""
+RANK_PIECES = 4
+"""Ranks (or runs of consecutive ranks, ``8-15``) shown in a label before the count takes over."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,9 @@ class Run:
     from a record's layout is ``missing`` there (its norm 0, no flag). ``nan`` and ``inf`` say that a
     parameter's gradient held a NaN (or its norm is NaN) and, failing that, an Inf. ``max_norm`` is NaN
     where the step was not clipped. ``first_nonfinite`` is the record index and parameter names of the
-    first non-finite record, or None.
+    first non-finite record, or None. ``first_ranks`` maps those names to the ranks whose local data
+    held their NaN/Inf, when the run is distributed with a rank attribution (``_has_ranks``), else
+    None.
     """
 
     names: list[str]
@@ -81,6 +86,7 @@ class Run:
     skipped: NDArray[np.bool_]
     finite: NDArray[np.bool_]
     first_nonfinite: tuple[int, list[str]] | None
+    first_ranks: dict[str, list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
     steps: list[int] = []
     totals: list[tuple[float, float, bool, bool]] = []
     first: tuple[int, list[str]] | None = None
+    first_ranks: dict[str, list[int]] | None = None
+    named_ranks: set[int] = set()  # every rank any record names, for _has_ranks
     for record in records:
         if layout is None or (record.names is not layout and list(record.names) != list(layout)):
             rows = np.array([index.setdefault(name, len(index)) for name in record.names], dtype=np.intp)
@@ -123,6 +131,9 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         spike = np.asarray(record.spike_ratio, dtype=np.float64) >= record.spike_factor
         if first is None and (not record.finite or nan.any() or inf.any()):
             first = (len(steps), record.nonfinite)
+            first_ranks = record.nonfinite_ranks
+        if record.nonfinite_ranks:  # None (schema 1) or {} (a finite step) on almost every record
+            named_ranks.update(rank for ranks in record.nonfinite_ranks.values() for rank in ranks)
         columns.append((rows, norm, nan, inf, spike))
         steps.append(record.step)
         max_norm = math.nan if record.max_norm is None else record.max_norm
@@ -158,7 +169,36 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         skipped=skipped.astype(bool),
         finite=finite.astype(bool),
         first_nonfinite=first,
+        first_ranks=first_ranks if _has_ranks(named_ranks) else None,
     )
+
+
+def _has_ranks(named_ranks: set[int]) -> bool:
+    """Whether the ranks a run's records name are a distributed run's attribution: some record names
+    a rank other than 0. A single process records rank 0 for every NaN/Inf (``StepRecord``), and a
+    record does not say whether one or rank 0 of a world made it, so a run that only ever names rank
+    0 is drawn as a single process's, without ranks: a distributed run whose every NaN/Inf was rank
+    0's too (a record that carried its world size would tell the two apart)."""
+    return any(rank != 0 for rank in named_ranks)
+
+
+def ranks_label(ranks: Iterable[int]) -> str:
+    """Ranks in a few characters, for a label: ``rank 3``, ``ranks 0,2``, ``ranks 0-63`` (runs of three
+    or more consecutive ranks as a range), and beyond ``RANK_PIECES`` pieces the count with the first
+    ones, ``40 ranks: 0,4,8,12,…``, so a NaN on many ranks of a large world stays one short line."""
+    ordered = sorted(set(ranks))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    pieces: list[str] = []
+    start = 0
+    for end in range(1, len(ordered) + 1):
+        if end == len(ordered) or ordered[end] != ordered[end - 1] + 1:
+            run = ordered[start:end]
+            pieces += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(rank) for rank in run]
+            start = end
+    if len(pieces) > RANK_PIECES:
+        return f"{len(ordered)} ranks: {','.join(pieces[:RANK_PIECES])},…"
+    return f"ranks {','.join(pieces)}"
 
 
 def group_rows(run: Run, max_rows: int = MAX_ROWS) -> Grid:
@@ -526,12 +566,13 @@ def _annotate_first(heat: Axes, totals: Axes, run: Run, grid: Grid) -> None:
     shown = ", ".join(names[:FIRST_NAMES]) if names else "no parameter flagged"
     more = f" +{len(names) - FIRST_NAMES} more" if len(names) > FIRST_NAMES else ""
     step = run.steps[index]
+    on_ranks, name_ranks = _first_ranks_text(run.first_ranks, names)
     right_half = index > len(run.steps) / 2
     for ax in (heat, totals):
         ax.axvline(index, color=NAN_COLOR, linestyle="--", linewidth=0.9, alpha=0.9, zorder=2)
     box = {"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": NAN_COLOR, "alpha": 0.9}
     side = "right" if right_half else "left"
-    heat_names = "\n".join(names[:FIRST_NAMES]) if names else shown
+    heat_names = "\n".join(name + name_ranks.get(name, "") for name in names[:FIRST_NAMES]) if names else shown
     member_row = {i: row for row, group in enumerate(grid.groups) for i in group.members}
     row = member_row[run.names.index(names[0])] if names else 0
     # The box sits beside the step's line in the half of the panel away from the flagged row: the cells
@@ -542,7 +583,7 @@ def _annotate_first(heat: Axes, totals: Axes, run: Run, grid: Grid) -> None:
     heat.text(
         x_text,
         0.15 if row < len(grid.groups) / 2 else 0.85,
-        f"first non-finite: step {step}\n{heat_names}{more}{in_row}",
+        f"first non-finite: step {step}{on_ranks}\n{heat_names}{more}{in_row}",
         transform=heat.get_xaxis_transform(),
         ha=side,
         va="center",
@@ -550,8 +591,12 @@ def _annotate_first(heat: Axes, totals: Axes, run: Run, grid: Grid) -> None:
         bbox=box,
         zorder=4,
     )
+    if on_ranks and len(names) > 1:
+        # One line across the panel: the ranks take the room of all but the first name, which the
+        # heatmap's box lists just above (a longer line runs off the figure at a step mid-run).
+        shown, more = names[0], f" +{len(names) - 1} more"
     totals.annotate(
-        f"first non-finite: step {step} ({shown}{more})",
+        f"first non-finite: step {step}{on_ranks} ({shown}{more})",
         xy=(index, 0.76),
         xycoords=totals.get_xaxis_transform(),
         xytext=(-12 if right_half else 12, 0),
@@ -562,6 +607,22 @@ def _annotate_first(heat: Axes, totals: Axes, run: Run, grid: Grid) -> None:
         bbox=box,
         zorder=4,
     )
+
+
+def _first_ranks_text(ranks: dict[str, list[int]] | None, names: list[str]) -> tuple[str, dict[str, str]]:
+    """The first non-finite step's ranks as the annotation shows them: ``" on rank 3"`` after the step,
+    covering every parameter of the step (shown or not), and a suffix per shown name (``" (ranks
+    0,2)"``) only where the names' ranks differ: one NaN on one rank's shard, the usual case, reads
+    once, not once per parameter. Empty without ranks (a single process, a schema 1 file)."""
+    if not ranks:
+        return "", {}
+    every = sorted({rank for name in names for rank in ranks.get(name, ())})
+    if not every:
+        return "", {}
+    heading = f" on {ranks_label(every)}"
+    if all(sorted(ranks.get(name, ())) == every for name in names):
+        return heading, {}
+    return heading, {name: f" ({ranks_label(ranks[name])})" for name in names[:FIRST_NAMES] if ranks.get(name)}
 
 
 def _draw_legend(figure: Figure) -> None:

@@ -18,10 +18,12 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from test_recorder import attributed, backward, model, plant
 
+import nanscan
 from nanscan.layers import Group, group_layers, group_norms, layer_name
-from nanscan.plot import Grid, downsample, group_rows, load_run
-from nanscan.records import StepRecord
+from nanscan.plot import Grid, downsample, group_rows, load_run, ranks_label
+from nanscan.records import StepRecord, read_jsonl
 from nanscan.sinks import JSONLSink
 
 from conftest import ROOT
@@ -322,6 +324,84 @@ def test_edge_cases_draw_and_say_what_they_show(tmp_path: Path) -> None:
     assert any("2 steps per column" in text for text in texts)
     run = load_run(changed)
     assert run.names[-1] == "m.20.w" and run.missing[-1, :500].all() and not run.missing[-1, 500:].any()
+
+
+def test_ranks_label_stays_short_for_any_set_of_ranks() -> None:
+    assert ranks_label([3]) == "rank 3"
+    assert ranks_label([2, 0, 2]) == "ranks 0,2"
+    assert ranks_label([0, 1]) == "ranks 0,1"  # a pair is two ranks, not a range
+    assert ranks_label(range(64)) == "ranks 0-63"
+    assert ranks_label([0, 1, 2, 5, 8, 9, 10, 11]) == "ranks 0-2,5,8-11"
+    assert ranks_label(range(0, 1024, 8)) == "128 ranks: 0,8,16,24,…"
+    assert ranks_label([1, 2, 3, 7, 8, 9, 20, 30, 31, 40]) == "10 ranks: 1-3,7-9,20,30,…"
+
+
+def recorded_run(path: Path, ranks: dict[str, list[int]] | None, world: int = 4) -> Path:
+    """A real Recorder's JSONL of 6 checks of a small model, a NaN in ``0.weight`` and an Inf in
+    ``2.bias`` at step 3; with ``ranks``, each report carries the attribution a distributed check
+    would have made (held by those ranks), else it is a single process's."""
+    m = model()
+    recorder = nanscan.Recorder([JSONLSink(path)], every=4, warn=False)
+    for step in range(6):
+        backward(m, step)
+        if step == 3:
+            plant(m, "0.weight", math.nan)
+            plant(m, "2.bias", math.inf)
+        report = nanscan.check(m)
+        if ranks is not None:
+            held = ranks if step == 3 else {}
+            report = attributed(report, world, held, sorted({r for rs in held.values() for r in rs}))
+        recorder.append(report)
+        m.zero_grad()
+    recorder.close()
+    return path
+
+
+def first_notes(texts: list[str]) -> tuple[str, str]:
+    """The heatmap's and the total norm panel's annotations of the first non-finite step."""
+    heat = next(text for text in texts if text.startswith("first non-finite") and "\n" in text)
+    totals = next(text for text in texts if text.startswith("first non-finite") and "\n" not in text)
+    return heat, totals
+
+
+def test_the_first_nonfinite_step_names_the_ranks_a_distributed_run_recorded(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run, plot_run
+
+    path = recorded_run(tmp_path / "dist.jsonl", {"0.weight": [3], "2.bias": [0, 2]})
+    assert read_jsonl(path)[3].nonfinite_ranks == {"0.weight": [3], "2.bias": [0, 2]}
+    heat, totals = first_notes(figure_texts(draw_run(path)))
+    # The ranks of the whole step once, then each name's own where they differ.
+    assert heat == "first non-finite: step 3 on ranks 0,2,3\n0.weight (rank 3)\n2.bias (ranks 0,2)"
+    assert totals == "first non-finite: step 3 on ranks 0,2,3 (0.weight +1 more)"
+    assert png_size(plot_run(path, tmp_path / "dist.png")) == PNG_SIZE
+
+    # One rank's shard held every NaN/Inf (the usual case): the rank is named once, not per name.
+    same = recorded_run(tmp_path / "same.jsonl", {"0.weight": [5], "2.bias": [5]}, world=8)
+    heat, totals = first_notes(figure_texts(draw_run(same)))
+    assert heat == "first non-finite: step 3 on rank 5\n0.weight\n2.bias"
+    assert totals == "first non-finite: step 3 on rank 5 (0.weight +1 more)"
+
+
+def test_a_single_process_run_and_a_schema_1_file_draw_as_before(tmp_path: Path) -> None:
+    """A single process records rank 0 for its NaN/Inf, as every rank-0-only record does: no rank is
+    drawn, the texts are those of the same records without ranks (what a schema 1 file reads as)."""
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run
+
+    path = recorded_run(tmp_path / "single.jsonl", None)
+    records = read_jsonl(path)
+    assert records[3].nonfinite_ranks == {"0.weight": [0], "2.bias": [0]}, "the premise: rank 0 recorded"
+    texts = figure_texts(draw_run(records))
+    assert texts == figure_texts(draw_run([replace(r, nonfinite_ranks=None) for r in records]))
+    assert first_notes(texts) == (
+        "first non-finite: step 3\n0.weight\n2.bias",
+        "first non-finite: step 3 (0.weight, 2.bias)",
+    )
+    # Rank 0 in a run that names another rank elsewhere is a distributed run's rank 0: named.
+    later = replace(records[4], finite=False, nan_count=records[3].nan_count, nonfinite_ranks={"0.weight": [1]})
+    heat, _ = first_notes(figure_texts(draw_run([*records[:4], later])))
+    assert heat.startswith("first non-finite: step 3 on rank 0\n")
 
 
 def test_an_all_finite_run_has_no_annotation() -> None:
