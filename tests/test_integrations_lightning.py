@@ -7,11 +7,15 @@ import csv
 import math
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("lightning")
 
@@ -19,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 import nanscan
+from nanscan.integrations._logging import rank_metrics
 from nanscan.integrations.lightning import NanscanCallback
 
 from conftest import CALLBACK_BAD_SETTINGS
@@ -163,6 +168,72 @@ def test_recorder_gets_one_record_per_step_and_feeds_the_loggers(tmp_path: Path)
     assert math.isnan(float(logged[NAN_STEP]["nanscan/total_norm"]))
     assert float(logged[NAN_STEP]["nanscan/nonfinite_params"]) == 4.0
     assert float(logged[2]["nanscan/skipped"]) == 0.0 and float(logged[2]["nanscan/clip_coef"]) < 1
+    # A single process's records name rank 0 for the NaN; no news, so no rank is logged.
+    assert records[NAN_STEP].nonfinite_ranks == {name: [0] for name in records[NAN_STEP].names}
+    assert not any(key.startswith("nanscan/nonfinite_rank") for key in rows[0]), list(rows[0])
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of one rank, in this process, for DTensor gradients (FSDP2 on a mesh of
+    one), whose checks carry a rank attribution as a distributed run's do."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_one: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Tiny(False)
+    fully_shard(model.net, mesh=init_device_mesh("cpu", (1,)))
+    records: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder(sinks=[records.append], every=3, warn=False)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer([NanscanCallback(max_norm=1.0, recorder=recorder)], logger=logger, log_every_n_steps=1).fit(model, loader())
+
+    assert records[NAN_STEP].nonfinite_ranks == {name: [0] for name in records[NAN_STEP].names}
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = {int(row["step"]): row for row in csv.DictReader(f) if row.get("nanscan/total_norm")}
+    assert sorted(logged) == list(range(STEPS))
+    # All four parameters' shards (the one rank's) held the NaN; finite steps leave the column empty.
+    assert float(logged[NAN_STEP]["nanscan/nonfinite_rank/0"]) == 4.0
+    assert all(row["nanscan/nonfinite_rank/0"] == "" for step, row in logged.items() if step != NAN_STEP)
+
+
+def test_rank_metrics_count_each_ranks_parameters_in_its_worst_record() -> None:
+    base = nanscan.records.StepRecord(
+        step=0,
+        names=["a", "b"],
+        nan_count=[1, 1],
+        inf_count=[0, 0],
+        min=[0.0, 0.0],
+        max=[0.0, 0.0],
+        norm=[math.nan, math.nan],
+        spike_ratio=[math.nan, math.nan],
+        total_norm=math.nan,
+        finite=False,
+        clip_coef=None,
+        max_norm=None,
+        skipped=True,
+        loss_scale=None,
+        spike_factor=10.0,
+        nonfinite_ranks={"a": [1, 3], "b": [3]},
+    )
+    later = replace(base, step=1, nan_count=[1, 0], nonfinite_ranks={"a": [1, 12]})
+    finite = replace(base, step=2, nan_count=[0, 0], finite=True, skipped=False, nonfinite_ranks={})
+    assert rank_metrics([base]) == {"nanscan/nonfinite_rank/1": 1.0, "nanscan/nonfinite_rank/3": 2.0}
+    assert rank_metrics([base, later, finite]) == {
+        "nanscan/nonfinite_rank/1": 1.0,
+        "nanscan/nonfinite_rank/3": 2.0,
+        "nanscan/nonfinite_rank/12": 1.0,
+    }
+    assert rank_metrics([finite]) == {}
 
 
 def test_importing_nanscan_imports_no_framework() -> None:

@@ -4,12 +4,15 @@ NanscanTrainerCallback clips every step and skips the one whose gradients are Na
 from __future__ import annotations
 
 import math
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -167,6 +170,43 @@ def test_recorder_gets_one_record_per_step_and_feeds_the_logs(tmp_path: Path) ->
     assert [e["nanscan/skipped"] for e in logged] == [float(i == NAN_STEP) for i in range(STEPS)]
     assert math.isnan(logged[NAN_STEP]["nanscan/total_norm"]) and logged[NAN_STEP]["nanscan/nonfinite_params"] == 1
     assert all(e["nanscan/clip_coef"] < 1 for i, e in enumerate(logged) if i != NAN_STEP)
+    # A single process's records name rank 0 for the NaN; no news, so no rank is logged.
+    assert records[NAN_STEP].nonfinite_ranks == {"transformer.h.1.mlp.c_fc.weight": [0]}
+    assert not any(key.startswith("nanscan/nonfinite_rank") for e in logged for key in e)
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of one rank, in this process, for DTensor gradients (FSDP2 on a mesh of
+    one), whose checks carry a rank attribution as a distributed run's do."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_one: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_gpt2()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    records: list[nanscan.records.StepRecord] = []
+    # Read every 2 steps: each log merges two records, the NaN step's (2) with the finite one after it.
+    recorder = nanscan.Recorder(sinks=[records.append], every=2, warn=False)
+    callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
+    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[Poison(), callback])
+    trainer.train()
+
+    assert records[NAN_STEP].nonfinite_ranks == {"transformer.h.1.mlp.c_fc.weight": [0]}
+    logged = [entry for entry in trainer.state.log_history if "nanscan/total_norm" in entry]
+    assert [int(e["nanscan/step"]) for e in logged] == [1, 3, 5]
+    # The one rank's shard held the NaN, in one parameter; the logs of finite records name no rank.
+    ranks = [{k: v for k, v in e.items() if k.startswith("nanscan/nonfinite_rank")} for e in logged]
+    assert ranks == [{}, {"nanscan/nonfinite_rank/0": 1.0}, {}]
+    assert logged[1]["nanscan/skipped"] == 1.0
 
 
 def test_fp16_scaler_path_keeps_the_guard() -> None:

@@ -1,8 +1,16 @@
 """What both framework callbacks share: the check they run before each optimizer step, and what
-they log of a recorder's records, and which records they log."""
+they log of a recorder's records, and which records they log.
+
+Which ranks held a NaN/Inf is logged only when the checks' reports carry a rank attribution
+(DTensors, DDP with ``nanscan.ddp.attach``): a record names rank 0 for a single process's NaN too
+(``StepRecord.nonfinite_ranks``), which is no news, and a rank's own rank for a check that reduced
+nothing across ranks (plain DDP, where the all-reduce has spread the NaN to every rank already),
+which would blame the wrong rank. Whether a report carries one is a host attribute, read after each
+check without a sync; the ranks themselves come with the records, which reach the host anyway."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +37,9 @@ class CheckingCallback:
     max_consecutive_skips: int | None
     recorder: Recorder | None
     log_every_n_steps: int | None
+    attributed: bool
+    """Whether a check's report has carried a rank attribution: the records' ranks are then worth
+    logging (module notes)."""
 
     def _set_check(
         self,
@@ -53,11 +64,12 @@ class CheckingCallback:
         self.max_consecutive_skips = max_consecutive_skips
         self.recorder = recorder
         self.log_every_n_steps = log_every_n_steps
+        self.attributed = False
 
     def _run_check(self, target: Any, optimizer: torch.optim.Optimizer | None) -> None:
         """``check`` of ``target`` with these settings; ``optimizer`` is the one whose step a
         ``"skip"`` guards (None otherwise)."""
-        check(
+        report = check(
             target,
             max_norm=self.max_norm,
             norm_type=self.norm_type,
@@ -66,6 +78,13 @@ class CheckingCallback:
             max_consecutive_skips=self.max_consecutive_skips,
             recorder=self.recorder,
         )
+        # One setup, one answer, for the whole run (the distribution of a model does not change between
+        # steps): kept once seen, so that the records read later, once per N steps, are logged with it.
+        self.attributed = self.attributed or report.stats.ranks is not None
+
+    def _metrics(self, records: Sequence[StepRecord]) -> dict[str, float]:
+        """``rank_metrics`` of ``records`` when the checks carry a rank attribution, else nothing."""
+        return rank_metrics(records) if self.attributed else {}
 
 
 def check_log_every(owner: str, log_every_n_steps: int | None) -> None:
@@ -89,4 +108,28 @@ def record_metrics(record: StepRecord) -> dict[str, float]:
         metrics["nanscan/clip_coef"] = record.clip_coef
     if record.loss_scale is not None:
         metrics["nanscan/loss_scale"] = record.loss_scale
+    return metrics
+
+
+def parameters_by_rank(nonfinite_ranks: dict[str, list[int]] | None) -> dict[int, int]:
+    """For each rank named in a record's ``nonfinite_ranks``, how many parameters it is named for."""
+    counts: dict[int, int] = {}
+    for ranks in (nonfinite_ranks or {}).values():
+        for rank in ranks:
+            counts[rank] = counts.get(rank, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def rank_metrics(records: Sequence[StepRecord]) -> dict[str, float]:
+    """``nanscan/nonfinite_rank/<rank>``: for each rank whose local data held a NaN/Inf in one of
+    ``records``, the most parameters it held them in, in one record (as ``nanscan/nonfinite_params``
+    counts them): a key per rank that went bad, at the steps it did, not one per rank of the world.
+    Empty for finite records, without reading any per-parameter list."""
+    metrics: dict[str, float] = {}
+    for record in records:
+        if record.finite:
+            continue
+        for rank, count in parameters_by_rank(record.nonfinite_ranks).items():
+            key = f"nanscan/nonfinite_rank/{rank}"
+            metrics[key] = max(metrics.get(key, 0.0), float(count))
     return metrics

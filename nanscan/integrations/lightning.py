@@ -26,10 +26,12 @@ the host every step). Give the callback a ``nanscan.Recorder``: the records reac
 ``Recorder(every=...)`` steps, and the callback forwards each one's totals to every logger of the
 Trainer (``logger.log_metrics``, at ``step=record.step``) as ``nanscan/total_norm``,
 ``nanscan/skipped``, ``nanscan/nonfinite_params`` (how many parameters hold a NaN/Inf gradient),
-``nanscan/clip_coef`` (when clipped) and ``nanscan/loss_scale`` (when a GradScaler recorded it);
-``log_every_n_steps`` thins them, never dropping a skipped or non-finite step. Without a recorder
-the callback logs nothing. LR schedulers step on skipped steps too, as they do on a step that
-Lightning's GradScaler skips.
+``nanscan/clip_coef`` (when clipped) and ``nanscan/loss_scale`` (when a GradScaler recorded it),
+and at a non-finite step of a distributed run whose checks name ranks (DTensors: FSDP2, tensor
+parallel; DDP with ``nanscan.ddp.attach``) ``nanscan/nonfinite_rank/<rank>`` for each rank whose
+local data held a NaN/Inf (how many parameters); ``log_every_n_steps`` thins them, never dropping a
+skipped or non-finite step. Without a recorder the callback logs nothing. LR schedulers step on
+skipped steps too, as they do on a step that Lightning's GradScaler skips.
 
 Works with either package: the callback derives from ``lightning.pytorch.Callback`` when
 ``lightning`` is installed, else from ``pytorch_lightning.Callback``; a ``pytorch_lightning.Trainer``
@@ -172,7 +174,7 @@ class NanscanCallback(Callback, CheckingCallback):
         every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 0) or 1
         if not worth_logging(record, every):
             return
-        metrics = record_metrics(record)
+        metrics = record_metrics(record) | self._metrics([record])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=record.step)
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..layers import MAX_GROUPS, Group, group_layers, group_norms
 from ..records import StepRecord
+from ._logging import parameters_by_rank
 
 
 class Writer(Protocol):
@@ -105,7 +106,7 @@ class TensorBoardSink:
             scalars["clip_coef"] = record.clip_coef
         if record.loss_scale is not None:
             scalars["loss_scale"] = record.loss_scale
-        for rank, count in _parameters_by_rank(record.nonfinite_ranks).items():
+        for rank, count in parameters_by_rank(record.nonfinite_ranks).items():
             scalars[f"nonfinite_rank/{rank}"] = float(count)
         layers = self._layers_of(record.names)
         for layer, layer_norm in zip(layers, group_norms(norm, layers), strict=True):
@@ -147,15 +148,6 @@ class TensorBoardSink:
         if positive.size:
             self.writer.add_histogram(f"{self.prefix}/log10_grad_norm", np.log10(positive), step)
         self.writer.add_scalar(f"{self.prefix}/nonfinite_norms", float(np.count_nonzero(~finite)), step)
-
-
-def _parameters_by_rank(nonfinite_ranks: dict[str, list[int]] | None) -> dict[int, int]:
-    """For each rank named in a record's ``nonfinite_ranks``, how many parameters it is named for."""
-    counts: dict[int, int] = {}
-    for ranks in (nonfinite_ranks or {}).values():
-        for rank in ranks:
-            counts[rank] = counts.get(rank, 0) + 1
-    return dict(sorted(counts.items()))
 
 
 def _summary_writer_class() -> Callable[[str | None], Writer]:

@@ -26,7 +26,10 @@ With a ``nanscan.Recorder``, the records that have reached the host (once per
 ``Recorder(every=...)`` steps) are merged into the Trainer's next log: ``nanscan/total_norm``,
 ``nanscan/clip_coef`` and ``nanscan/loss_scale`` of the latest record (with ``nanscan/step``, its
 record index), ``nanscan/skipped`` (steps skipped among those records) and
-``nanscan/nonfinite_params`` (the most parameters with a NaN/Inf gradient in one of them). They go
+``nanscan/nonfinite_params`` (the most parameters with a NaN/Inf gradient in one of them), and in a
+distributed run whose checks name ranks (DTensors: FSDP2, tensor parallel; DDP with
+``nanscan.ddp.attach``) ``nanscan/nonfinite_rank/<rank>`` for each rank whose local data held a NaN/Inf
+in one of them (the most parameters, in one). They go
 into ``state.log_history`` and to the callbacks after this one; reporting integrations
 (``report_to``) come before user callbacks, so they see them only if the callback is moved first
 (``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(NanscanTrainerCallback))``).
@@ -143,6 +146,7 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
             "nanscan/skipped": float(sum(r.skipped for r in records)),
             "nanscan/nonfinite_params": float(max(len(r.nonfinite) for r in records)),
         }
+        metrics.update(self._metrics(records))  # which ranks held a NaN/Inf, in a distributed run
         logs.update(metrics)
         # The Trainer appended a copy of ``logs`` to the history before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
