@@ -1,7 +1,8 @@
 """The replica checksum (``scan(..., checksum=True)``) against its definition in csrc/common/scan_rules.h,
-computed here independently with numpy: every element adds, modulo 2^64, murmur3's 32-bit finalizer of
-its bits XOR a salt of its position (memory order for a tensor dense in some permutation of its
-dimensions, logical row-major order otherwise); an fp64 element adds two such words."""
+computed here independently with numpy: the tensor's elements in checksum order (memory order for a
+tensor dense in some permutation of its dimensions, logical row-major order otherwise) as one string of
+bytes, cut into 32-bit little-endian words, the last one zero-padded; word q adds, modulo 2^32,
+murmur3's 32-bit finalizer of the word XOR a salt of q."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import nanscan
 
 from conftest import DEVICES, FLOAT_DTYPES, FP8_DTYPES, random_tensor
 
-SALT_LOW, SALT_HIGH, SALT_FP64_HIGH = np.uint32(0x9E3779B9), np.uint32(0x85EBCA77), np.uint32(0x5BD1E995)
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SALT_LOW, SALT_HIGH = np.uint32(0x9E3779B9), np.uint32(0x85EBCA77)
+SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def mix(x: np.ndarray) -> np.ndarray:
@@ -34,23 +35,19 @@ def in_checksum_order(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference_checksum(t: torch.Tensor) -> int:
-    flat = in_checksum_order(t.detach().cpu())
-    raw = flat.contiguous().view(BITS[flat.element_size()]).numpy()
-    position = np.arange(raw.size, dtype=np.uint64)
+    flat = in_checksum_order(t.detach().cpu()).contiguous()
+    data = (
+        flat.view(SAME_SIZE_INT[flat.element_size()]).numpy().tobytes()
+    )  # C order, little-endian on every platform torch runs
+    data += bytes(-len(data) % 4)  # the last word zero-padded
+    words = np.frombuffer(data, dtype="<u4")
+    index = np.arange(words.size, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        salt = (position & np.uint64(0xFFFFFFFF)).astype(np.uint32) * SALT_LOW + (position >> np.uint64(32)).astype(
-            np.uint32
-        ) * SALT_HIGH
-        if flat.element_size() == 8:
-            bits = raw.view(np.uint64)
-            low = mix((bits & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ salt)
-            high = mix((bits >> np.uint64(32)).astype(np.uint32) ^ (salt ^ SALT_FP64_HIGH))
-            terms = low.astype(np.uint64) + high.astype(np.uint64)
-        else:
-            unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[flat.element_size()]
-            terms = mix(raw.view(unsigned).astype(np.uint32) ^ salt).astype(np.uint64)
-        # Summed exactly in 64 bits (no wrap below 2^32 terms), then taken modulo 2^32 as defined.
-        return int(terms.sum(dtype=np.uint64)) % (1 << 32)
+        low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        salt = low * SALT_LOW + (index >> np.uint64(32)).astype(np.uint32) * SALT_HIGH
+        terms = mix(words ^ salt).astype(np.uint64)
+    # Summed exactly in 64 bits (no wrap below 2^32 terms), then taken modulo 2^32 as defined.
+    return int(terms.sum(dtype=np.uint64)) % (1 << 32)
 
 
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
@@ -97,18 +94,27 @@ def test_checksum_of_every_short_length_and_layout(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_bit_and_a_swap_change_the_checksum(device: str) -> None:
-    t = random_tensor(10_000, torch.float32, device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float8_e4m3fn])
+def test_one_bit_and_a_swap_change_the_checksum(device: str, dtype: torch.dtype) -> None:
+    """Every bit of every element of a word (elements narrower than 32 bits share words), and a swap of
+    two elements in the same word or in different words."""
+    t = random_tensor(10_001, torch.float32, device).to(dtype)
+    bits = t.element_size() * 8
     before = checksums([t])[0]
-    for bit in (0, 13, 31):
-        flipped = t.clone()
-        flipped.view(torch.int32)[4321] ^= 1 << bit if bit < 31 else -(1 << 31)
-        assert checksums([flipped])[0] != before, bit
-    swapped = t.clone()
-    swapped[[10, 20]] = swapped[[20, 10]]
-    assert checksums([swapped])[0] != before, "the checksum depends on where each value is"
-    zero_sign = torch.zeros(8, device=device)
-    assert checksums([zero_sign])[0] != checksums([-zero_sign])[0], "-0.0 and 0.0 have different bits"
+    raw = SAME_SIZE_INT[t.element_size()]
+    per_word = max(1, 4 // t.element_size())
+    for position in range(4320, 4320 + per_word):
+        for bit in range(bits):
+            flipped = t.clone()
+            flipped.view(raw)[position] ^= torch.tensor(1, dtype=raw).bitwise_left_shift(bit).to(device)
+            assert checksums([flipped])[0] != before, (position, bit)
+    for a, b in ((10, 20), (4320, 4321)):
+        swapped = t.clone()
+        swapped[[a, b]] = swapped[[b, a]]
+        if not torch.equal(swapped.view(raw), t.view(raw)):
+            assert checksums([swapped])[0] != before, ("the checksum depends on where each value is", a, b)
+    zero, negative_zero = torch.zeros(8, device=device).to(dtype), torch.full((8,), -0.0, device=device).to(dtype)
+    assert checksums([zero])[0] != checksums([negative_zero])[0], "-0.0 and 0.0 have different bits"
 
 
 def test_checksum_is_the_same_for_any_thread_count() -> None:

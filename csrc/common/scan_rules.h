@@ -45,20 +45,25 @@ NANSCAN_HD TensorStats empty_stats() { return TensorStats{0, 0, INFINITY, -INFIN
 
 // The replica checksum: an order-sensitive hash of a tensor's bits, so that replicas whose values
 // must be bit-identical (DDP gradients after the all-reduce, Replicate placements, parameters after
-// the step) can be compared with one small collective. Every element adds, modulo 2^32, a 32-bit
-// mix of its bits and its position (memory order from the lowest address for a tensor dense in some
-// permutation of its dimensions, logical row-major order otherwise): murmur3's finalizer of
-// (bits ^ salt(position)), a bijection of the bits for a given position, so a change of one element
-// always changes the sum, and changes of several cancel with probability about 2^-32 (a sum modulo
-// 2^64 of the same 32-bit terms would be no stronger, and costs twice the SIMD lanes: entry 20 of
-// benchmarks/NOTES.md). Combining partial sums is addition, so the result does not depend on how the
-// work was split.
-constexpr uint32_t kSaltLow = 0x9E3779B9u;       // per unit of the position's low 32 bits
-constexpr uint32_t kSaltHigh = 0x85EBCA77u;      // per unit of its high 32 bits
-constexpr uint32_t kSaltFp64High = 0x5BD1E995u;  // xor'ed in for an fp64 element's high word
+// the step) can be compared with one small collective. The tensor's elements, in checksum order
+// (memory order from the lowest address for a tensor dense in some permutation of its dimensions,
+// logical row-major order otherwise), are read as one string of bytes and cut into 32-bit
+// little-endian words, the last one zero-padded: an fp32 element is one word, two 16-bit or four
+// 8-bit elements share one, an fp64 element is two. Word q adds, modulo 2^32, murmur3's finalizer of
+// (word ^ salt(q)), a bijection of the word for a given q: a change within one word (of one element
+// or of several) always changes the sum, and changes of several words cancel with probability about
+// 2^-32 (a sum modulo 2^64 of the same 32-bit terms would be no stronger, and costs twice the SIMD
+// lanes). The mix costs the same per word whatever the dtype, so a bf16 or fp8 tensor costs what an
+// fp32 tensor of the same bytes costs (a mix per element made bf16 1.8x slower: benchmarks/NOTES.md
+// entries 20 and 24). Combining partial sums is addition, so the result does not depend on how the
+// work was split, as long as every part starts at a word boundary: the backends' chunks are whole
+// multiples of 4 bytes.
+constexpr int64_t kReplicaWordBytes = 4;
+constexpr uint32_t kSaltLow = 0x9E3779B9u;   // per unit of the word index's low 32 bits
+constexpr uint32_t kSaltHigh = 0x85EBCA77u;  // per unit of its high 32 bits
 
-NANSCAN_HD uint32_t replica_salt(uint64_t position) {
-  return static_cast<uint32_t>(position) * kSaltLow + static_cast<uint32_t>(position >> 32) * kSaltHigh;
+NANSCAN_HD uint32_t replica_salt(uint64_t word_index) {
+  return static_cast<uint32_t>(word_index) * kSaltLow + static_cast<uint32_t>(word_index >> 32) * kSaltHigh;
 }
 
 // murmur3's finalizer. A template so that the CPU applies this one definition to SIMD vectors of
@@ -73,29 +78,21 @@ NANSCAN_HD Word replica_mix(Word x) {
   return x;
 }
 
-// Truncates an element's bits to a word; a vector's counterpart is __builtin_convertvector.
-struct LowWord {
-  template <class Bits>
-  NANSCAN_HD uint32_t operator()(Bits bits) const {
-    return static_cast<uint32_t>(bits);
-  }
-};
-
-// One element's term of the checksum (or a SIMD vector of elements' terms: Bits and Word vectors,
-// to_word their conversion). Elements of up to 32 bits are one word; an fp64 element is two, its
-// high half mixed with a second salt of the same position.
-template <class Codec, class Bits, class Word, class ToWord>
-NANSCAN_HD Word replica_terms(Bits bits, Word salt, ToWord to_word) {
-  if constexpr (sizeof(typename Codec::Raw) == 8) {
-    return replica_mix(to_word(bits) ^ salt) + replica_mix(to_word(bits >> 32) ^ (salt ^ kSaltFp64High));
-  } else {
-    return replica_mix(to_word(bits) ^ salt);
-  }
+// One word's term of the checksum (or a SIMD vector of words' terms, with their salts).
+template <class Word>
+NANSCAN_HD Word replica_term(Word word, Word salt) {
+  return replica_mix(word ^ salt);
 }
 
-template <class Codec>
-NANSCAN_HD uint32_t replica_term(typename Codec::Raw raw, uint32_t salt) {
-  return replica_terms<Codec>(raw, salt, LowWord{});
+// The word that starts at byte `offset` of `size` bytes, byte b read by load_byte(b); bytes at or past
+// `size` (the tensor's end) are zero. For words that straddle what a backend holds in registers.
+template <class LoadByte>
+NANSCAN_HD uint32_t replica_word_at(LoadByte&& load_byte, int64_t offset, int64_t size) {
+  uint32_t word = 0;
+  for (int64_t b = 0; b < kReplicaWordBytes && offset + b < size; ++b) {
+    word |= static_cast<uint32_t>(load_byte(offset + b)) << (8 * b);
+  }
+  return word;
 }
 
 // fp16's limits: the largest finite value, and the smallest subnormal (values below it, other than

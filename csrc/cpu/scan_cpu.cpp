@@ -81,76 +81,71 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
 // The checksum's SIMD lanes, written with GCC vector extensions rather than left to the
 // auto-vectoriser: gcc 12 at -O3 miscompiled the same loop written over arrays (an array of salts
 // stepped by a constant per lane gave wrong sums, for 1-byte elements in one form and every width in
-// another; NOTES.md entry 20). Two vectors of 8 uint32 (AVX2 registers) per step: 0.13 ns per fp32
-// element in L1 on a Zen 3 core, where one vector (the multiplies' latency exposed) took 0.40 and four
-// took 0.20.
+// another; NOTES.md entry 20). Two vectors of 8 uint32 (AVX2 registers) per step: 0.13 ns per word
+// in L1 on a Zen 3 core, where one vector (the multiplies' latency exposed) took 0.40 and four took
+// 0.20.
 using ChecksumWords = uint32_t __attribute__((vector_size(32)));
 constexpr int64_t kWordLanes = 8;
 constexpr int64_t kChecksumVectors = 2;
-constexpr int64_t kChecksumStep = kWordLanes * kChecksumVectors;
+constexpr int64_t kChecksumStepWords = kWordLanes * kChecksumVectors;
+constexpr int64_t kChecksumStepBytes = kChecksumStepWords * kReplicaWordBytes;
+// A word is its 4 bytes in memory order, least significant first (scan_rules.h): a plain load here.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the checksum reads words as little-endian loads");
 
-// kWordLanes elements' raw bits as one vector (an alias template would drop the attribute).
-template <class Raw>
-struct RawVector {
-  typedef Raw type __attribute__((vector_size(kWordLanes * sizeof(Raw))));
-};
-
-struct LowWords {
-  template <class Bits>
-  NANSCAN_INLINE ChecksumWords operator()(Bits bits) const {
-    return __builtin_convertvector(bits, ChecksumWords);
-  }
-};
-
-// The terms of kWordLanes consecutive elements from p (any alignment), with their salts.
-template <class Codec>
-NANSCAN_INLINE ChecksumWords checksum_terms(const typename Codec::Raw* p, ChecksumWords salt) {
-  typename RawVector<typename Codec::Raw>::type raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  return replica_terms<Codec>(raw, salt, LowWords{});
-}
-
-// The replica checksum (scan_rules.h) of a run of elements at positions position, position + 1, ...:
-// a second pass over the run while it is in L1, so that the plain scan's loop keeps its registers.
-// Each lane steps its salt by kChecksumStep * kSaltLow (an add, not a multiply per element), unless
-// the run crosses a multiple of 2^32 (a tensor of more than 4G elements), where the salt's high part
-// changes. With prefetch_next_run (a dense tensor, whose next run follows this one in memory), the
-// pass also prefetches the next run, a line per 64 bytes checksummed: the memory then keeps streaming
-// while the mix computes, instead of waiting for the next run's first loads (NOTES.md entry 20).
-template <class Codec>
-NANSCAN_INLINE uint32_t checksum_run(const typename Codec::Raw* p, int64_t len, uint64_t position,
-                                     bool prefetch_next_run) {
-  using Raw = typename Codec::Raw;
-  if (len <= 0) return 0;
+// The replica checksum (scan_rules.h) of `size` bytes whose first byte starts word `first_word` of the
+// tensor: a second pass over a run while it is in L1, so that the plain scan's loop keeps its
+// registers. Byte-wise, so every dtype costs the same per byte. Each lane steps its salt by
+// kChecksumStepWords * kSaltLow (an add, not a multiply per word), unless the run crosses a word index
+// that is a multiple of 2^32 (a tensor over 16 GiB), where the salt's high part changes. With
+// prefetch_next_run (a dense tensor, whose next run follows this one in memory), the pass also
+// prefetches the next run, a line per 64 bytes checksummed: the memory then keeps streaming while the
+// mix computes, instead of waiting for the next run's first loads (NOTES.md entry 20).
+NANSCAN_INLINE uint32_t checksum_run(const void* data, int64_t size, uint64_t first_word, bool prefetch_next_run) {
+  if (size <= 0) return 0;
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  const int64_t words = (size + kReplicaWordBytes - 1) / kReplicaWordBytes;
   uint32_t sum = 0;
-  int64_t i = 0;
-  if ((position >> 32) == ((position + static_cast<uint64_t>(len) - 1) >> 32)) {
-    const uint32_t first = replica_salt(position);
+  int64_t b = 0;
+  if ((first_word >> 32) == ((first_word + static_cast<uint64_t>(words) - 1) >> 32)) {
+    const uint32_t first = replica_salt(first_word);
     ChecksumWords lanes[kChecksumVectors] = {}, salt[kChecksumVectors];
     for (int64_t v = 0; v < kChecksumVectors; ++v) {
       for (int64_t l = 0; l < kWordLanes; ++l)
         salt[v][l] = first + static_cast<uint32_t>(v * kWordLanes + l) * kSaltLow;
     }
     // An address, not a pointer: past the tensor's end it points at nothing (a prefetch never faults).
-    const uintptr_t next_run = reinterpret_cast<uintptr_t>(p + len);
-    for (; i + kChecksumStep <= len; i += kChecksumStep) {
-      if (prefetch_next_run) {
-        for (uintptr_t b = 0; b < kChecksumStep * sizeof(Raw); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const void*>(next_run + i * sizeof(Raw) + b));
-        }
-      }
+    const uintptr_t next_run = reinterpret_cast<uintptr_t>(bytes + size);
+    for (; b + kChecksumStepBytes <= size; b += kChecksumStepBytes) {
+      if (prefetch_next_run) __builtin_prefetch(reinterpret_cast<const void*>(next_run + b));
       for (int64_t v = 0; v < kChecksumVectors; ++v) {
-        lanes[v] += checksum_terms<Codec>(p + i + v * kWordLanes, salt[v]);
-        salt[v] += static_cast<uint32_t>(kChecksumStep) * kSaltLow;
+        ChecksumWords word;
+        std::memcpy(&word, bytes + b + v * sizeof(ChecksumWords), sizeof(word));
+        lanes[v] += replica_term(word, salt[v]);
+        salt[v] += static_cast<uint32_t>(kChecksumStepWords) * kSaltLow;
       }
     }
     for (int64_t v = 0; v < kChecksumVectors; ++v) {
       for (int64_t l = 0; l < kWordLanes; ++l) sum += lanes[v][l];
     }
   }
-  // The tail, and every element of a run that crosses a multiple of 2^32, one by one.
-  for (; i < len; ++i) sum += replica_term<Codec>(p[i], replica_salt(position + static_cast<uint64_t>(i)));
+  // The tail (its last word zero-padded at the tensor's end), and every word of a run that crosses a
+  // word index multiple of 2^32, one by one.
+  for (; b < size; b += kReplicaWordBytes) {
+    const uint32_t word = replica_word_at([&](int64_t i) { return bytes[i]; }, b, size);
+    sum += replica_term(word, replica_salt(first_word + static_cast<uint64_t>(b / kReplicaWordBytes)));
+  }
   return sum;
+}
+
+// The checksum of elements [position, position + len) of a tensor, held at p. Runs start at chunk
+// boundaries plus whole runs, so at a word boundary.
+template <class Codec>
+NANSCAN_INLINE uint32_t checksum_elements(const typename Codec::Raw* p, int64_t len, int64_t position,
+                                          bool prefetch_next_run) {
+  constexpr int64_t kSize = sizeof(typename Codec::Raw);
+  static_assert((kRunElements * kSize) % kReplicaWordBytes == 0 && kChunkBytes % kReplicaWordBytes == 0,
+                "runs and chunks must start at word boundaries");
+  return checksum_run(p, len * kSize, static_cast<uint64_t>(position * kSize / kReplicaWordBytes), prefetch_next_run);
 }
 
 // Replaces each element by round(x * factor) in place, computing in Wide exactly as torch's
@@ -173,7 +168,7 @@ NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end
     const int64_t len = std::min(kRunElements, end - i);
     if (multiply_by != nullptr) multiply_run<Codec>(p + i, len, *multiply_by);
     scan_run<Codec, kHalfRange>(p + i, len, s);
-    if (checksum) s.checksum += checksum_run<Codec>(p + i, len, static_cast<uint64_t>(i), true);
+    if (checksum) s.checksum += checksum_elements<Codec>(p + i, len, i, true);
   }
 }
 
@@ -205,7 +200,7 @@ NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end
       }
     }
     scan_run<Codec, kHalfRange>(buffer, len, s);
-    if (checksum) s.checksum += checksum_run<Codec>(buffer, len, static_cast<uint64_t>(i), false);
+    if (checksum) s.checksum += checksum_elements<Codec>(buffer, len, i, false);
     i += len;
   }
 }

@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <array>
 #include <memory>
-#include <type_traits>
 
 // A kernel launch. tests/cuda_emulator defines it (in its stand-in cuda_runtime.h) to run the same
 // kernel on CPU threads, a warp's lanes in lockstep at every shuffle, so CI executes this file.
@@ -136,49 +135,56 @@ enum class Access {
   Rewrite,   // fn(raw) returns the element's new value, stored back with the vector it came in
 };
 
-// Visits every element of [p, p + n) that this lane owns: the elements before the first 16-byte
-// boundary one per lane (a tensor that starts mid-vector: a view into a flat gradient buffer, the
-// weight after a (3,) bias), then 16-byte loads (kUnroll of them issued before any is used), then the
-// tail one element per lane. Which lane owns an element depends only on p and n, so a lane that
-// re-reads a range sees its own writes. after_group() runs after each group of kUnroll vectors a
-// lane visits and after the tail (the head's element, at most one per lane, goes with the first
-// group): the scan folds its fp32 sums of squares into fp64 there.
+// How a lane's walk cuts [p, p + n): the elements before the first 16-byte boundary (a tensor that
+// starts mid-vector: a view into a flat gradient buffer, the weight after a (3,) bias), the 16-byte
+// vectors, and the tail after them. Storage that is not even element-aligned (torch never makes it)
+// has no vector part: all of it is the tail.
+template <class Raw>
+struct LaneSpans {
+  static constexpr int kPerVector = 16 / sizeof(Raw);
+  int64_t head;         // elements before the first vector (< kPerVector)
+  int64_t num_vectors;  // 16-byte vectors after the head
+
+  __device__ static LaneSpans of(const Raw* p, int64_t n) {
+    const unsigned misalignment = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p) % 16);
+    const int64_t to_boundary = static_cast<int64_t>((16 - misalignment) % 16 / sizeof(Raw));
+    const bool element_aligned = misalignment % sizeof(Raw) == 0;
+    const int64_t head = !element_aligned ? 0 : (to_boundary < n ? to_boundary : n);
+    return LaneSpans{head, element_aligned ? (n - head) / kPerVector : 0};
+  }
+  __device__ int64_t tail_begin() const { return head + num_vectors * kPerVector; }
+};
+
+// Visits every element of [p, p + n) that this lane owns: the head one element per lane, then the
+// 16-byte vectors (kUnroll of them issued before any is used), then the tail one element per lane.
+// Which lane owns an element depends only on p and n, so a lane that re-reads a range sees its own
+// writes. after_group() runs after each group of kUnroll vectors a lane visits and after the tail
+// (the head's element, at most one per lane, goes with the first group): the scan folds its fp32 sums
+// of squares into fp64 there. on_vector(v, first) sees each vector whole, as it ends up in memory, with
+// the index of its first element (the checksum's words).
 struct NoGroupHook {
   __device__ void operator()() const {}
 };
+struct NoVectorHook {
+  __device__ void operator()(const uint4&, int64_t) const {}
+};
 
-// fn(raw, index) when fn takes the element's index in [p, p + n) too (the checksum needs positions),
-// else fn(raw).
-template <class Fn, class Raw>
-__device__ __forceinline__ auto visit_element(Fn& fn, Raw r, int64_t index) {
-  if constexpr (std::is_invocable_v<Fn&, Raw, int64_t>) {
-    return fn(r, index);
-  } else {
-    return fn(r);
-  }
-}
-
-template <Access kAccess, class Raw, class Fn, class AfterGroup = NoGroupHook>
+template <Access kAccess, class Raw, class Fn, class AfterGroup = NoGroupHook, class OnVector = NoVectorHook>
 __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn,
-                                                      AfterGroup&& after_group = AfterGroup{}) {
-  constexpr int kPerVector = 16 / sizeof(Raw);
+                                                      AfterGroup&& after_group = AfterGroup{},
+                                                      OnVector&& on_vector = OnVector{}) {
+  constexpr int kPerVector = LaneSpans<Raw>::kPerVector;
   auto visit = [&](int64_t index) {
     if constexpr (kAccess == Access::Rewrite) {
-      p[index] = visit_element(fn, p[index], index);
+      p[index] = fn(p[index]);
     } else {
-      visit_element(fn, p[index], index);
+      fn(p[index]);
     }
   };
-  // The head: fewer than kPerVector (<= 16) elements, so one step of the warp. Storage that is not
-  // even element-aligned (torch never makes it) has no vector part: all of it is the tail.
-  const unsigned misalignment = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p) % 16);
-  const int64_t to_boundary = static_cast<int64_t>((16 - misalignment) % 16 / sizeof(Raw));
-  const bool element_aligned = misalignment % sizeof(Raw) == 0;
-  const int64_t head = !element_aligned ? 0 : (to_boundary < n ? to_boundary : n);
-  if (lane < head) visit(lane);
-  Raw* body = p + head;
-  const int64_t num_vectors = element_aligned ? (n - head) / kPerVector : 0;
-  uint4* vectors = reinterpret_cast<uint4*>(body);
+  const LaneSpans<Raw> spans = LaneSpans<Raw>::of(p, n);
+  const int64_t head = spans.head, num_vectors = spans.num_vectors;
+  if (lane < head) visit(lane);  // the head: fewer than kPerVector (<= 16) elements, one step of the warp
+  uint4* vectors = reinterpret_cast<uint4*>(p + head);
   for (int64_t i = lane; i < num_vectors; i += kWarpSize * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
@@ -194,23 +200,80 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
         memcpy(r, &v[k], sizeof r);
 #pragma unroll
         for (int j = 0; j < kPerVector; ++j) {
-          const int64_t index = head + (i + k * kWarpSize) * kPerVector + j;
           if constexpr (kAccess == Access::Rewrite) {
-            r[j] = visit_element(fn, r[j], index);
+            r[j] = fn(r[j]);
           } else {
-            visit_element(fn, r[j], index);
+            fn(r[j]);
           }
         }
         if constexpr (kAccess == Access::Rewrite) {
           memcpy(&v[k], r, sizeof r);
           vectors[i + k * kWarpSize] = v[k];
         }
+        on_vector(v[k], head + (i + k * kWarpSize) * kPerVector);
       }
     }
     after_group();
   }
-  for (int64_t e = head + num_vectors * kPerVector + lane; e < n; e += kWarpSize) visit(e);
+  for (int64_t e = spans.tail_begin() + lane; e < n; e += kWarpSize) visit(e);
   after_group();
+}
+
+// The replica checksum (scan_rules.h) of elements [begin, end) of a tensor, held at p = data + begin;
+// begin is a chunk boundary, so a word boundary. When p is 4-byte aligned, each 16-byte vector of the
+// scan's walk holds 4 whole words, summed from the registers it loaded (vector_words), and the head
+// and the tail (under 16 elements each, starting at word boundaries) are read element by element
+// (element_words). When p is not aligned (a 16-bit or 8-bit view at an odd offset in a flat buffer),
+// element_words reads the whole range: correct, not tuned. These are functions of (p, begin, n), not
+// an object holding copies of them, and element_words assembles a word from its lanes' elements by
+// shuffles, not byte loads: each of those cost the checksum kernel ptxas's step from 80 registers to
+// 100-128 (a third fewer resident blocks; NOTES.md entry 24).
+template <class Raw>
+__device__ __forceinline__ bool words_in_vectors(const Raw* p) {
+  return reinterpret_cast<uintptr_t>(p) % kReplicaWordBytes == 0;
+}
+
+template <class Raw>
+__device__ __forceinline__ uint32_t word_term(uint32_t word, int64_t begin, int64_t byte_offset) {
+  const uint64_t first_word = static_cast<uint64_t>(begin) * sizeof(Raw) / kReplicaWordBytes;
+  return replica_term(word, replica_salt(first_word + static_cast<uint64_t>(byte_offset / kReplicaWordBytes)));
+}
+
+template <class Raw>
+__device__ __forceinline__ uint32_t vector_words(const Raw* p, int64_t begin, const uint4& v, int64_t first) {
+  if (!words_in_vectors(p)) return 0;
+  const int64_t offset = first * static_cast<int64_t>(sizeof(Raw));
+  return word_term<Raw>(v.x, begin, offset) + word_term<Raw>(v.y, begin, offset + 4) +
+         word_term<Raw>(v.z, begin, offset + 8) + word_term<Raw>(v.w, begin, offset + 12);
+}
+
+// The words of elements [from, to), from at a word boundary, 32 elements per step of the warp (whole
+// words: 32 is a multiple of the elements per word); elements at or past `to` read as zero, which
+// pads the tensor's last word. Every lane runs every step (the shuffles).
+template <class Raw>
+__device__ uint32_t element_words(const Raw* p, int64_t begin, int64_t from, int64_t to, int lane) {
+  constexpr int kPerWord = sizeof(Raw) >= kReplicaWordBytes ? 1 : kReplicaWordBytes / sizeof(Raw);
+  constexpr int kBits = 8 * sizeof(Raw);
+  uint32_t sum = 0;
+#pragma unroll 1
+  for (int64_t e0 = from; e0 < to; e0 += kWarpSize) {
+    const int64_t e = e0 + lane;
+    const Raw r = e < to ? __ldg(p + e) : Raw(0);
+    const int64_t offset = e * static_cast<int64_t>(sizeof(Raw));
+    if constexpr (sizeof(Raw) == 8) {
+      if (e < to)
+        sum += word_term<Raw>(static_cast<uint32_t>(r), begin, offset) +
+               word_term<Raw>(static_cast<uint32_t>(r >> 32), begin, offset + 4);
+    } else {
+      uint32_t word = static_cast<uint32_t>(r);
+#pragma unroll
+      for (int j = 1; j < kPerWord; ++j) {
+        word |= __shfl_down_sync(0xffffffffu, static_cast<uint32_t>(r), j) << (kBits * j);
+      }
+      if (e < to && lane % kPerWord == 0) sum += word_term<Raw>(word, begin, offset);
+    }
+  }
+  return sum;
 }
 
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
@@ -219,6 +282,8 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
 // the replica checksum of the elements too (scan_rules.h; positions begin, begin + 1, ...).
 template <class Codec, bool kHalfRange, bool kMultiply, bool kChecksum>
 __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, int lane, float factor) {
+  // The checksum's byte loads read words across lanes' elements, which a rewrite would race with.
+  static_assert(!(kMultiply && kChecksum), "no checksum of a rewrite");
   using Raw = typename Codec::Raw;
   using Wide = typename Codec::Wide;
   Raw* p = static_cast<Raw*>(const_cast<void*>(data)) + begin;
@@ -226,12 +291,9 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
 
   FastRun<Codec> run = empty_run<Codec>();
   long long over = 0, under = 0;
-  uint32_t lane_checksum = 0;
-  auto observe = [&](Raw r, int64_t index) {
+  auto observe = [&](Raw r) {
     accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
     if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
-    if constexpr (kChecksum)
-      lane_checksum += replica_term<Codec>(r, replica_salt(static_cast<uint64_t>(begin + index)));
   };
   // A lane's fp32 sum of squares covers one group (at most 64 elements, 65 with a head element)
   // before it is folded into fp64, as the CPU's runs of 128 are: a chunk's 256 to 1,024 squares per
@@ -247,16 +309,33 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
       const Wide f = static_cast<Wide>(factor);
       for_each_lane_element<Access::Rewrite>(
           p, n, lane,
-          [&](Raw r, int64_t index) {
+          [&](Raw r) {
             const Raw product = Codec::encode(Codec::decode(r) * f);
-            observe(product, index);
+            observe(product);
             return product;
           },
           fold_group);
       rewritten = true;
     }
   }
-  if (!rewritten) for_each_lane_element<Access::ReadOnly>(p, n, lane, observe, fold_group);
+  // The checksum is of the bits, whichever rule the statistics take below.
+  uint32_t checksum = 0;
+  if constexpr (kChecksum) {
+    for_each_lane_element<Access::ReadOnly>(p, n, lane, observe, fold_group, [&](const uint4& v, int64_t first) {
+      checksum += vector_words(p, begin, v, first);
+    });
+    if (words_in_vectors(p)) {
+      // The head ends, and the tail begins, at a 16-byte boundary, so at a word boundary.
+      const LaneSpans<Raw> spans = LaneSpans<Raw>::of(p, n);
+      checksum += element_words(p, begin, 0, spans.head, lane) + element_words(p, begin, spans.tail_begin(), n, lane);
+    } else {
+      checksum += element_words(p, begin, 0, n, lane);
+    }
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) checksum += shfl_xor(checksum, offset);
+  } else if (!rewritten) {
+    for_each_lane_element<Access::ReadOnly>(p, n, lane, observe, fold_group);
+  }
 
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = lane_sumsq;
@@ -266,13 +345,6 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     run_min = other_min < run_min ? other_min : run_min;
     run_max = other_max > run_max ? other_max : run_max;
     run_sumsq += shfl_xor(run_sumsq, offset);
-  }
-  // The checksum is of the bits, whichever rule the statistics take below.
-  uint32_t checksum = 0;
-  if constexpr (kChecksum) {
-    checksum = lane_checksum;
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) checksum += shfl_xor(checksum, offset);
   }
   TensorStats s = empty_stats();
   if (run_is_exact<Codec>(run_min, run_max, run_sumsq)) {

@@ -132,17 +132,19 @@ TensorStats reference(const HostTensor& t, bool half_range) {
   });
 }
 
-// The replica checksum by its definition (scan_rules.h): every element's term at its position, summed
-// modulo 2^32.
+// The replica checksum by its definition (scan_rules.h): the tensor's bytes as 32-bit little-endian
+// words, the last one zero-padded, word q mixed with salt(q), summed modulo 2^32.
 uint32_t reference_checksum(const HostTensor& t) {
-  return with_codec(t.dtype, [&](auto codec) {
-    using Codec = decltype(codec);
-    uint32_t sum = 0;
-    for (int64_t i = 0; i < t.numel; ++i) {
-      sum += replica_term<Codec>(raw_at<Codec>(t, i), replica_salt(static_cast<uint64_t>(i)));
+  const int64_t size = t.numel * static_cast<int64_t>(element_size(t.dtype));
+  uint32_t sum = 0;
+  for (int64_t q = 0; q * 4 < size; ++q) {
+    uint32_t word = 0;
+    for (int64_t b = 0; b < 4; ++b) {
+      if (q * 4 + b < size) word |= static_cast<uint32_t>(t.data()[q * 4 + b]) << (8 * b);
     }
-    return sum;
-  });
+    sum += replica_mix(word ^ replica_salt(static_cast<uint64_t>(q)));
+  }
+  return sum;
 }
 
 // A copy of a list with every NaN/Inf replaced by zero, so that its total norm is finite and shows a

@@ -123,6 +123,11 @@ T __shfl_xor_sync(unsigned, T value, int offset) {
   return cuda_emulator::exchange(value, [offset](int lane) { return lane ^ offset; });
 }
 template <class T>
+T __shfl_down_sync(unsigned, T value, unsigned delta) {  // lanes past the last read their own value
+  return cuda_emulator::exchange(
+      value, [delta](int lane) { return lane + static_cast<int>(delta) < 32 ? lane + static_cast<int>(delta) : lane; });
+}
+template <class T>
 T __shfl_sync(unsigned, T value, int source) {
   return cuda_emulator::exchange(value, [source](int) { return source; });
 }
