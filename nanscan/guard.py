@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .records import ranks_label
+
 ON_NONFINITE = ("ignore", "warn", "raise", "skip")
 
 # Host copies of the consecutive-skip counter still in flight before the guard waits for the oldest.
@@ -275,8 +277,15 @@ def act_on_nonfinite(
 
 
 def nonfinite_message(report: Any) -> str:
-    """The parameters with NaN/Inf gradients, and the table of the worst ones."""
-    return f"nanscan: non-finite gradients in {', '.join(report.nonfinite)}\n{report.table()}"
+    """The parameters with NaN/Inf gradients, and the table of the worst ones. When the report carries
+    a rank attribution (DTensors, ``process_group``, DDP with the hook), each name with the ranks whose
+    local data held its NaN/Inf: ``0.weight (rank 3)``. Called after the sync that found the step
+    non-finite; reading the ranks is part of the same host copy."""
+    names = report.nonfinite
+    if report.stats.ranks is not None:
+        ranks = report.nonfinite_ranks
+        names = [f"{name} ({ranks_label(ranks[name])})" if ranks.get(name) else name for name in names]
+    return f"nanscan: non-finite gradients in {', '.join(names)}\n{report.table()}"
 
 
 def raise_on_nonfinite(report: Any) -> None:

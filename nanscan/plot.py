@@ -33,7 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .layers import Group, group_layers, group_norms, group_reduce, layer_name
-from .records import StepRecord, iter_jsonl
+from .records import StepRecord, iter_jsonl, ranks_label
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -57,8 +57,6 @@ SPARSE_COLUMN = 10
 SPIKE_MARKS = 2000
 FIRST_NAMES = 3
 """Parameter names shown for the first non-finite step before "+N more"."""
-RANK_PIECES = 4
-"""Ranks (or runs of consecutive ranks, ``8-15``) shown in a label before the count takes over."""
 
 
 @dataclass(frozen=True)
@@ -180,25 +178,6 @@ def _has_ranks(named_ranks: set[int]) -> bool:
     0 is drawn as a single process's, without ranks: a distributed run whose every NaN/Inf was rank
     0's too (a record that carried its world size would tell the two apart)."""
     return any(rank != 0 for rank in named_ranks)
-
-
-def ranks_label(ranks: Iterable[int]) -> str:
-    """Ranks in a few characters, for a label: ``rank 3``, ``ranks 0,2``, ``ranks 0-63`` (runs of three
-    or more consecutive ranks as a range), and beyond ``RANK_PIECES`` pieces the count with the first
-    ones, ``40 ranks: 0,4,8,12,…``, so a NaN on many ranks of a large world stays one short line."""
-    ordered = sorted(set(ranks))
-    if len(ordered) == 1:
-        return f"rank {ordered[0]}"
-    pieces: list[str] = []
-    start = 0
-    for end in range(1, len(ordered) + 1):
-        if end == len(ordered) or ordered[end] != ordered[end - 1] + 1:
-            run = ordered[start:end]
-            pieces += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(rank) for rank in run]
-            start = end
-    if len(pieces) > RANK_PIECES:
-        return f"{len(ordered)} ranks: {','.join(pieces[:RANK_PIECES])},…"
-    return f"ranks {','.join(pieces)}"
 
 
 def group_rows(run: Run, max_rows: int = MAX_ROWS) -> Grid:

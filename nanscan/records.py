@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,3 +250,26 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
 def read_jsonl(path: str | Path) -> list[StepRecord]:
     """Every step record of a JSONL file written by ``JSONLSink``."""
     return list(iter_jsonl(path))
+
+
+RANK_PIECES = 4
+"""Ranks (or runs of consecutive ranks, ``8-15``) shown in a label before the count takes over."""
+
+
+def ranks_label(ranks: Iterable[int]) -> str:
+    """Ranks in a few characters, for a label: ``rank 3``, ``ranks 0,2``, ``ranks 0-63`` (runs of three
+    or more consecutive ranks as a range), and beyond ``RANK_PIECES`` pieces the count with the first
+    ones, ``40 ranks: 0,4,8,12,…``, so a NaN on many ranks of a large world stays one short line."""
+    ordered = sorted(set(ranks))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    pieces: list[str] = []
+    start = 0
+    for end in range(1, len(ordered) + 1):
+        if end == len(ordered) or ordered[end] != ordered[end - 1] + 1:
+            run = ordered[start:end]
+            pieces += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(rank) for rank in run]
+            start = end
+    if len(pieces) > RANK_PIECES:
+        return f"{len(ordered)} ranks: {','.join(pieces[:RANK_PIECES])},…"
+    return f"ranks {','.join(pieces)}"

@@ -159,6 +159,13 @@ def fsdp_nan_in_one_rank_shard_is_named_everywhere(world: int) -> None:
     assert not report.finite and report.nonfinite == ["2.weight"], report.nonfinite
     assert report.nonfinite_ranks == {"2.weight": [bad]}, report.nonfinite_ranks
     assert math.isnan(report.total_norm)
+    # on_nonfinite="raise" (and "warn") name the rank too, on every rank.
+    try:
+        nanscan.check(model, on_nonfinite="raise")
+    except nanscan.NonFiniteGradientError as error:
+        assert f"non-finite gradients in 2.weight (rank {bad})" in str(error), str(error)
+    else:
+        raise AssertionError("on_nonfinite='raise' did not raise")
 
 
 @case
