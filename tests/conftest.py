@@ -6,10 +6,13 @@ import math
 import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,3 +130,15 @@ CALLBACK_BAD_SETTINGS = [
     ({"max_consecutive_skips": -1}, "max_consecutive_skips must be >= 0"),
     ({"log_every_n_steps": 0}, "log_every_n_steps must be >= 1"),
 ]
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of one rank, in this process, for DTensor gradients (FSDP2 on a mesh of
+    one), whose checks carry a rank attribution as a distributed run's do."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -7,15 +7,12 @@ import csv
 import math
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("lightning")
 
@@ -171,18 +168,6 @@ def test_recorder_gets_one_record_per_step_and_feeds_the_loggers(tmp_path: Path)
     # A single process's records name rank 0 for the NaN; no news, so no rank is logged.
     assert records[NAN_STEP].nonfinite_ranks == {name: [0] for name in records[NAN_STEP].names}
     assert not any(key.startswith("nanscan/nonfinite_rank") for key in rows[0]), list(rows[0])
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A gloo process group of one rank, in this process, for DTensor gradients (FSDP2 on a mesh of
-    one), whose checks carry a rank attribution as a distributed run's do."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_one: None) -> None:

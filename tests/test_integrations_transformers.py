@@ -4,15 +4,12 @@ NanscanTrainerCallback clips every step and skips the one whose gradients are Na
 from __future__ import annotations
 
 import math
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -173,18 +170,6 @@ def test_recorder_gets_one_record_per_step_and_feeds_the_logs(tmp_path: Path) ->
     # A single process's records name rank 0 for the NaN; no news, so no rank is logged.
     assert records[NAN_STEP].nonfinite_ranks == {"transformer.h.1.mlp.c_fc.weight": [0]}
     assert not any(key.startswith("nanscan/nonfinite_rank") for e in logged for key in e)
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A gloo process group of one rank, in this process, for DTensor gradients (FSDP2 on a mesh of
-    one), whose checks carry a rank attribution as a distributed run's do."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_one: None) -> None:
