@@ -8,6 +8,7 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -269,15 +270,19 @@ void record_cpu(const at::Tensor& rows, const at::Tensor& counter, at::TensorLis
 }
 
 // A [1, length] row of `target`'s dtype holding the sources' values, cast as copy_ casts: one
-// _foreach_copy_ into views of it.
+// _foreach_copy_ into views of it, each of its source's shape. One as_strided per view: a narrow and
+// a view would be two dispatches with their checks, and doubled the composite's host time.
 at::Tensor staged_row(const at::Tensor& target, at::TensorList sources) {
   at::Tensor row = at::empty({1, target.size(1)}, target.options());
-  const at::Tensor flat = row.select(0, 0);
   std::vector<at::Tensor> views;
   views.reserve(sources.size());
+  std::vector<int64_t> strides;
   int64_t at = 0;
   for (const at::Tensor& source : sources) {
-    views.push_back(flat.narrow(0, at, source.numel()).view(source.sizes()));
+    strides.assign(source.dim(), 1);  // contiguous strides of the source's shape
+    for (int64_t d = source.dim() - 2; d >= 0; --d)
+      strides[d] = strides[d + 1] * std::max<int64_t>(source.size(d + 1), 1);
+    views.push_back(row.as_strided(source.sizes(), strides, at));
     at += source.numel();
   }
   if (!views.empty()) at::_foreach_copy_(views, sources);
