@@ -17,6 +17,8 @@ import nanscan
 import nanscan.recorder
 from nanscan.distributed import Attribution
 
+from conftest import needs_cuda
+
 record = torch.ops.nanscan.record_.default
 composite = torch.ops.nanscan._record_composite_.default
 OPS = [pytest.param(record, id="cpu_kernel"), pytest.param(composite, id="composite")]
@@ -146,6 +148,23 @@ def test_cpu_kernel_writes_the_composites_bytes_in_every_slot(seed: int) -> None
         if a1 is not None and a2 is not None:
             assert same_bytes(a1, a2), f"step {step}: attribution rows differ"
     assert not buffers[record][1].isnan().all(dim=1).any(), "every slot was written"
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_the_composite_writes_the_cpu_kernels_values() -> None:
+    gen = torch.Generator().manual_seed(0)
+    layout = random_layout(gen, SOURCE_DTYPES * 2)
+    length = sum(math.prod(shape) for _, shape, _ in layout)
+    rows, counter = fresh(4, length, torch.float32, False), torch.tensor([2])
+    rows_cuda, counter_cuda = rows.cuda(), counter.cuda()
+    for _ in range(6):  # every slot, and round again
+        sources = random_sources(gen, layout)
+        record(rows, counter, sources, None, [])
+        record(rows_cuda, counter_cuda, [s.cuda() for s in sources], None, [])
+    # Values, not bytes: a GPU's float64-to-float32 conversion gives every NaN the same bits.
+    torch.testing.assert_close(rows_cuda.cpu(), rows, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(counter_cuda.cpu(), counter)
 
 
 def test_the_row_written_is_counter_mod_capacity_and_holds_the_values_cast() -> None:
