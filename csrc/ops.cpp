@@ -277,13 +277,13 @@ at::Tensor staged_row(const at::Tensor& target, at::TensorList sources) {
   std::vector<at::Tensor> views;
   views.reserve(sources.size());
   std::vector<int64_t> strides;
-  int64_t at = 0;
+  int64_t offset = 0;
   for (const at::Tensor& source : sources) {
     strides.assign(source.dim(), 1);  // contiguous strides of the source's shape
     for (int64_t d = source.dim() - 2; d >= 0; --d)
       strides[d] = strides[d + 1] * std::max<int64_t>(source.size(d + 1), 1);
-    views.push_back(row.as_strided(source.sizes(), strides, at));
-    at += source.numel();
+    views.push_back(row.as_strided(source.sizes(), strides, offset));
+    offset += source.numel();
   }
   if (!views.empty()) at::_foreach_copy_(views, sources);
   return row;

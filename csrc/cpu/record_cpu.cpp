@@ -36,7 +36,7 @@ std::vector<unsigned char>& staging(int which) {
 // torch's copy_ applies element by element (round to nearest; NaN stays NaN, bool becomes 0 or 1).
 template <class Out>
 void convert_sources(at::TensorList sources, Out* out) {
-  int64_t at = 0;
+  int64_t offset = 0;
   for (const at::Tensor& given : sources) {
     // Read in place when plain; the rare strided view (or a lazily negated one, whose memory holds
     // the values before negation) is made plain first, as copy_ would read it.
@@ -44,9 +44,9 @@ void convert_sources(at::TensorList sources, Out* out) {
     const int64_t n = source.numel();
     AT_DISPATCH_SWITCH(source.scalar_type(), "nanscan.record_", NANSCAN_RECORD_SOURCE_CASES([&] {
                          const scalar_t* in = source.const_data_ptr<scalar_t>();
-                         for (int64_t i = 0; i < n; ++i) out[at + i] = c10::convert<Out>(in[i]);
+                         for (int64_t i = 0; i < n; ++i) out[offset + i] = c10::convert<Out>(in[i]);
                        }));
-    at += n;
+    offset += n;
   }
 }
 
