@@ -4,6 +4,7 @@
     python benchmarks/bench_recorder.py --models gpt2-small --device cuda
     python benchmarks/bench_recorder.py --quick                  # smoke test (CI)
     python benchmarks/bench_recorder.py --sink lists             # a sink that reads every list
+    python benchmarks/bench_recorder.py --append --models resnet50  # the recorder's own work, thread time
 
 Per model: ``check(model, max_norm=...)`` alone, and with ``recorder=`` (a Recorder that reads its
 buffer every ``--every`` steps, into a sink, so the read and the records' making on the host are
@@ -16,6 +17,13 @@ Each round is a pair of one plain and one recorded run, in alternating order. Th
 medians over rounds of the time per step; the overhead is the median over rounds of each pair's
 ratio, with its quartiles (the spread a shared machine gives one run). The issue's target: at most
 5% over a plain check on the CPU zoo lists, and zero syncs.
+
+``--append`` times the recorder's own work instead, in ``time.thread_time`` (the calling thread's
+CPU time, which other jobs on a shared machine do not inflate as they do wall time; on a GPU, host
+time): each of ``--rounds`` x ``--every`` appends, first back to back (warm caches), then each right
+after a plain check (which has just streamed the gradients through the caches, as in training). The
+medians are an append alone; the means add the median refresh (every ``spike_window // 4`` records)
+and the read (every ``--every``): the recorder's cost per step.
 """
 
 from __future__ import annotations
@@ -68,6 +76,25 @@ def round_seconds(step: Callable[[], object], steps: int, device: str) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def append_costs(model: torch.nn.Module, every: int, appends: int) -> tuple[list[float], list[float]]:
+    """Thread time per append in us: ``appends`` back to back, then ``appends`` each right after a check."""
+    recorder = nanscan.Recorder([SINKS["drop"]], every=every, warn=False)
+    report = nanscan.check(model, max_norm=1e30)
+    recorder.append(report)  # allocates the buffer
+    warm, after_check = [], []
+    for _ in range(appends):
+        start = time.thread_time_ns()
+        recorder.append(report)
+        warm.append((time.thread_time_ns() - start) / 1e3)
+    for _ in range(appends):
+        report = nanscan.check(model, max_norm=1e30)
+        start = time.thread_time_ns()
+        recorder.append(report)
+        after_check.append((time.thread_time_ns() - start) / 1e3)
+    recorder.close()
+    return warm, after_check
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="comma-separated zoo names (default: all but llama-1b)")
@@ -79,6 +106,7 @@ def main() -> None:
     parser.add_argument(
         "--sink", choices=sorted(SINKS), default="drop", help="what the sink reads of each record (module notes)"
     )
+    parser.add_argument("--append", action="store_true", help="time the append alone, in thread time (module notes)")
     args = parser.parse_args()
     zoo = load_zoo(args.zoo)
     if args.quick:
@@ -95,6 +123,17 @@ def main() -> None:
         f"nanscan {nanscan.__version__}, torch {torch.__version__}, {args.device}, threads {torch.get_num_threads()}, "
         f"sink {args.sink}"
     )
+    if args.append:
+        print(f"thread time per append, us; {args.rounds * args.every} appends each way, a read every {args.every}")
+        print(f"{'model':<12} {'params':>6} {'warm median':>12} {'mean':>7} {'after check median':>19} {'mean':>7}")
+        for name in names:
+            warm, after_check = append_costs(model_of(zoo[name], args.device), args.every, args.rounds * args.every)
+            print(
+                f"{name:<12} {len(zoo[name]):>6} {statistics.median(warm):>12.1f} {statistics.mean(warm):>7.1f} "
+                f"{statistics.median(after_check):>19.1f} {statistics.mean(after_check):>7.1f}",
+                flush=True,
+            )
+        return
     print(
         f"{'model':<12} {'params':>6} {'MB':>7} {'check ms':>9} {'+recorder ms':>13} {'overhead':>9} "
         f"{'quartiles %':>12} {'buffer KB':>10}"

@@ -8,10 +8,13 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/scan_rules.h"
+#include "cpu/record_cpu.h"
 #include "cpu/scan_cpu.h"
 #include "ops.h"
 
@@ -116,6 +119,80 @@ void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const
               " but the tensors are on ", first.device());
 }
 
+namespace {
+
+constexpr const char* kRecordOp = "nanscan.record_";
+
+// The dtypes record_ converts from, as torch's copy_ does (the CPU kernel dispatches on the same list;
+// why float16/bfloat16 are not among them: cpu/record_cpu.cpp).
+bool is_record_source_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBool:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+    case at::kFloat:
+    case at::kDouble: return true;
+    default: return false;
+  }
+}
+
+// One block of record_: `target` ([capacity, length] rows) and the sources that fill one of its rows.
+void check_record_block(const at::Tensor& target, const char* target_name, at::TensorList sources,
+                        const char* sources_name, const at::Tensor& rows) {
+  TORCH_CHECK(target.defined(), kRecordOp, ": ", target_name, " is undefined (None)");
+  TORCH_CHECK(target.layout() == at::kStrided, kRecordOp, ": ", target_name, " has layout ", target.layout(),
+              "; expected a dense (strided) tensor");
+  TORCH_CHECK(target.dim() == 2, kRecordOp, ": ", target_name, " must be 2-D [capacity, row length], got shape ",
+              target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kFloat || target.scalar_type() == at::kDouble, kRecordOp, ": ", target_name,
+              " has dtype ", target.scalar_type(), "; supported: float32, float64");
+  TORCH_CHECK(target.device() == rows.device(), kRecordOp, ": ", target_name, " is on ", target.device(),
+              " but rows are on ", rows.device());
+  TORCH_CHECK(target.size(0) == rows.size(0), kRecordOp, ": ", target_name, " has ", target.size(0),
+              " rows but rows has ", rows.size(0), "; both are indexed by the same counter");
+  int64_t total = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const at::Tensor& t = sources[i];
+    TORCH_CHECK(t.defined(), kRecordOp, ": ", sources_name, "[", i, "] is undefined (None)");
+    TORCH_CHECK(t.layout() == at::kStrided, kRecordOp, ": ", sources_name, "[", i, "] has layout ", t.layout(),
+                "; expected a dense (strided) tensor");
+    TORCH_CHECK(t.device() == rows.device(), kRecordOp, ": ", sources_name, "[", i, "] is on ", t.device(),
+                " but rows are on ", rows.device());
+    TORCH_CHECK(is_record_source_dtype(t.scalar_type()), kRecordOp, ": ", sources_name, "[", i, "] has dtype ",
+                t.scalar_type(), "; supported: bool, uint8, int8, int16, int32, int64, float32, float64");
+    total += t.numel();
+  }
+  TORCH_CHECK(total == target.size(1), kRecordOp, ": ", sources_name, " hold ", total, " values but a row of ",
+              target_name, " holds ", target.size(1), "; the sources must fill one row exactly");
+}
+
+}  // namespace
+
+void check_record_inputs(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
+                         const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
+  TORCH_CHECK(rows.defined(), kRecordOp, ": rows is undefined (None)");
+  TORCH_CHECK(rows.dim() != 2 || rows.size(0) > 0, kRecordOp, ": rows has no row to write (capacity 0)");
+  check_record_block(rows, "rows", sources, "sources", rows);
+  TORCH_CHECK(counter.defined() && counter.layout() == at::kStrided && counter.scalar_type() == at::kLong &&
+                  counter.numel() == 1,
+              kRecordOp, ": counter must be a one-element int64 tensor, got ",
+              counter.defined() ? c10::toString(counter.scalar_type()) : "None", " of shape ",
+              counter.defined() ? counter.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(counter.device() == rows.device(), kRecordOp, ": counter is on ", counter.device(), " but rows are on ",
+              rows.device());
+  if (attribution.has_value()) {
+    check_record_block(*attribution, "attribution", attribution_sources, "attribution_sources", rows);
+    check_writable({rows, counter, *attribution});
+  } else {
+    TORCH_CHECK(attribution_sources.empty(), kRecordOp,
+                ": attribution_sources given but attribution is None: there is no row to write them to");
+    check_writable({rows, counter});
+  }
+}
+
 ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, ScanOptions options) {
   const int64_t count_rows = 2 + (options.half_range ? 2 : 0) + (options.checksum ? 1 : 0);
   return ScanOutputs{at::empty({count_rows, num_tensors}, device.dtype(at::kLong)),
@@ -180,6 +257,53 @@ void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
   for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).mul_(coef);
 }
 
+// One recorder append (nanscan/recorder.py) in one dispatch: the sources' values into row
+// counter % capacity, the counter advanced. The direct kernel (cpu/record_cpu.cpp).
+void record_cpu(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
+                const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
+  check_record_inputs(rows, counter, sources, attribution, attribution_sources);
+  cpu::record(rows, counter, sources, attribution, attribution_sources);
+  // Written by the kernel, not through ATen: the versions say so, as an in-place ATen op's would.
+  rows.unsafeGetTensorImpl()->bump_version();
+  counter.unsafeGetTensorImpl()->bump_version();
+  if (attribution.has_value()) attribution->unsafeGetTensorImpl()->bump_version();
+}
+
+// A [1, length] row of `target`'s dtype holding the sources' values, cast as copy_ casts: one
+// _foreach_copy_ into views of it, each of its source's shape. One as_strided per view: a narrow and
+// a view would be two dispatches with their checks, and doubled the composite's host time.
+at::Tensor staged_row(const at::Tensor& target, at::TensorList sources) {
+  at::Tensor row = at::empty({1, target.size(1)}, target.options());
+  std::vector<at::Tensor> views;
+  views.reserve(sources.size());
+  std::vector<int64_t> strides;
+  int64_t offset = 0;
+  for (const at::Tensor& source : sources) {
+    strides.assign(source.dim(), 1);  // contiguous strides of the source's shape
+    for (int64_t d = source.dim() - 2; d >= 0; --d)
+      strides[d] = strides[d + 1] * std::max<int64_t>(source.size(d + 1), 1);
+    views.push_back(row.as_strided(source.sizes(), strides, offset));
+    offset += source.numel();
+  }
+  if (!views.empty()) at::_foreach_copy_(views, sources);
+  return row;
+}
+
+// The same append in ATen ops, for every device without a kernel of its own (CUDA: each op is a
+// kernel on the current stream, no host sync, capturable in a CUDA graph; the recorder's append did
+// exactly these before the op existed). The order of reads and writes is the CPU kernel's: every
+// source into the staging rows, then the rows, then the counter.
+void record_composite(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
+                      const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
+  check_record_inputs(rows, counter, sources, attribution, attribution_sources);
+  const at::Tensor slot = counter.reshape({1}).remainder(rows.size(0));
+  const at::Tensor row = staged_row(rows, sources);
+  const at::Tensor attribution_row = attribution.has_value() ? staged_row(*attribution, attribution_sources) : row;
+  rows.index_copy_(0, slot, row);
+  if (attribution.has_value()) attribution->index_copy_(0, slot, attribution_row);
+  counter.add_(1);
+}
+
 // The Autograd kernels. nanscan's ops are not differentiable: their outputs are counts, extrema and
 // norms for diagnosis, and their writes are the multiplies of clipping and unscaling, which torch
 // runs under no_grad too. Saying so here (autograd excluded, the op called again below it) gives
@@ -208,6 +332,23 @@ ScanResultTuple unscale_scan_autograd(at::TensorList tensors, const at::Tensor& 
   static const auto op = op_handle<ScanResultTuple(at::TensorList, const at::Tensor&)>("nanscan::unscale_scan_");
   const at::AutoDispatchBelowAutograd below_autograd;
   return op.call(tensors, inv_scale);
+}
+
+using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, const std::optional<at::Tensor>&,
+                             at::TensorList);
+
+void record_autograd(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
+                     const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
+  static const auto op = op_handle<RecordSignature>("nanscan::record_");
+  const at::AutoDispatchBelowAutograd below_autograd;
+  op.call(rows, counter, sources, attribution, attribution_sources);
+}
+
+void record_composite_autograd(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
+                               const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
+  static const auto op = op_handle<RecordSignature>("nanscan::_record_composite_");
+  const at::AutoDispatchBelowAutograd below_autograd;
+  op.call(rows, counter, sources, attribution, attribution_sources);
 }
 
 #ifndef NANSCAN_WITH_CUDA
@@ -242,12 +383,29 @@ TORCH_LIBRARY(nanscan, m) {
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "
       "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
+  // A recorder's append: the sources' values (flattened, in order, cast to the rows' dtype) into row
+  // counter % capacity of rows, attribution_sources' into the same row of attribution, counter + 1.
+  const char* record_schema =
+      "(Tensor(a!) rows, Tensor(b!) counter, Tensor[] sources, Tensor(c!)? attribution, "
+      "Tensor[] attribution_sources) -> ()";
+  m.def((std::string("record_") + record_schema).c_str());
+  // The same op, always by its composite implementation (the one non-CPU devices run): what the
+  // tests compare the CPU kernel with, on the CPU.
+  m.def((std::string("_record_composite_") + record_schema).c_str());
 }
 
 TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
   m.impl("scan", &nanscan::scan_autograd);
   m.impl("scale_", &nanscan::scale_autograd);
   m.impl("unscale_scan_", &nanscan::unscale_scan_autograd);
+  m.impl("record_", &nanscan::record_autograd);
+  m.impl("_record_composite_", &nanscan::record_composite_autograd);
+}
+
+// Every device without a record_ kernel of its own (CUDA among them) runs the composite.
+TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
+  m.impl("record_", &nanscan::record_composite);
+  m.impl("_record_composite_", &nanscan::record_composite);
 }
 
 #ifndef NANSCAN_WITH_CUDA
@@ -262,4 +420,5 @@ TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);
   m.impl("scale_", &nanscan::scale_cpu);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cpu);
+  m.impl("record_", &nanscan::record_cpu);
 }

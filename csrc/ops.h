@@ -53,6 +53,13 @@ struct ScanOptions {
 // The options of scan(fp16_range, checksum), refused when both are asked for.
 ScanOptions scan_options(bool fp16_range, bool checksum);
 
+// Everything record_ needs of its arguments, on every device, before anything is written: rows (and
+// attribution) 2-D float32/float64 with the same number of rows, counter one int64, every source on
+// their device with a supported dtype, the sources' elements exactly filling one row of each.
+// Errors name the offending argument.
+void check_record_inputs(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
+                         const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources);
+
 ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, ScanOptions options);
 
 ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors, ScanOptions options);

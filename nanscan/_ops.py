@@ -9,6 +9,14 @@ The ops themselves are declared once, in csrc/ops.cpp:
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite)``:
   GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the scan of the result.
+* ``nanscan::record_(Tensor(a!) rows, Tensor(b!) counter, Tensor[] sources, Tensor(c!)? attribution,
+  Tensor[] attribution_sources) -> ()``: one nanscan.Recorder append. The sources' values (flattened,
+  in order, cast to the rows' dtype as ``copy_`` casts) go into row ``counter % capacity`` of ``rows``
+  (float32/float64 [capacity, length]; the sources must hold exactly ``length`` values),
+  ``attribution_sources``' into the same row of ``attribution`` (or None, with no sources), and the
+  counter (int64, one element) advances by 1. No host sync: on the CPU one kernel, elsewhere (CUDA)
+  the composite of ATen ops the recorder ran before (capturable in a CUDA graph).
+  ``nanscan::_record_composite_`` is the same op always by its composite implementation, for tests.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from . import _C  # noqa: F401  (loading the library registers the ops)
 scan_op = torch.ops.nanscan.scan.default
 scale_op = torch.ops.nanscan.scale_.default
 unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
+record_op = torch.ops.nanscan.record_.default
 
 _Fake = TypeVar("_Fake", bound=Callable[..., Any])
 
@@ -70,3 +79,92 @@ def _scan_outputs(
 @register_fake("nanscan::scale_")
 def _scale_fake(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
     return None
+
+
+# The dtypes record_'s sources may have (csrc/ops.cpp; not float16/bfloat16: see csrc/cpu/record_cpu.cpp).
+RECORD_SOURCE_DTYPES = frozenset(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
+)
+
+
+_RECORD = "nanscan.record_"
+
+
+def _check_record(
+    rows: torch.Tensor,
+    counter: torch.Tensor,
+    sources: list[torch.Tensor],
+    attribution: torch.Tensor | None,
+    attribution_sources: list[torch.Tensor],
+) -> None:
+    """What the kernels check of record_'s arguments and a fake kernel can (no values): the torch
+    dispatcher sends a call with one meta tensor among CPU ones here, not to the kernels."""
+    torch._check(
+        counter.dtype == torch.int64 and counter.numel() == 1,
+        lambda: (
+            f"{_RECORD}: counter must be a one-element int64 tensor, got {counter.dtype} of shape {list(counter.shape)}"
+        ),
+    )
+    torch._check(
+        counter.device == rows.device,
+        lambda: f"{_RECORD}: counter is on {counter.device} but rows are on {rows.device}",
+    )
+    _check_record_block("rows", rows, "sources", sources, rows)
+    if attribution is not None:
+        _check_record_block("attribution", attribution, "attribution_sources", attribution_sources, rows)
+    else:
+        torch._check(
+            not attribution_sources,
+            lambda: f"{_RECORD}: attribution_sources given but attribution is None: there is no row to write them to",
+        )
+
+
+def _check_record_block(
+    target_name: str, target: torch.Tensor, sources_name: str, sources: list[torch.Tensor], rows: torch.Tensor
+) -> None:
+    """One block of record_: ``target`` ([capacity, length] rows) and the sources that fill one row."""
+    torch._check(target.dim() == 2, lambda: f"{_RECORD}: {target_name} must be 2-D [capacity, row length]")
+    torch._check(
+        target.dtype in (torch.float32, torch.float64),
+        lambda: f"{_RECORD}: {target_name} has dtype {target.dtype}; supported: float32, float64",
+    )
+    torch._check(
+        target.device == rows.device,
+        lambda: f"{_RECORD}: {target_name} is on {target.device} but rows are on {rows.device}",
+    )
+    torch._check(target.shape[0] == rows.shape[0], lambda: f"{_RECORD}: {target_name} and rows differ in rows")
+    for i, t in enumerate(sources):
+        torch._check(
+            t.device == rows.device,
+            lambda i=i, t=t: f"{_RECORD}: {sources_name}[{i}] is on {t.device} but rows are on {rows.device}",
+        )
+        torch._check(
+            t.dtype in RECORD_SOURCE_DTYPES, lambda i=i, t=t: f"{_RECORD}: {sources_name}[{i}] has dtype {t.dtype}"
+        )
+    total = sum(t.numel() for t in sources)
+    torch._check(
+        total == target.shape[1],
+        lambda: f"{_RECORD}: {sources_name} hold {total} values but a row of {target_name} holds {target.shape[1]}",
+    )
+
+
+@register_fake("nanscan::record_")
+def _record_fake(
+    rows: torch.Tensor,
+    counter: torch.Tensor,
+    sources: list[torch.Tensor],
+    attribution: torch.Tensor | None,
+    attribution_sources: list[torch.Tensor],
+) -> None:
+    _check_record(rows, counter, sources, attribution, attribution_sources)  # writes in place, returns nothing
+
+
+@register_fake("nanscan::_record_composite_")
+def _record_composite_fake(
+    rows: torch.Tensor,
+    counter: torch.Tensor,
+    sources: list[torch.Tensor],
+    attribution: torch.Tensor | None,
+    attribution_sources: list[torch.Tensor],
+) -> None:
+    _check_record(rows, counter, sources, attribution, attribution_sources)

@@ -22,9 +22,10 @@ GPT-2-small's 148 parameters at capacity 100: 358 KB), plus ``capacity * 8 * (3 
 world)`` with a rank attribution (GPT-2-small on 64 ranks, capacity 100: 406 KB more), the same
 again in pinned host memory on a GPU, and the last ``history`` records on the host.
 
-The append is device-only: the record's statistics are copied into staging rows in one
-``_foreach_copy_`` (views made once per layout) and from there into the ring at the slot of the
-device counter, one ``index_copy_`` per row. The read turns a block of records into ``StepRecord``
+The append is device-only and one op, ``nanscan::record_`` (nanscan._ops): the record's statistics
+go, cast to each row's dtype, into the ring at the slot of the device counter, which it advances;
+on the CPU one C++ kernel, on a GPU the few ATen kernels of its composite (a copy into staging rows,
+one ``index_copy_`` per row, the counter's ``add_``). The read turns a block of records into ``StepRecord``
 objects whose per-step values are Python values and whose per-parameter lists are made on first
 reading (most sinks read a few totals; 6 x N Python numbers per record were most of a read's cost).
 
@@ -66,6 +67,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from ._ops import record_op
 from .distributed import Attribution
 from .records import StepRecord
 from .sinks import Sink
@@ -80,7 +82,6 @@ _PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "median")
 _NORM_ROW = _PARAM_ROWS.index("norm")
 _MEDIAN_ROW = _PARAM_ROWS.index("median")
 _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "loss_scale")
-_TAIL = _STEP_COLUMNS.index("max_norm")  # from here on, host constants in the usual case
 # Per parameter, in the float64 attribution row: nanscan.distributed.Attribution's rows, then its
 # per-rank row (``world`` values).
 _ATTRIBUTION_ROWS = ("count", "rank_sum", "rank_square_sum")
@@ -155,24 +156,6 @@ class _Ring:
         self.norms = self.rows[:, _NORM_ROW * n : (_NORM_ROW + 1) * n]  # [capacity, n], a view
         self.first_step = first_step  # the record index of the layout's first record
         self.decoded = first_step  # records before this one have gone to the sinks
-        # Per-append working state, made once: the staging rows an append fills, and views of them
-        # for each input, so that one _foreach_copy_ fills them (a cat of 12 mixed-dtype inputs
-        # narrows its output per input, ~3 us each on a CPU: most of an append's cost).
-        self.row = torch.empty((1, self.row_length), dtype=torch.float32, device=device)
-        self.attribution_row = torch.empty((1, self.attribution_length), dtype=torch.float64, device=device)
-        flat, columns = self.row[0], len(_PARAM_ROWS) * n
-        params = [flat[k * n : (k + 1) * n] for k in range(len(_PARAM_ROWS))]
-        # The per-step columns, each [1] (a 0-dim or [1] source copies into it); the last three
-        # (max_norm, skipped, loss_scale) also as one [3], for the usual case of host constants.
-        steps = [flat[columns + k : columns + k + 1] for k in range(len(_STEP_COLUMNS))]
-        self.targets_constant_tail = [*params, *steps[:_TAIL], flat[columns + _TAIL :]]
-        self.targets = [*params, *steps]
-        if world is not None:
-            attribution = self.attribution_row[0]
-            extra = [attribution[k * n : (k + 1) * n] for k in range(len(_ATTRIBUTION_ROWS))]
-            extra.append(attribution[len(_ATTRIBUTION_ROWS) * n :])
-            self.targets_constant_tail += extra
-            self.targets += extra
         self.back = torch.arange(1, spike_window + 1, device=device)
         self.median = torch.full((n,), math.nan, dtype=torch.float32, device=device)
         self.since_median = spike_window  # refreshed at the first append
@@ -322,6 +305,8 @@ class Recorder:
         elif not capturing:
             self._drain(wait=False)
         clip_coef = ring.nan if report.clip_coef_tensor is None else report.clip_coef_tensor
+        # The row's values in its order (the op flattens each source and casts it to float32): the
+        # per-parameter rows, then the per-step columns.
         sources = [
             stats.nan_count,
             stats.inf_count,
@@ -334,30 +319,20 @@ class Recorder:
             clip_coef,
         ]
         if isinstance(skipped, bool) and not isinstance(loss_scale, torch.Tensor):
-            targets = ring.targets_constant_tail  # max_norm, skipped and loss_scale: one cached tensor
-            sources.append(ring.constant(report.max_norm, skipped, loss_scale))
+            sources.append(ring.constant(report.max_norm, skipped, loss_scale))  # the usual case: one tensor
         else:
-            targets = ring.targets
             sources += [
                 ring.constant(report.max_norm),
-                ring.constant(skipped) if isinstance(skipped, bool) else skipped,
+                ring.constant(skipped) if isinstance(skipped, bool) else _on_ring(skipped, ring),
                 _scale_of(loss_scale, ring),
             ]
-        if attribution is not None:
-            sources += attribution.rows()
-        with torch.no_grad():
-            if capturing or ring.since_median >= self._median_every:
-                # Inside a captured graph every replay refreshes the median; eagerly, every few records.
+        if capturing or ring.since_median >= self._median_every:
+            # Inside a captured graph every replay refreshes the median; eagerly, every few records.
+            with torch.no_grad():
                 self._refresh_median(ring)
-            slot = ring.counter.remainder(ring.capacity)
-            # The whole record into the staging rows in one call (casting as it copies), then one copy
-            # of each row into the ring at the device counter's slot.
-            torch._foreach_copy_(targets, sources)
-            ring.rows.index_copy_(0, slot, ring.row)
-            if ring.attribution is not None:
-                ring.attribution.index_copy_(0, slot, ring.attribution_row)
-            ring.counter.add_(1)
-            ring.since_median += 1
+        # One op: the record into the ring at the device counter's slot, the counter advanced.
+        record_op(ring.rows, ring.counter, sources, ring.attribution, [] if attribution is None else attribution.rows())
+        ring.since_median += 1
         if capturing:
             return
         self._appended += 1
@@ -649,10 +624,24 @@ _FLOAT32 = struct.Struct("f")
 
 def _scale_of(loss_scale: torch.Tensor | float | None, ring: _Ring) -> torch.Tensor:
     """The loss scale as a 0-dim or [1] tensor on the ring's device (a GradScaler's own scale tensor,
-    read by the append's copy in stream order, before ``update()`` changes it)."""
+    read by the append's op in stream order, before ``update()`` changes it)."""
     if isinstance(loss_scale, torch.Tensor):
-        return loss_scale if loss_scale.device == ring.device else loss_scale.to(ring.device)
+        return _on_ring(loss_scale, ring)
     return ring.constant(loss_scale)
+
+
+# The dtypes nanscan::record_ reads (csrc/ops.cpp says why float16/bfloat16 are not among them).
+_RECORD_DTYPES = frozenset(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
+)
+
+
+def _on_ring(value: torch.Tensor, ring: _Ring) -> torch.Tensor:
+    """A tensor the caller hands the append (a skipped flag, a loss scale) as the record op reads it:
+    on the ring's device, and float32 when its dtype is not one the op reads (a float16 scale)."""
+    if value.device == ring.device and value.dtype in _RECORD_DTYPES:
+        return value
+    return value.to(ring.device, value.dtype if value.dtype in _RECORD_DTYPES else torch.float32)
 
 
 def _warn(message: str) -> None:

@@ -229,6 +229,24 @@ def test_skips_and_the_loss_scale_are_recorded() -> None:
     assert r[3].max_norm is None and r[4].max_norm == 1.0 and r[5].clip_coef is not None
 
 
+def test_a_flag_and_a_scale_in_any_dtype_are_recorded() -> None:
+    # The record op reads no float16/bfloat16 (csrc/cpu/record_cpu.cpp): the recorder casts those, and
+    # passes the dtypes it reads (int32, bool, float64) as they are.
+    m = model()
+    sink = Collect()
+    with nanscan.Recorder([sink], every=100) as recorder:
+        flags_and_scales = [
+            (torch.tensor(1, dtype=torch.int32), torch.tensor(1024.0, dtype=torch.float16)),
+            (torch.tensor([False]), torch.tensor([0.5], dtype=torch.bfloat16)),
+            (torch.tensor(True), torch.tensor(3.0, dtype=torch.float64)),
+        ]
+        for step, (skipped, loss_scale) in enumerate(flags_and_scales):
+            backward(m, step)
+            recorder.append(nanscan.check(m), skipped=skipped, loss_scale=loss_scale)
+            m.zero_grad()
+    assert [(r.skipped, r.loss_scale) for r in sink.records] == [(True, 1024.0), (False, 0.5), (True, 3.0)]
+
+
 def test_records_overwritten_before_a_read_are_counted_and_warned() -> None:
     m = model()
     recorder = nanscan.Recorder(every=10, capacity=40, spike_window=8)
