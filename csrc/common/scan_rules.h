@@ -85,7 +85,7 @@ NANSCAN_HD Word replica_term(Word word, Word salt) {
 }
 
 // The word that starts at byte `offset` of `size` bytes, byte b read by load_byte(b); bytes at or past
-// `size` (the tensor's end) are zero. For words that straddle what a backend holds in registers.
+// `size` (the tensor's end) are zero: the last word of a tensor whose size is not a multiple of 4.
 template <class LoadByte>
 NANSCAN_HD uint32_t replica_word_at(LoadByte&& load_byte, int64_t offset, int64_t size) {
   uint32_t word = 0;

@@ -224,10 +224,11 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
 // scan's walk holds 4 whole words, summed from the registers it loaded (vector_words), and the head
 // and the tail (under 16 elements each, starting at word boundaries) are read element by element
 // (element_words). When p is not aligned (a 16-bit or 8-bit view at an odd offset in a flat buffer),
-// element_words reads the whole range: correct, not tuned. These are functions of (p, begin, n), not
-// an object holding copies of them, and element_words assembles a word from its lanes' elements by
-// shuffles, not byte loads: each of those cost the checksum kernel ptxas's step from 80 registers to
-// 100-128 (a third fewer resident blocks; NOTES.md entry 24).
+// element_words reads the whole range: correct, not tuned. element_words assembles a word from its
+// lanes' elements by shuffles. With the head and tail words computed after the walk (in any form
+// tried: byte loads, shuffles, inline or not), ptxas gives the checksum kernel 128 registers on sm_90
+// where the other kernels keep 80: 2 resident blocks per SM instead of 3, which a GPU session has to
+// measure (NOTES.md entry 24).
 template <class Raw>
 __device__ __forceinline__ bool words_in_vectors(const Raw* p) {
   return reinterpret_cast<uintptr_t>(p) % kReplicaWordBytes == 0;
@@ -282,7 +283,8 @@ __device__ uint32_t element_words(const Raw* p, int64_t begin, int64_t from, int
 // the replica checksum of the elements too (scan_rules.h; positions begin, begin + 1, ...).
 template <class Codec, bool kHalfRange, bool kMultiply, bool kChecksum>
 __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, int lane, float factor) {
-  // The checksum's byte loads read words across lanes' elements, which a rewrite would race with.
+  // element_words re-reads elements that, in a rewrite, other lanes may be writing; no caller asks
+  // for a checksum of an unscale.
   static_assert(!(kMultiply && kChecksum), "no checksum of a rewrite");
   using Raw = typename Codec::Raw;
   using Wide = typename Codec::Wide;
