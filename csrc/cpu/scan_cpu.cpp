@@ -93,14 +93,15 @@ constexpr int64_t kChecksumStepBytes = kChecksumStepWords * kReplicaWordBytes;
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the checksum reads words as little-endian loads");
 
 // The replica checksum (scan_rules.h) of `size` bytes whose first byte starts word `first_word` of the
-// tensor: a pass of its own over a run (so that the plain scan's loop keeps its registers), made
-// before the scan's pass on a dense tensor: its loads bring the run into L1 while the mix computes,
-// and the scan then reads L1 (NOTES.md entry 24: fp32 1.16-1.19x -> 1.04-1.09x a plain scan). Byte-wise, so every dtype costs the same per byte. Each lane steps its salt by
-// kChecksumStepWords * kSaltLow (an add, not a multiply per word), unless the run crosses a word index
-// that is a multiple of 2^32 (a tensor over 16 GiB), where the salt's high part changes. With
-// prefetch_next_run (a dense tensor, whose next run follows this one in memory), the pass also
-// prefetches the next run, a line per 64 bytes checksummed: the memory then keeps streaming while the
-// mix computes, instead of waiting for the next run's first loads (NOTES.md entry 20).
+// tensor. A pass of its own over a run, so that the plain scan's loop keeps its registers, made before
+// the scan's pass on a dense tensor: its loads bring the run into L1 while the mix computes, and the
+// scan then reads L1 (NOTES.md entry 24: fp32 1.16-1.19x -> 1.04-1.09x a plain scan). Byte-wise, so
+// every dtype costs the same per byte. Each lane steps its salt by kChecksumStepWords * kSaltLow (an
+// add, not a multiply per word), unless the run crosses a word index that is a multiple of 2^32 (a
+// tensor over 16 GiB), where the salt's high part changes. With prefetch_next_run (a dense tensor,
+// whose next run follows this one in memory), the pass also prefetches the next run, a line per 64
+// bytes checksummed: the memory then keeps streaming while the mix computes, instead of waiting for
+// the next run's first loads (NOTES.md entry 20).
 NANSCAN_INLINE uint32_t checksum_run(const void* data, int64_t size, uint64_t first_word, bool prefetch_next_run) {
   if (size <= 0) return 0;
   const auto* bytes = static_cast<const unsigned char*>(data);
