@@ -9,6 +9,9 @@
 #   tools/gpu_session.sh sanitize TOOL...  # build, then compute-sanitizer with each TOOL (memcheck,
 #                                          # racecheck, synccheck, initcheck; default all four)
 #   tools/gpu_session.sh bench             # build, then bench_scan (zoo + 10,000 x 1K) and bench_train_step
+#   tools/gpu_session.sh scan-bounds       # bench_scan's plain and checksum rows with the scan kernels
+#                                          # built as they are and with 3 resident blocks per SM asked of
+#                                          # ptxas (NOTES.md entry 24), then the default build again
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
 #
 # memcheck, racecheck and synccheck instrument nanscan's kernels only (the sanitizer's kernel-name
@@ -20,7 +23,7 @@
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-bounds|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -84,8 +87,25 @@ bench() {
   "$PY" benchmarks/bench_train_step.py --json "$out/train_step.json" 2>"$out/train_step.err" | tee "$out/train_step.txt"
 }
 
+# The flag reaches nvcc through NVCC_APPEND_FLAGS, which the build's dependency tracking does not see:
+# each variant is a clean build.
+scan_bounds() {
+  for blocks in 0 3; do
+    echo "== scan kernels, NANSCAN_SCAN_MIN_BLOCKS=$blocks"
+    rm -rf build nanscan/_C*.so
+    NVCC_APPEND_FLAGS="-DNANSCAN_SCAN_MIN_BLOCKS=$blocks" build
+    "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024 \
+        --dtype float32,bfloat16 --json "$out/scan_bounds_$blocks.json" 2>"$out/scan_bounds_$blocks.err" |
+      tee "$out/scan_bounds_$blocks.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan"
+  done
+  echo "== the default build again, for what follows"
+  rm -rf build nanscan/_C*.so
+  build
+}
+
 case "$stage" in
   build) build ;;
+  scan-bounds) scan_bounds ;;
   test) build; tests ;;
   sanitize) build; sanitize "$@" ;;
   bench) build; bench ;;

@@ -506,8 +506,20 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 }
 
 // One instantiation per option, so the plain scan carries no register cost of the options.
+// The scan kernels' launch bounds. NANSCAN_SCAN_MIN_BLOCKS (a build flag, e.g.
+// NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=3) also asks ptxas for that many resident blocks per SM:
+// the open question of NOTES.md entry 24, which `tools/gpu_session.sh scan-bounds` measures. On sm_90
+// by default the checksum kernel takes 128 registers (2 blocks of 256 threads) and the others 79-80
+// (3 blocks); with 3 the checksum kernel spills 16-48 bytes and the others 0-16. Not a per-kernel
+// choice: a minimum of 1 block is not the same as none (it took the other kernels to 128 registers).
+#if defined(NANSCAN_SCAN_MIN_BLOCKS) && NANSCAN_SCAN_MIN_BLOCKS > 0
+#define NANSCAN_SCAN_BOUNDS __launch_bounds__(kThreads, NANSCAN_SCAN_MIN_BLOCKS)
+#else
+#define NANSCAN_SCAN_BOUNDS __launch_bounds__(kThreads)
+#endif
+
 template <bool kHalfRange, bool kMultiply, bool kChecksum, int32_t kCapacity>
-__global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
+__global__ void NANSCAN_SCAN_BOUNDS scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
