@@ -149,6 +149,7 @@ def _check_record_block(
 
 
 @register_fake("nanscan::record_")
+@register_fake("nanscan::_record_composite_")  # the same op, by its composite: the same fake
 def _record_fake(
     rows: torch.Tensor,
     counter: torch.Tensor,
@@ -157,14 +158,3 @@ def _record_fake(
     attribution_sources: list[torch.Tensor],
 ) -> None:
     _check_record(rows, counter, sources, attribution, attribution_sources)  # writes in place, returns nothing
-
-
-@register_fake("nanscan::_record_composite_")
-def _record_composite_fake(
-    rows: torch.Tensor,
-    counter: torch.Tensor,
-    sources: list[torch.Tensor],
-    attribution: torch.Tensor | None,
-    attribution_sources: list[torch.Tensor],
-) -> None:
-    _check_record(rows, counter, sources, attribution, attribution_sources)

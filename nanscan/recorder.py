@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from ._ops import record_op
+from ._ops import RECORD_SOURCE_DTYPES, record_op
 from .distributed import Attribution
 from .records import StepRecord
 from .sinks import Sink
@@ -630,18 +630,12 @@ def _scale_of(loss_scale: torch.Tensor | float | None, ring: _Ring) -> torch.Ten
     return ring.constant(loss_scale)
 
 
-# The dtypes nanscan::record_ reads (csrc/ops.cpp says why float16/bfloat16 are not among them).
-_RECORD_DTYPES = frozenset(
-    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64)
-)
-
-
 def _on_ring(value: torch.Tensor, ring: _Ring) -> torch.Tensor:
     """A tensor the caller hands the append (a skipped flag, a loss scale) as the record op reads it:
     on the ring's device, and float32 when its dtype is not one the op reads (a float16 scale)."""
-    if value.device == ring.device and value.dtype in _RECORD_DTYPES:
+    if value.device == ring.device and value.dtype in RECORD_SOURCE_DTYPES:
         return value
-    return value.to(ring.device, value.dtype if value.dtype in _RECORD_DTYPES else torch.float32)
+    return value.to(ring.device, value.dtype if value.dtype in RECORD_SOURCE_DTYPES else torch.float32)
 
 
 def _warn(message: str) -> None:
