@@ -103,8 +103,13 @@ def total_norm_of_every_placement_matches_torch(world: int) -> None:
         assert_close(total, full_norm(full, norm_type), f"{norm_type} norm", 1e-6)
         assert_close(*theirs[norm_type], f"{norm_type} norm against torch's", 1e-6)
     assert_close(clip_total, full_norm(full[:-1], math.inf), "clip's inf norm")
+    coef = min(1.0, 0.5 / (float(full_norm(full[:-1], math.inf)) + 1e-6))  # torch's clip coefficient
     for i, (a, b) in enumerate(clipped):
-        assert_close(a, b, f"gradient {i} clipped by the inf norm", 1e-6)
+        assert_close(a, full[i].double() * coef, f"gradient {i} clipped by the inf norm (fp64 reference)", 1e-6)
+        # torch 2.11's clip_grad_norm_ leaves a Partial gradient unscaled (seen on the GPU machine;
+        # 2.13 scales it): there the reference above is the peer, not torch.
+        if dtensors[i].placements != (Partial(),):
+            assert_close(a, b, f"gradient {i} clipped by the inf norm, against torch's", 1e-6)
 
 
 @case
