@@ -506,20 +506,24 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 }
 
 // One instantiation per option, so the plain scan carries no register cost of the options.
-// The scan kernels' launch bounds. NANSCAN_SCAN_MIN_BLOCKS (a build flag, e.g.
-// NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=3) also asks ptxas for that many resident blocks per SM:
-// the open question of NOTES.md entry 24, which `tools/gpu_session.sh scan-bounds` measures. On sm_90
-// by default the checksum kernel takes 128 registers (2 blocks of 256 threads) and the others 79-80
-// (3 blocks); with 3 the checksum kernel spills 16-48 bytes and the others 0-16. Not a per-kernel
-// choice: a minimum of 1 block is not the same as none (it took the other kernels to 128 registers).
-#if defined(NANSCAN_SCAN_MIN_BLOCKS) && NANSCAN_SCAN_MIN_BLOCKS > 0
-#define NANSCAN_SCAN_BOUNDS __launch_bounds__(kThreads, NANSCAN_SCAN_MIN_BLOCKS)
+// Resident blocks per SM asked of ptxas, per kernel (benchmarks/NOTES.md, entries 24 and 25). The
+// checksum kernel asks for 3: left alone, ptxas gives it 128 registers (2 blocks of 256 threads), and
+// on an H100 the bound's 80 registers with 16-48 bytes of spill ran up to 5% faster (llama-1b fp32:
+// 1.06x a plain scan's GPU time -> 1.02x; no case slower). The others ask for none (0): they sit at
+// 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128). NANSCAN_SCAN_MIN_BLOCKS
+// (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4) overrides it for every scan
+// kernel, for `tools/gpu_session.sh scan-bounds` to measure.
+#if defined(NANSCAN_SCAN_MIN_BLOCKS)
+template <bool kChecksum>
+constexpr int kScanMinBlocks = NANSCAN_SCAN_MIN_BLOCKS;
 #else
-#define NANSCAN_SCAN_BOUNDS __launch_bounds__(kThreads)
+template <bool kChecksum>
+constexpr int kScanMinBlocks = kChecksum ? 3 : 0;
 #endif
 
 template <bool kHalfRange, bool kMultiply, bool kChecksum, int32_t kCapacity>
-__global__ void NANSCAN_SCAN_BOUNDS scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
+__global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
+    scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
