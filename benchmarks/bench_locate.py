@@ -3,6 +3,7 @@
     python benchmarks/bench_locate.py                       # both models, fp32, ~20 s on 2 CPU cores
     python benchmarks/bench_locate.py --quick               # smoke test (a few seconds)
     python benchmarks/bench_locate.py --model decoder --autocast --json benchmarks/out/locate.json
+    python benchmarks/bench_locate.py --device cuda --model decoder --autocast   # on a GPU
 
 A step is ``zero_grad`` + forward + loss + backward (no optimizer step, so every step computes the
 same thing). Three ways to run it, timed in the same run on the same model and data:
@@ -23,7 +24,10 @@ phase) meets the per-op cost of ``detect_anomaly`` almost one to one. A transfor
 per module call (attention alone is about twenty).
 
 Method (DESIGN.md section 5): warm-up steps, then rounds in which every method runs once, in rotating
-order, so a slow spell of the (shared) machine hits all methods alike; medians of the rounds.
+order, so a slow spell of the (shared) machine hits all methods alike; medians of the rounds. On
+CUDA each call is timed by the host clock between two ``torch.cuda.synchronize()``, so a time is what
+a training step sees: the GPU's work and every host sync the method makes (detect_anomaly's checks of
+backward outputs sync once per op).
 Ratios: "x plain" is the step time over the plain step; "overhead" is the time added to the plain
 step; the summary gives detect_anomaly's overhead over locate's (the headline) and its step time
 over locate's step time.
@@ -69,9 +73,14 @@ def mlp(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def build(name: str, quick: bool) -> tuple[torch.nn.Module, Loss, str, str]:
+def build(name: str, quick: bool, device: torch.device) -> tuple[torch.nn.Module, Loss, str, str]:
     """(model, loss function of one step, description, name of the module the fault is planted in)."""
     torch.manual_seed(0)
+    with torch.device(device):
+        return _build(name, quick)
+
+
+def _build(name: str, quick: bool) -> tuple[torch.nn.Module, Loss, str, str]:
     if name == "decoder":
         vocab, d_model, heads, layers, context, batch = (512, 64, 4, 2, 32, 4) if quick else (2048, 256, 4, 4, 128, 4)
         model = Decoder(vocab, d_model, heads, layers, context)
@@ -95,7 +104,8 @@ def build(name: str, quick: bool) -> tuple[torch.nn.Module, Loss, str, str]:
 
 def run_step(model: torch.nn.Module, loss: Loss, autocast: bool) -> None:
     model.zero_grad(set_to_none=False)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         value = loss()
     value.backward()
 
@@ -141,17 +151,22 @@ def plant_and_ask(model: torch.nn.Module, loss: Loss, autocast: bool, target: st
     return answers
 
 
-def time_methods(fns: dict[str, Callable[[], object]], rounds: int, warmup: int) -> dict[str, list[float]]:
+def time_methods(
+    fns: dict[str, Callable[[], object]], rounds: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
     """Milliseconds per call of each method, from interleaved rounds (rotating order)."""
     names = list(fns)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync()
             t0 = time.perf_counter()
             fns[name]()
+            sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
     return times
 
@@ -171,7 +186,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small models, few rounds: a smoke test")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (4 if args.quick else 20)
@@ -180,22 +197,24 @@ def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"nanscan {nanscan.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, load {load:.2f}, "
+        f"{torch.get_num_threads()} threads, load {load:.2f}, device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
         f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}"
     )
     results: dict[str, object] = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": str(device),
         "load": load,
         "autocast": args.autocast,
         "rounds": rounds,
         "cases": {},
     }
     for name in ("decoder", "mlp") if args.model == "all" else (args.model,):
-        model, loss, what, target = build(name, args.quick)
+        model, loss, what, target = build(name, args.quick, device)
         answers = plant_and_ask(model, loss, args.autocast, target)
         events = events_per_step(model, loss, args.autocast)
-        times = time_methods(methods(model, loss, args.autocast), rounds, args.warmup)
+        times = time_methods(methods(model, loss, args.autocast), rounds, args.warmup, device)
         median = {m: statistics.median(times[m]) for m in METHODS}
         overhead = {m: median[m] - median["plain"] for m in METHODS}
         precision = "bf16 autocast" if args.autocast else "fp32"

@@ -63,6 +63,7 @@ than 1 ms (a lone slow call is an interrupt, not a stall) the case is marked STA
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -280,6 +281,20 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
         compiled = torch.compile(torch_stats)
         found.append(Method("torch.compile(stats)", lambda x: compiled(x.grads), SCAN))
     return found
+
+
+def selected(found: list[Method], names: str | None) -> list[Method]:
+    """``found`` narrowed to the comma-separated ``names`` (``--methods``); the stall probe, the ceiling
+    and the scan always stay, since every ratio is taken against them."""
+    if not names:
+        return found
+    wanted = set(names.split(",")) | {PROBE, CEILING, SCAN}
+    unknown = wanted - {method.name for method in found}
+    if unknown:
+        sys.exit(
+            f"bench_scan: unknown --methods {', '.join(sorted(unknown))}; known: {', '.join(m.name for m in found)}"
+        )
+    return [method for method in found if method.name in wanted]
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -523,7 +538,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
     if device.type == "cuda":
         torch.compiler.reset()  # a fresh compile cache per case: no recompile limit, no stale graphs
     try:
-        found = methods(device, DTYPES[case.dtype], len(case.shapes))
+        found = selected(methods(device, DTYPES[case.dtype], len(case.shapes)), args.methods)
         case.times = time_methods(found, copies, args, sync)
         case.probe = case.times.pop(PROBE)
         case.counterparts = {method.name: method.counterpart for method in found}
@@ -590,7 +605,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def ratio(x: float | None) -> str:
-    return "" if x is None else f"{x:.2f}x"
+    return "" if x is None or math.isnan(x) else f"{x:.2f}x"
 
 
 def case_table(case: Case) -> str:
@@ -628,6 +643,11 @@ def case_table(case: Case) -> str:
     return format_table(headers, rows) + "\n" + case.probe_summary + notes
 
 
+def median_or_nan(case: Case, method: str) -> float:
+    """The case's median time of ``method``, NaN where ``--methods`` left it out."""
+    return case.median(method) if method in case.times else math.nan
+
+
 def summary_table(cases: Sequence[Case]) -> str:
     """One row per case: the scan against the ceiling, the loop and foreach; nanscan's clip against torch's."""
     rows = []
@@ -635,7 +655,7 @@ def summary_table(cases: Sequence[Case]) -> str:
         if case.skipped:
             rows.append([f"{case.model} {case.dtype}", "skipped", "", "", "", "", "", ""])
             continue
-        m = case.median
+        m = functools.partial(median_or_nan, case)
         rows.append(
             [
                 f"{case.model} {case.dtype}",
@@ -707,6 +727,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--models", help=f"comma-separated zoo names and/or {MANY_SMALL} (default: all)")
     parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO, help=f"parameter shapes (default: {DEFAULT_ZOO})")
+    parser.add_argument(
+        "--methods", help="comma-separated method names to time (default: all; the ceiling and the scan always)"
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads before timing (default: torch's own choice)")
     parser.add_argument("--warmup", type=int, help="untimed calls per method (default 2, quick 1)")
     parser.add_argument("--repeats", type=int, help="least timed calls per method (default 9, quick 3)")

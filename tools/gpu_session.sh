@@ -8,22 +8,26 @@
 #   tools/gpu_session.sh test              # build, then the whole test suite (CUDA tests included)
 #   tools/gpu_session.sh sanitize TOOL...  # build, then compute-sanitizer with each TOOL (memcheck,
 #                                          # racecheck, synccheck, initcheck; default all four)
-#   tools/gpu_session.sh bench             # build, then bench_scan (zoo + 10,000 x 1K) and bench_train_step
-#   tools/gpu_session.sh scan-bounds       # bench_scan's plain and checksum rows with the scan kernels
-#                                          # built as they are and with 3 resident blocks per SM asked of
-#                                          # ptxas (NOTES.md entry 24), then the default build again
+#   tools/gpu_session.sh bench [ARGS...]   # build, then bench_scan (ARGS: its options; default
+#                                          # gpt2-small and 10,000 x 1K fp32), bench_train_step
+#                                          # (batch 32) and bench_locate (decoder, bf16 autocast)
+#   tools/gpu_session.sh scan-bounds [N...]  # bench_scan's plain and checksum rows with the scan kernels
+#                                          # built as they are and with N resident blocks per SM asked of
+#                                          # ptxas for all of them (default 0: none; NOTES.md entries 24
+#                                          # and 25), then the default build again
+#   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
 #
 # memcheck, racecheck and synccheck instrument nanscan's kernels only (the sanitizer's kernel-name
 # filter: "nanscan" is in their names); initcheck instruments every kernel, since it would take a
 # filtered-out kernel's writes (torch's clamp of the clip coefficient, a .contiguous() copy) for
 # uninitialized memory. The workload launches ~400 torch kernels besides nanscan's (benchmarks/
-# NOTES.md, entry 15), so one tool per command ends well inside 10 minutes: `sanitize memcheck`,
-# then `sanitize racecheck`, ... The sanitizer needs a Firecracker machine (nvidia-h100-x1 so far):
+# NOTES.md, entry 15); each tool took 6-9 s on the H100 machine (2026-11-22), all four 36 s. The
+# sanitizer needs a Firecracker machine (nvidia-h100-x1 so far):
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-bounds|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-bounds [N...]|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -33,6 +37,11 @@ export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 
 build() {
+  # NANSCAN_PREBUILT=1: a library built by an earlier command (carried in) is used as it is.
+  if [ "${NANSCAN_PREBUILT:-0}" = 1 ]; then
+    "$PY" -c "import nanscan, torch; nanscan.scan([torch.ones(3, device='cuda')]); print('prebuilt:', nanscan._C.__file__)"
+    return
+  fi
   echo "== build ($(date -u +%FT%TZ))"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   "$PY" -m pip install --no-build-isolation --no-deps -q -e . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; return 1; }
@@ -42,12 +51,15 @@ build() {
 
 tests() {
   echo "== tests"
-  # The device image has pytest-xdist: 8 workers ran the whole suite in about 4 minutes on the H100
-  # machine (16 cores). test_cuda.py goes first, alone, so its timings are not shared with others.
+  # test_cuda.py first, alone, so its timings are not shared with others. Then the whole suite on 14
+  # workers (the H100 machine has 16 cores): 1,017 tests in ~250 s there on 2026-11-22. The emulator
+  # test is left to CI: it runs the CUDA kernels' source on the CPU, a thread per lane, and under 14
+  # workers it outlasted its limit; it says nothing about the GPU.
   "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8
   local parallel=()
-  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 8)
-  "$PY" -m pytest -q -rfE "${parallel[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15
+  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 14)
+  "$PY" -m pytest -q -rfE "${parallel[@]}" --durations=20 tests --deselect tests/test_cuda_emulated.py 2>&1 |
+    tee "$out/pytest.log" | tail -15
 }
 
 sanitize() {
@@ -80,22 +92,36 @@ sanitize() {
   return $status
 }
 
+# bench_scan with every peer (per-parameter loop, torch.compile) takes ~3 minutes per zoo case and
+# dtype on the H100 machine: pass fewer (e.g. `bench --models gpt2-small --dtype bfloat16`) or
+# `--methods` to fit a 10-minute command. The arguments go to bench_scan.
 bench() {
   echo "== benchmarks"
-  "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024,many_small_2000x512 \
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(--models gpt2-small,many_small_10000x1024 --dtype float32)
+  "$PY" benchmarks/bench_scan.py --device cuda --max-repeats 20 --min-time 0.2 "${args[@]}" \
       --json "$out/bench_scan_cuda.json" 2>"$out/bench_scan_cuda.err" | tee "$out/bench_scan_cuda.txt" | tail -12
-  "$PY" benchmarks/bench_train_step.py --json "$out/train_step.json" 2>"$out/train_step.err" | tee "$out/train_step.txt"
+  "$PY" benchmarks/bench_train_step.py --batch 32 --json "$out/train_step.json" 2>"$out/train_step.err" |
+    tee "$out/train_step.txt"
+  "$PY" benchmarks/bench_locate.py --device cuda --model decoder --autocast --rounds 15 \
+      --json "$out/locate_cuda.json" 2>&1 | tee "$out/locate_cuda.txt" | tail -9
 }
 
-# The flag reaches nvcc through NVCC_APPEND_FLAGS, which the build's dependency tracking does not see:
-# each variant is a clean build.
+# The scan kernels as built (the checksum kernel bounded to 3 resident blocks per SM, the others not:
+# scan_cuda.cu, kScanMinBlocks) against builds with NANSCAN_SCAN_MIN_BLOCKS=N for every scan kernel
+# (default N: 0, no bound at all). The flag reaches nvcc through NVCC_APPEND_FLAGS, which the build's
+# dependency tracking does not see: each variant is a clean build. bench_scan times the ceiling, the
+# scan and the checksum scan only (--methods), so a variant takes ~30 s beside its ~100 s build.
 scan_bounds() {
-  for blocks in 0 3; do
+  local variants=("$@")
+  [ ${#variants[@]} -gt 0 ] || variants=(0)
+  for blocks in default "${variants[@]}"; do
     echo "== scan kernels, NANSCAN_SCAN_MIN_BLOCKS=$blocks"
     rm -rf build nanscan/_C*.so
-    NVCC_APPEND_FLAGS="-DNANSCAN_SCAN_MIN_BLOCKS=$blocks" build
+    if [ "$blocks" = default ]; then build; else NVCC_APPEND_FLAGS="-DNANSCAN_SCAN_MIN_BLOCKS=$blocks" build; fi
     "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024 \
-        --dtype float32,bfloat16 --json "$out/scan_bounds_$blocks.json" 2>"$out/scan_bounds_$blocks.err" |
+        --dtype float32,bfloat16 --methods "nanscan.scan(checksum)" --max-repeats 20 --min-time 0.2 \
+        --json "$out/scan_bounds_$blocks.json" 2>"$out/scan_bounds_$blocks.err" |
       tee "$out/scan_bounds_$blocks.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan"
   done
   echo "== the default build again, for what follows"
@@ -105,10 +131,10 @@ scan_bounds() {
 
 case "$stage" in
   build) build ;;
-  scan-bounds) scan_bounds ;;
+  scan-bounds) scan_bounds "$@" ;;
   test) build; tests ;;
   sanitize) build; sanitize "$@" ;;
-  bench) build; bench ;;
+  bench) build; bench "$@" ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -7,10 +7,10 @@ against the CPU backend, so a run that the sanitizer passes is also a correct on
 
 Paths covered: lists in the small and the large parameter capacity and in device memory (uploaded,
 then found in the cache), empty tensors, every dtype including fp8, tensors starting at every offset
-within a 16-byte vector (the kernels' head path), a tensor of over 1024 chunks (met by over 1024
-warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf planted, the fp16-range scan,
-the fused unscale (and its two-step path for a strided gradient), and the clip multiply with a
-coefficient of 1 (no write) and below 1.
+within a 16-byte vector (the kernels' head path), the replica checksum, a tensor of over 1024
+chunks (met by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf
+planted, the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
+the clip multiply with a coefficient of 1 (no write) and below 1.
 
 Built to keep the sanitizer's work on nanscan's kernels: every list is a set of views into one flat
 buffer per dtype, made on the CPU and copied over in one transfer, and every comparison is of whole
@@ -117,6 +117,12 @@ def main() -> None:
     agree(mixed.to(device), mixed)
     many = Views.random([(i * 7919) % 9_000 for i in range(800)], [dtypes[i % len(dtypes)] for i in range(800)], gen)
     agree(many.to(device), many)
+    # The replica checksum (its element-wise head and tail words assembled by shuffles, every start
+    # offset within a word), in the small capacity and in device memory, against the CPU backend's.
+    for views in (mixed, many):
+        got = nanscan.scan(views.to(device).tensors, checksum=True).checksum
+        want = nanscan.scan(views.tensors, checksum=True).checksum
+        assert got is not None and want is not None and torch.equal(got.cpu(), want), "the checksums differ"
     # Device memory: uploaded, then found in the cache; and the fp16-range scan.
     long_list = Views.random([1 + i % 300 for i in range(2000)], [FLOATS[i % 4] for i in range(2000)], gen)
     long_list.plant(1999, 0, -math.inf)
