@@ -11,10 +11,10 @@
 #   tools/gpu_session.sh bench [ARGS...]   # build, then bench_scan (ARGS: its options; default
 #                                          # gpt2-small and 10,000 x 1K fp32), bench_train_step
 #                                          # (batch 32) and bench_locate (decoder, bf16 autocast)
-#   tools/gpu_session.sh scan-bounds [N...]  # bench_scan's plain and checksum rows with the scan kernels
-#                                          # built as they are and with N resident blocks per SM asked of
-#                                          # ptxas for all of them (default 0: none; NOTES.md entries 24
-#                                          # and 25), then the default build again
+#   tools/gpu_session.sh scan-variants [NAME=VALUE...]  # bench_scan's scan and checksum rows and an
+#                                          # ncu profile, for the kernels as built and for each -DNAME=VALUE
+#                                          # build (default: NANSCAN_SCAN_PREFETCH=1, NANSCAN_SCAN_MIN_BLOCKS=0),
+#                                          # then the default build back in place (~7 minutes)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
 #
@@ -27,7 +27,7 @@
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-bounds [N...]|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-variants [NAME=VALUE...]|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -107,31 +107,40 @@ bench() {
       --json "$out/locate_cuda.json" 2>&1 | tee "$out/locate_cuda.txt" | tail -9
 }
 
-# The scan kernels as built (the checksum kernel bounded to 3 resident blocks per SM, the others not:
-# scan_cuda.cu, kScanMinBlocks) against builds with NANSCAN_SCAN_MIN_BLOCKS=N for every scan kernel
-# (default N: 0, no bound at all). The flag reaches nvcc through NVCC_APPEND_FLAGS, which the build's
-# dependency tracking does not see: each variant is a clean build. bench_scan times the ceiling, the
-# scan and the checksum scan only (--methods), so a variant takes ~30 s beside its ~100 s build.
-scan_bounds() {
-  local variants=("$@")
-  [ ${#variants[@]} -gt 0 ] || variants=(0)
-  for blocks in default "${variants[@]}"; do
-    echo "== scan kernels, NANSCAN_SCAN_MIN_BLOCKS=$blocks"
+# The scan kernels as built against builds with other -D flags (each VARIANT is one NAME=VALUE; the
+# default pair: NANSCAN_SCAN_PREFETCH=1, the L2 hint for the next small tensor, and
+# NANSCAN_SCAN_MIN_BLOCKS=0, no launch bound on any scan kernel; NOTES.md entries 25 and 26). The flag
+# reaches nvcc through NVCC_APPEND_FLAGS, which the build's dependency tracking does not see: each
+# variant is a clean build (~100 s on the H100 machine's 16 cores). For each: bench_scan's ceiling, scan and checksum rows (--methods,
+# ~30 s) and an ncu profile of tools/ncu_scan.py's launches (~15 s). Two files per variant in $out.
+scan_variants() {
+  local variants=("$@") ncu
+  [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_PREFETCH=1 NANSCAN_SCAN_MIN_BLOCKS=0)
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  for variant in default "${variants[@]}"; do
+    echo "== scan kernels: $variant"
     rm -rf build nanscan/_C*.so
-    if [ "$blocks" = default ]; then build; else NVCC_APPEND_FLAGS="-DNANSCAN_SCAN_MIN_BLOCKS=$blocks" build; fi
+    if [ "$variant" = default ]; then build && cp nanscan/_C*.so /tmp/nanscan_default_C.so
+    else NVCC_APPEND_FLAGS="-D$variant" build; fi
     "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024 \
         --dtype float32,bfloat16 --methods "nanscan.scan(checksum)" --max-repeats 20 --min-time 0.2 \
-        --json "$out/scan_bounds_$blocks.json" 2>"$out/scan_bounds_$blocks.err" |
-      tee "$out/scan_bounds_$blocks.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan"
+        2>/dev/null | tee "$out/variant_$variant.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan"
+    if [ -n "$ncu" ]; then
+      "$ncu" --profile-from-start off --clock-control none --section SpeedOfLight --section LaunchStats \
+          --section Occupancy --section SchedulerStats --section WarpStateStats "$PY" tools/ncu_scan.py \
+          >"$out/ncu_$variant.txt" 2>&1 || echo "ncu failed: see $out/ncu_$variant.txt"
+      grep -E "scan_kernel|Duration|DRAM Throughput|Issued Warp|Registers Per" "$out/ncu_$variant.txt" | cut -c1-100
+    fi
   done
-  echo "== the default build again, for what follows"
+  echo "== the default build back in place, for what follows"
   rm -rf build nanscan/_C*.so
-  build
+  cp /tmp/nanscan_default_C.so "nanscan/_C.$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))' | sed 's/^\.//')"
+  NANSCAN_PREBUILT=1 build
 }
 
 case "$stage" in
   build) build ;;
-  scan-bounds) scan_bounds "$@" ;;
+  scan-variants) scan_variants "$@" ;;
   test) build; tests ;;
   sanitize) build; sanitize "$@" ;;
   bench) build; bench "$@" ;;

@@ -512,14 +512,47 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 // 1.06x a plain scan's GPU time -> 1.02x; no case slower). The others ask for none (0): they sit at
 // 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128). NANSCAN_SCAN_MIN_BLOCKS
 // (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4) overrides it for every scan
-// kernel, for `tools/gpu_session.sh scan-bounds` to measure.
+// kernel, for `tools/gpu_session.sh scan-variants` to measure.
+// Measured on sm_90 only: on sm_80 the bound would spill 64-100 bytes, unmeasured on an A100, so
+// sm_80 keeps the unbounded kernel (the launch bound is a device-code attribute: the host pass's
+// value is never used; grid sizes come from the occupancy query of the compiled kernel).
 #if defined(NANSCAN_SCAN_MIN_BLOCKS)
 template <bool kChecksum>
 constexpr int kScanMinBlocks = NANSCAN_SCAN_MIN_BLOCKS;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+template <bool kChecksum>
+constexpr int kScanMinBlocks = 0;
 #else
 template <bool kChecksum>
 constexpr int kScanMinBlocks = kChecksum ? 3 : 0;
 #endif
+
+// NANSCAN_SCAN_PREFETCH=1 (a build flag, off by default: not yet measured on a GPU): before a warp
+// scans a tensor of one chunk, it asks for the next tensor's first chunk in L2. ncu found the
+// 10,000 x 1K scan latency-bound (NOTES.md entry 25): a warp's share is ~3 tensors of 4 KB, and
+// each tensor's loads wait for DRAM only after the previous tensor's reduction and writes. With the
+// hint, those loads should find L2 instead. Large tensors keep their own loads in flight and get no
+// hint. The addresses stay inside the next tensor's bytes.
+#ifndef NANSCAN_SCAN_PREFETCH
+#define NANSCAN_SCAN_PREFETCH 0
+#endif
+
+__device__ __forceinline__ void prefetch_to_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;  // the CPU emulator: nothing to prefetch into
+#endif
+}
+
+// One 128-byte line per lane and step, over the first chunk of tensor `t`.
+__device__ void prefetch_first_chunk(const ListView& list, int32_t t, int lane) {
+  const int64_t bytes = list.numel[t] * element_size(list.dtype_of(t));
+  const int64_t end = bytes < kChunkBytes ? bytes : kChunkBytes;
+  const char* base = static_cast<const char*>(list.data[t]);
+  constexpr int64_t kLine = 128;
+  for (int64_t at = lane * kLine; at < end; at += kWarpSize * kLine) prefetch_to_l2(base + at);
+}
 
 template <bool kHalfRange, bool kMultiply, bool kChecksum, int32_t kCapacity>
 __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
@@ -535,6 +568,9 @@ __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
   if (lane == 0) warp_totals[warp] = empty_stats();
   walk_warp_share<kCapacity>(list, shares, w, lane, [&](int32_t t, ChunkRange chunks) {
     if (lane == 0) warp_parts[warp] = empty_stats();
+    if (NANSCAN_SCAN_PREFETCH && list.chunks_of(t) == 1 && t + 1 < list.num_tensors) {
+      prefetch_first_chunk(list, t + 1, lane);
+    }
     scan_run_any<kHalfRange, kMultiply, kChecksum>(list.dtype_of(t), list.data[t], list.elements_of(t, chunks), lane,
                                                    factor, &warp_parts[warp]);
     __syncwarp();  // lane 0's partial, to every lane
