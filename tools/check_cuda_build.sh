@@ -29,6 +29,34 @@ for src in csrc/cuda/*.cu; do
   done
 done
 
+# The sm_90 resources the H100 measurements rest on (benchmarks/NOTES.md entry 25): every scan kernel
+# at most 80 registers (3 resident blocks of 256 threads per SM), and no spill in the kernels without
+# the checksum. A change that pushes ptxas past that changes occupancy unseen: it fails here, and
+# wants a GPU measurement before it lands. (`-Xptxas -v` prints, per kernel: the entry, its stack and
+# spill line, its register line.)
+if ! python - "$out/scan_cuda.cu.sm_90.log" <<'PY'
+import re, sys
+kernels = []
+for block in open(sys.argv[1]).read().split("Compiling entry function '")[1:]:
+    name = block.split("'", 1)[0]
+    spill, regs = re.search(r"(\d+) bytes spill stores", block), re.search(r"Used (\d+) registers", block)
+    if "scan_kernel" in name and spill and regs:
+        kernels.append((name, spill.group(1), regs.group(1)))
+bad = []
+for name, spill, regs in kernels:
+    checksum = re.search(r"scan_kernelIL(b[01])EL(b[01])EL(b[01])E", name).group(3) == "b1"
+    if int(regs) > 80 or (not checksum and int(spill) > 0):
+        bad.append(f"{name}: {regs} registers, {spill} bytes spilled")
+if not kernels or bad:
+    print("\n".join(bad) or "no scan kernel in the ptxas report", file=sys.stderr)
+    sys.exit(1)
+print(f"check_cuda_build: ok sm_90 scan kernels: {len(kernels)} at <= 80 registers, no spill outside the checksum")
+PY
+then
+  echo "check_cuda_build: FAILED: sm_90 scan kernel resources moved (see above)" >&2
+  status=1
+fi
+
 # Flush-to-zero would turn subnormal gradients into zeros in min/max and the norm (-use_fast_math or
 # -ftz=true do that); the PTX the build makes must have no .ftz instruction. Made with the
 # NANSCAN_SCAN_PREFETCH=1 variant (the default build compiled above), so that the flagged code, which
