@@ -283,18 +283,34 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
     return found
 
 
-def selected(found: list[Method], names: str | None) -> list[Method]:
-    """``found`` narrowed to the comma-separated ``names`` (``--methods``); the stall probe, the ceiling
-    and the scan always stay, since every ratio is taken against them."""
+def method_names(names: str | None) -> set[str] | None:
+    """The methods ``--methods`` asks for, plus those every ratio needs: the stall probe, the ceiling
+    and the scan (None: all)."""
     if not names:
-        return found
-    wanted = set(names.split(",")) | {PROBE, CEILING, SCAN}
-    unknown = wanted - {method.name for method in found}
+        return None
+    return {name.strip() for name in names.split(",") if name.strip()} | {PROBE, CEILING, SCAN}
+
+
+def check_method_names(wanted: set[str] | None, device: torch.device, cases: Sequence[Case]) -> None:
+    """Exits naming any ``--methods`` entry that no case would time (before any case is built): a
+    name that exists for some cases only (torch.compile on short CUDA lists, the AMP peers) is fine."""
+    if wanted is None:
+        return
+    known: set[str] = set()
+    for dtype, count in {(case.dtype, len(case.shapes)) for case in cases}:
+        known |= {method.name for method in methods(device, DTYPES[dtype], count)}
+    unknown = wanted - known
     if unknown:
-        sys.exit(
-            f"bench_scan: unknown --methods {', '.join(sorted(unknown))}; known: {', '.join(m.name for m in found)}"
-        )
-    return [method for method in found if method.name in wanted]
+        sys.exit(f"bench_scan: unknown --methods {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+
+
+def selected(found: list[Method], wanted: set[str] | None) -> list[Method]:
+    """``found`` narrowed to ``wanted`` and the nanscan counterparts of the peers in it, which their
+    "vs nanscan" column is taken against."""
+    if wanted is None:
+        return found
+    keep = wanted | {method.counterpart for method in found if method.name in wanted and method.counterpart}
+    return [method for method in found if method.name in keep]
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -538,7 +554,7 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
     if device.type == "cuda":
         torch.compiler.reset()  # a fresh compile cache per case: no recompile limit, no stale graphs
     try:
-        found = selected(methods(device, DTYPES[case.dtype], len(case.shapes)), args.methods)
+        found = selected(methods(device, DTYPES[case.dtype], len(case.shapes)), method_names(args.methods))
         case.times = time_methods(found, copies, args, sync)
         case.probe = case.times.pop(PROBE)
         case.counterparts = {method.name: method.counterpart for method in found}
@@ -753,6 +769,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cases = select_cases(args, load_zoo(args.zoo))
+    check_method_names(method_names(args.methods), device, cases)
     info = machine(device)
     print(
         f"nanscan {info['nanscan']}, torch {info['torch']}, {info['device']}, {info['cpu']}, "

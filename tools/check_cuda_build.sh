@@ -30,8 +30,8 @@ for src in csrc/cuda/*.cu; do
 done
 
 # The sm_90 resources the H100 measurements rest on (benchmarks/NOTES.md entry 25): every scan kernel
-# at most 80 registers (3 resident blocks of 256 threads per SM), and no spill in the kernels without
-# the checksum. A change that pushes ptxas past that changes occupancy unseen: it fails here, and
+# at most 80 registers (3 resident blocks of 256 threads per SM), no spill in the kernels without
+# the checksum, and at most 64 bytes in the checksum ones (16-48 when measured). A change that pushes ptxas past that changes occupancy unseen: it fails here, and
 # wants a GPU measurement before it lands. (`-Xptxas -v` prints, per kernel: the entry, its stack and
 # spill line, its register line.)
 if ! python - "$out/scan_cuda.cu.sm_90.log" <<'PY'
@@ -45,12 +45,12 @@ for block in open(sys.argv[1]).read().split("Compiling entry function '")[1:]:
 bad = []
 for name, spill, regs in kernels:
     checksum = re.search(r"scan_kernelIL(b[01])EL(b[01])EL(b[01])E", name).group(3) == "b1"
-    if int(regs) > 80 or (not checksum and int(spill) > 0):
+    if int(regs) > 80 or int(spill) > (64 if checksum else 0):
         bad.append(f"{name}: {regs} registers, {spill} bytes spilled")
 if not kernels or bad:
     print("\n".join(bad) or "no scan kernel in the ptxas report", file=sys.stderr)
     sys.exit(1)
-print(f"check_cuda_build: ok sm_90 scan kernels: {len(kernels)} at <= 80 registers, no spill outside the checksum")
+print(f"check_cuda_build: ok sm_90 scan kernels: {len(kernels)} at <= 80 registers, spill only in the checksum's")
 PY
 then
   echo "check_cuda_build: FAILED: sm_90 scan kernel resources moved (see above)" >&2
@@ -58,9 +58,10 @@ then
 fi
 
 # Flush-to-zero would turn subnormal gradients into zeros in min/max and the norm (-use_fast_math or
-# -ftz=true do that); the PTX the build makes must have no .ftz instruction. Made with the
-# NANSCAN_SCAN_PREFETCH=1 variant (the default build compiled above), so that the flagged code, which
-# only a GPU session measures, keeps compiling warning-free and keeps its L2 hints.
+# -ftz=true do that); the PTX must have no .ftz instruction. The PTX checked is the
+# NANSCAN_SCAN_PREFETCH=1 variant's (the default's source plus the L2 hints; the default itself was
+# compiled above), so that the flagged code, which only a GPU session measures, keeps compiling
+# warning-free and keeps its hints.
 if "$NVCC" -ptx csrc/cuda/scan_cuda.cu -o "$out/scan_cuda.ptx" -std=c++17 -O3 -arch=compute_90 \
     --expt-relaxed-constexpr -DNANSCAN_SCAN_PREFETCH=1 -Werror all-warnings >"$out/ptx.log" 2>&1; then
   if grep -q "\.ftz" "$out/scan_cuda.ptx"; then

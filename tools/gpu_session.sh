@@ -55,7 +55,7 @@ tests() {
   # workers (the H100 machine has 16 cores): 1,017 tests in ~250 s there on 2026-11-22. The emulator
   # test is left to CI: it runs the CUDA kernels' source on the CPU, a thread per lane, and under 14
   # workers it outlasted its limit; it says nothing about the GPU.
-  "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8
+  "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true  # then the rest
   local parallel=()
   "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 14)
   "$PY" -m pytest -q -rfE "${parallel[@]}" --durations=20 tests --deselect tests/test_cuda_emulated.py 2>&1 |
@@ -112,24 +112,33 @@ bench() {
 # NANSCAN_SCAN_MIN_BLOCKS=0, no launch bound on any scan kernel; NOTES.md entries 25 and 26). The flag
 # reaches nvcc through NVCC_APPEND_FLAGS, which the build's dependency tracking does not see: each
 # variant is a clean build (~100 s on the H100 machine's 16 cores). For each: bench_scan's ceiling, scan and checksum rows (--methods,
-# ~30 s) and an ncu profile of tools/ncu_scan.py's launches (~15 s). Two files per variant in $out.
+# ~30 s) and an ncu profile of tools/ncu_scan.py's launches (~15 s). Two files per variant in $out,
+# and bench_scan's progress and errors in variants.err.
 scan_variants() {
-  local variants=("$@") ncu
+  local variants=("$@") ncu NANSCAN_PREBUILT=0  # every variant is built here, whatever the caller set
   [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_PREFETCH=1 NANSCAN_SCAN_MIN_BLOCKS=0)
-  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  ncu="$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu /usr/local/cuda/nsight-compute-*/ncu \
+    /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  rm -f /tmp/nanscan_default_C.so
   for variant in default "${variants[@]}"; do
     echo "== scan kernels: $variant"
     rm -rf build nanscan/_C*.so
-    if [ "$variant" = default ]; then build && cp nanscan/_C*.so /tmp/nanscan_default_C.so
-    else NVCC_APPEND_FLAGS="-D$variant" build; fi
+    if [ "$variant" = default ]; then
+      build || return 1
+      cp nanscan/_C*.so /tmp/nanscan_default_C.so
+    else
+      NVCC_APPEND_FLAGS="-D$variant" build || return 1
+    fi
     "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024 \
         --dtype float32,bfloat16 --methods "nanscan.scan(checksum)" --max-repeats 20 --min-time 0.2 \
-        2>/dev/null | tee "$out/variant_$variant.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan"
+        2>>"$out/variants.err" | tee "$out/variant_$variant.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan" ||
+      echo "bench_scan printed no rows for $variant: see $out/variants.err"
     if [ -n "$ncu" ]; then
       "$ncu" --profile-from-start off --clock-control none --section SpeedOfLight --section LaunchStats \
           --section Occupancy --section SchedulerStats --section WarpStateStats "$PY" tools/ncu_scan.py \
           >"$out/ncu_$variant.txt" 2>&1 || echo "ncu failed: see $out/ncu_$variant.txt"
-      grep -E "scan_kernel|Duration|DRAM Throughput|Issued Warp|Registers Per" "$out/ncu_$variant.txt" | cut -c1-100
+      grep -E "scan_kernel|Duration|DRAM Throughput|Issued Warp|Registers Per" "$out/ncu_$variant.txt" | cut -c1-100 ||
+        true
     fi
   done
   echo "== the default build back in place, for what follows"

@@ -513,13 +513,14 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 // 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128). NANSCAN_SCAN_MIN_BLOCKS
 // (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4) overrides it for every scan
 // kernel, for `tools/gpu_session.sh scan-variants` to measure.
-// Measured on sm_90 only: on sm_80 the bound would spill 64-100 bytes, unmeasured on an A100, so
-// sm_80 keeps the unbounded kernel (the launch bound is a device-code attribute: the host pass's
-// value is never used; grid sizes come from the occupancy query of the compiled kernel).
+// Measured on sm_90 only, so only sm_90 takes the bound: on sm_80 it would spill 64-100 bytes,
+// unmeasured on an A100, and newer archs are unmeasured too (the launch bound is a device-code
+// attribute: the host pass's value is never used; grid sizes come from the occupancy query of the
+// compiled kernel).
 #if defined(NANSCAN_SCAN_MIN_BLOCKS)
 template <bool kChecksum>
 constexpr int kScanMinBlocks = NANSCAN_SCAN_MIN_BLOCKS;
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
 template <bool kChecksum>
 constexpr int kScanMinBlocks = 0;
 #else
@@ -540,8 +541,10 @@ constexpr int kScanMinBlocks = kChecksum ? 3 : 0;
 __device__ __forceinline__ void prefetch_to_l2(const void* p) {
 #if defined(__CUDA_ARCH__)
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#elif defined(NANSCAN_EMULATED_PREFETCH)
+  NANSCAN_EMULATED_PREFETCH(p);  // the CPU emulator records it; its test checks the address
 #else
-  (void)p;  // the CPU emulator: nothing to prefetch into
+  (void)p;
 #endif
 }
 
