@@ -31,8 +31,9 @@ done
 
 # The sm_90 resources the H100 measurements rest on (benchmarks/NOTES.md entry 25): every scan kernel
 # at most 80 registers (3 resident blocks of 256 threads per SM), no spill in the kernels without
-# the checksum, and at most 64 bytes in the checksum ones (16-48 when measured). A change that pushes ptxas past that changes occupancy unseen: it fails here, and
-# wants a GPU measurement before it lands. (`-Xptxas -v` prints, per kernel: the entry, its stack and
+# the checksum, and at most 64 bytes in the checksum ones (16-48 when measured). A change that
+# pushes ptxas past that changes occupancy unseen: it fails here, and wants a GPU measurement
+# before it lands. (`-Xptxas -v` prints, per kernel: the entry, its stack and
 # spill line, its register line.)
 if ! python - "$out/scan_cuda.cu.sm_90.log" <<'PY'
 import re, sys

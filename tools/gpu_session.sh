@@ -111,9 +111,9 @@ bench() {
 # default pair: NANSCAN_SCAN_PREFETCH=1, the L2 hint for the next small tensor, and
 # NANSCAN_SCAN_MIN_BLOCKS=0, no launch bound on any scan kernel; NOTES.md entries 25 and 26). The flag
 # reaches nvcc through NVCC_APPEND_FLAGS, which the build's dependency tracking does not see: each
-# variant is a clean build (~100 s on the H100 machine's 16 cores). For each: bench_scan's ceiling, scan and checksum rows (--methods,
-# ~30 s) and an ncu profile of tools/ncu_scan.py's launches (~15 s). Two files per variant in $out,
-# and bench_scan's progress and errors in variants.err.
+# variant is a clean build (~100 s on the H100 machine's 16 cores). For each: bench_scan's ceiling,
+# scan and checksum rows (--methods, ~30 s) and an ncu profile of tools/ncu_scan.py's launches
+# (~15 s). Two files per variant in $out, and bench_scan's progress and errors in variants.err.
 scan_variants() {
   local variants=("$@") ncu NANSCAN_PREBUILT=0  # every variant is built here, whatever the caller set
   [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_PREFETCH=1 NANSCAN_SCAN_MIN_BLOCKS=0)

@@ -510,9 +510,9 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 // checksum kernel asks for 3: left alone, ptxas gives it 128 registers (2 blocks of 256 threads), and
 // on an H100 the bound's 80 registers with 16-48 bytes of spill ran up to 5% faster (llama-1b fp32:
 // 1.06x a plain scan's GPU time -> 1.02x; no case slower). The others ask for none (0): they sit at
-// 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128). NANSCAN_SCAN_MIN_BLOCKS
-// (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4) overrides it for every scan
-// kernel, for `tools/gpu_session.sh scan-variants` to measure.
+// 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128).
+// NANSCAN_SCAN_MIN_BLOCKS (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4)
+// overrides it for every scan kernel, for `tools/gpu_session.sh scan-variants` to measure.
 // Measured on sm_90 only, so only sm_90 takes the bound: on sm_80 it would spill 64-100 bytes,
 // unmeasured on an A100, and newer archs are unmeasured too (the launch bound is a device-code
 // attribute: the host pass's value is never used; grid sizes come from the occupancy query of the

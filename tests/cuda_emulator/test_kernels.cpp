@@ -357,7 +357,7 @@ void check_scan(const char* what, const std::vector<HostTensor>& list, int num_s
   cuda_emulator::prefetched.clear();
   expect_matches(what, list, run_scan(list, ScanKind::Plain, num_sms), false);
   check_prefetch_hints(what, list);
-  check_block_order_does_not_matter(what, list, num_sms);  // on a copy of the list: its hints are not checked
+  check_block_order_does_not_matter(what, list, num_sms);  // scans a copy: its hints are not checked
   cuda_emulator::prefetched.clear();
   expect_matches(what, list, run_scan(list, ScanKind::HalfRange, num_sms), true);
   expect_matches(what, list, run_scan(list, ScanKind::Checksum, num_sms), false, true);
