@@ -16,6 +16,12 @@
 #                                          # build (default: NANSCAN_SCAN_PREFETCH=1, NANSCAN_SCAN_MIN_BLOCKS=0),
 #                                          # then the default build back in place (~7 minutes)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
+#
+# Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
+# first command with `gzip -c nanscan/_C*.so > $OUT/C.so.gz`, gunzip that into nanscan/ here, and
+# name the .so in the device tool's `carry` (it is git-ignored, so it does not travel otherwise);
+# later commands then run with NANSCAN_PREBUILT=1. A bare machine has no editable install either:
+# scripts run from the checkout find nanscan with `PYTHONPATH=$PWD`.
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
 #
 # memcheck, racecheck and synccheck instrument nanscan's kernels only (the sanitizer's kernel-name
