@@ -18,7 +18,9 @@ same thing). Three ways to run it, timed in the same run on the same model and d
 
 Models: ``decoder``, a GPT-2-shaped causal decoder built from torch's layers (embedding, pre-norm
 ``TransformerEncoderLayer`` x layers, final LayerNorm, tied output projection; the shape of
-``bench_train_step.py`` at a CPU-friendly size), and ``mlp``, Linear+GELU pairs. The MLP is the
+``bench_train_step.py`` at a CPU-friendly size); ``gpt2``, the same decoder at GPT-2-small's size
+(12 layers, d_model 768, vocabulary 50257, 4 x 1024 tokens: for a GPU, where the small decoder's
+step is host-bound); and ``mlp``, Linear+GELU pairs. The MLP is the
 hard case for ``locate``: one op per module, so the per-module cost (hooks and one scan per call and
 phase) meets the per-op cost of ``detect_anomaly`` almost one to one. A transformer runs several ops
 per module call (attention alone is about twenty).
@@ -63,6 +65,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import Decoder
 
 METHODS = ("plain", "locate", "detect_anomaly")
+# (vocabulary, d_model, heads, layers, context, batch) of the decoders; --quick shrinks both to one.
+DECODER_SIZES = {"decoder": (2048, 256, 4, 4, 128, 4), "gpt2": (50257, 768, 12, 12, 1024, 4)}
+QUICK_DECODER = (512, 64, 4, 2, 32, 4)
 Loss = Callable[[], torch.Tensor]  # one step's forward and loss
 
 
@@ -81,8 +86,8 @@ def build(name: str, quick: bool, device: torch.device) -> tuple[torch.nn.Module
 
 
 def _build(name: str, quick: bool) -> tuple[torch.nn.Module, Loss, str, str]:
-    if name == "decoder":
-        vocab, d_model, heads, layers, context, batch = (512, 64, 4, 2, 32, 4) if quick else (2048, 256, 4, 4, 128, 4)
+    if name in DECODER_SIZES:
+        vocab, d_model, heads, layers, context, batch = QUICK_DECODER if quick else DECODER_SIZES[name]
         model = Decoder(vocab, d_model, heads, layers, context)
         tokens = torch.randint(0, vocab, (batch, context + 1))
 
@@ -179,7 +184,9 @@ def events_per_step(model: torch.nn.Module, loss: Loss, autocast: bool) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["decoder", "mlp", "all"], default="all")
+    parser.add_argument(
+        "--model", choices=["decoder", "gpt2", "mlp", "all"], default="all", help="all: decoder and mlp"
+    )
     parser.add_argument("--autocast", action="store_true", help="run the forward under bf16 autocast")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 20, --quick 4)")
     parser.add_argument("--warmup", type=int, default=2)

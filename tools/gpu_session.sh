@@ -10,7 +10,8 @@
 #                                          # racecheck, synccheck, initcheck; default all four)
 #   tools/gpu_session.sh bench [ARGS...]   # build, then bench_scan (ARGS: its options; default
 #                                          # gpt2-small and 10,000 x 1K fp32), bench_train_step
-#                                          # (batch 32) and bench_locate (decoder, bf16 autocast)
+#                                          # (batch 32) and bench_locate (decoder and gpt2, bf16
+#                                          # autocast)
 #   tools/gpu_session.sh scan-variants [NAME=VALUE...]  # bench_scan's scan and checksum rows and an
 #                                          # ncu profile, for the kernels as built and for each -DNAME=VALUE
 #                                          # build (default: NANSCAN_SCAN_PREFETCH=1, NANSCAN_SCAN_MIN_BLOCKS=0),
@@ -109,8 +110,11 @@ bench() {
       --json "$out/bench_scan_cuda.json" 2>"$out/bench_scan_cuda.err" | tee "$out/bench_scan_cuda.txt" | tail -12
   "$PY" benchmarks/bench_train_step.py --batch 32 --json "$out/train_step.json" 2>"$out/train_step.err" |
     tee "$out/train_step.txt"
-  "$PY" benchmarks/bench_locate.py --device cuda --model decoder --autocast --rounds 15 \
-      --json "$out/locate_cuda.json" 2>&1 | tee "$out/locate_cuda.txt" | tail -9
+  local model
+  for model in decoder gpt2; do  # the small decoder (host-bound on a GPU) and GPT-2-small's size
+    "$PY" benchmarks/bench_locate.py --device cuda --model "$model" --autocast --rounds 15 \
+        --json "$out/locate_cuda_$model.json" 2>&1 | tee "$out/locate_cuda_$model.txt" | tail -9
+  done
 }
 
 # The scan kernels as built against builds with other -D flags (each VARIANT is one NAME=VALUE; the
