@@ -90,15 +90,18 @@ RECORD_SOURCE_DTYPES = frozenset(
 _RECORD = "nanscan.record_"
 
 
-def _check_record(
+@register_fake("nanscan::record_")
+@register_fake("nanscan::_record_composite_")  # the same op, by its composite: the same fake
+def _record_fake(
     rows: torch.Tensor,
     counter: torch.Tensor,
     sources: list[torch.Tensor],
     attribution: torch.Tensor | None,
     attribution_sources: list[torch.Tensor],
 ) -> None:
-    """What the kernels check of record_'s arguments and a fake kernel can (no values): the torch
-    dispatcher sends a call with one meta tensor among CPU ones here, not to the kernels."""
+    """record_'s fake kernel: it writes in place and returns nothing, so all it does is check what
+    the kernels check of the arguments and a fake can (no values): the torch dispatcher sends a call
+    with one meta tensor among CPU ones here, not to the kernels."""
     torch._check(
         counter.dtype == torch.int64 and counter.numel() == 1,
         lambda: (
@@ -146,15 +149,3 @@ def _check_record_block(
         total == target.shape[1],
         lambda: f"{_RECORD}: {sources_name} hold {total} values but a row of {target_name} holds {target.shape[1]}",
     )
-
-
-@register_fake("nanscan::record_")
-@register_fake("nanscan::_record_composite_")  # the same op, by its composite: the same fake
-def _record_fake(
-    rows: torch.Tensor,
-    counter: torch.Tensor,
-    sources: list[torch.Tensor],
-    attribution: torch.Tensor | None,
-    attribution_sources: list[torch.Tensor],
-) -> None:
-    _check_record(rows, counter, sources, attribution, attribution_sources)  # writes in place, returns nothing
