@@ -41,7 +41,7 @@ from torch.utils._foreach_utils import _device_has_foreach_support
 
 from . import distributed
 from ._ops import scale_op
-from .scan import SUPPORTED_DTYPES, ScanResult, describe, group_by_device, scan, validate
+from .scan import SUPPORTED_DTYPES, ScanResult, describe, gradients_of, group_by_device, scan, validate
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
@@ -81,12 +81,14 @@ NORM_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bflo
 _FLOAT8_DTYPES = SUPPORTED_DTYPES - NORM_DTYPES
 
 
-def result_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+def result_dtype(tensors: list[torch.Tensor], dtypes: set[torch.dtype] | None = None) -> torch.dtype:
     """The dtype torch's total norm has: its per-tensor norms keep each dtype and are then stacked.
-    float8 (which has no torch norm, and promotes with nothing) counts as float32 in a check's total."""
-    if distributed.has_dtensor(tensors[:1]):
-        tensors = distributed.to_local(tensors)  # a DTensor's dtype is its shard's, 3-4x cheaper to read
-    dtypes = {t.dtype for t in tensors}  # then per dtype, not per tensor: this runs every step
+    float8 (which has no torch norm, and promotes with nothing) counts as float32 in a check's total.
+    ``dtypes``: the tensors' dtypes, when the caller knows them (``distributed.LocalView.dtypes``)."""
+    if dtypes is None:
+        if distributed.has_dtensor(tensors[:1]):
+            tensors = distributed.to_local(tensors)  # a DTensor's dtype is its shard's, 3-4x cheaper to read
+        dtypes = {t.dtype for t in tensors}  # then per dtype, not per tensor: this runs every step
     return reduce(torch.promote_types, {torch.float32 if d in _FLOAT8_DTYPES else d for d in dtypes})
 
 
@@ -104,15 +106,19 @@ def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
 
 
 def total_norm_of(
-    grads: list[torch.Tensor], stats: ScanResult, norm_type: float, process_group: Any = None
+    grads: list[torch.Tensor],
+    stats: ScanResult,
+    norm_type: float,
+    process_group: Any = None,
+    dtypes: set[torch.dtype] | None = None,
 ) -> torch.Tensor:
     """The total norm of ``grads`` (scanned into ``stats``) in torch's result dtype: from the scan
     when it answers ``norm_type``, else torch's own (made global over ``process_group``); float64
-    zero for an empty list."""
+    zero for an empty list. ``dtypes``: the gradients' dtypes, if known (see result_dtype)."""
     if not grads and process_group is None:
         return torch.zeros((), dtype=torch.float64)
     if scan_answers(grads, norm_type):
-        dtype = result_dtype(grads) if grads else torch.float64
+        dtype = result_dtype(grads, dtypes) if grads else torch.float64
         return total_norm_from_scan(stats, norm_type).to(dtype)
     local = torch_get_total_norm(grads, norm_type) if grads else torch.zeros((), dtype=torch.float64)
     return distributed.global_norm(local, norm_type, process_group)
@@ -161,10 +167,14 @@ def _total_norm(
     if not tensors and process_group is None:
         return torch.tensor(0.0), tensors
     # A DTensor's dtype and device are its local shard's, read there: a DTensor's attributes cost
-    # 3-4x a plain tensor's (0.2 ms per 1,000). Lists are routed by their first entry, as scan does.
-    shards = distributed.to_local(tensors) if distributed.has_dtensor(tensors[:1]) else tensors
+    # 3-4x a plain tensor's (0.2 ms per 1,000), and the dtypes of a list of them are its plan's.
+    # Lists are routed by their first entry, as scan does.
+    view = None
+    if process_group is not None or distributed.has_dtensor(tensors[:1]):
+        view = distributed.local_view(tensors)
+    shards = view.shards if view is not None else tensors
     try:
-        dtypes = {t.dtype for t in shards}
+        dtypes = view.dtypes() if view is not None else {t.dtype for t in shards}
     except AttributeError:
         validate(tensors)  # raises, naming the entry that is not a tensor
         raise
@@ -179,9 +189,9 @@ def _total_norm(
         total = distributed.global_norm(local, norm_type, process_group)
     else:
         with torch.no_grad():
-            if process_group is not None or shards is not tensors:
+            if view is not None:
                 # Only the total crosses ranks: one number per mesh, not every tensor's statistics.
-                total = distributed.total_norm(tensors, norm_type, process_group, shards)
+                total = distributed.total_norm(view, norm_type, process_group)
             else:
                 total = total_norm_from_scan(scan(tensors), norm_type)
             total = total.to(reduce(torch.promote_types, dtypes or {torch.float32}))
@@ -231,7 +241,7 @@ def gradients(parameters: TensorOrTensors) -> tuple[list[torch.Tensor], list[tor
     try:
         # One attribute read per parameter: a list of 10,000 costs ~0.05 us each (an isinstance test
         # against torch.Tensor alone costs as much), and the ops reject anything that is not a tensor.
-        grads = [p.grad for p in parameters]
+        grads = gradients_of(parameters)
     except AttributeError:
         for i, p in enumerate(parameters):
             if not isinstance(p, torch.Tensor):

@@ -274,7 +274,7 @@ def verify_replicas(
         # Only the checksums are needed, and they are of local data: the local parts are scanned
         # alone, without the statistics' collectives a scan of DTensors would add.
         has_dtensor = distributed.has_dtensor(tensors)
-        local = distributed.local_parts(tensors, distributed.plan_of(tensors)) if has_dtensor else tensors
+        local = distributed.local_parts(distributed.local_view(tensors)) if has_dtensor else tensors
         result = scan_local(local, names, False, checksum=True)
     assert result.checksum is not None
     return compare_tensors(names, tensors, result.checksum, replica_group(model_or_params, process_group))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, overload
 import torch
 import torch.distributed as dist
 
-from . import ddp
+from . import ddp, distributed
 from .clip import (
     as_max_norm,
     as_norm_type,
@@ -18,7 +18,7 @@ from .clip import (
 )
 from .distributed import Attribution
 from .guard import ON_NONFINITE, act_on_nonfinite, check_max_consecutive_skips, raise_on_nonfinite
-from .scan import ScanResult, scan
+from .scan import ScanResult, gradients_of, routed_scan
 
 if TYPE_CHECKING:  # nanscan.replicas and nanscan.recorder import this module
     from .recorder import Recorder
@@ -319,7 +319,7 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
     if isinstance(model_or_params, torch.nn.Module):
         # Parameters are tensors: no entry can need naming in an error.
         named = list(model_or_params.named_parameters())
-        all_grads = [p.grad for _, p in named]
+        all_grads = gradients_of([p for _, p in named])
         grads = [g for g in all_grads if g is not None]
         if len(grads) == len(named):
             return [name for name, _ in named], grads
@@ -330,7 +330,7 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
         items = model_or_params if isinstance(model_or_params, (list, tuple)) else list(model_or_params)
         try:
             # The common case, a list of parameters: comprehensions, names left to PositionalNames.
-            all_grads = [p.grad for p in items]
+            all_grads = gradients_of(items)
         except AttributeError:
             pass  # (name, parameter) pairs, or an entry that is no tensor: named one by one below
         else:
@@ -338,11 +338,12 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
             if len(grads) == len(items):
                 return PositionalNames(range(len(items))), grads
             return PositionalNames([i for i, g in enumerate(all_grads) if g is not None]), grads
-        if all(type(item) is tuple and len(item) == 2 for item in items):
+        if set(map(type, items)) == {tuple} and set(map(len, items)) == {2}:
             # A list of (name, parameter) pairs made once (list(model.named_parameters())), the way to
-            # skip the walk of the module tree each step: comprehensions, no per-pair Python branch.
+            # skip the walk of the module tree each step: C-level maps and comprehensions, no per-pair
+            # Python branch.
             try:
-                all_grads = [p.grad for _, p in items]
+                all_grads = gradients_of([p for _, p in items])
             except AttributeError:
                 pass  # an entry that is no tensor: named one by one below
             else:
@@ -432,8 +433,13 @@ def check(
             "for the replicas' own group"
         )
     names, grads = named_gradients(model_or_params)
+    # DTensors (and process_group): their plan and local shards, made once for the scan, the norm's
+    # dtype and the clip.
+    view = None
+    if process_group is not None or distributed.has_dtensor(grads[:1]):
+        view = distributed.local_view(grads)
     with torch.no_grad():
-        stats = scan(grads, names, process_group=process_group, checksum=verify_replicas)
+        stats = routed_scan(grads, names, False, verify_replicas, process_group, view)
         replicas = None
         if verify_replicas:
             from . import replicas as replicas_module
@@ -448,7 +454,7 @@ def check(
         if scanner is not None:  # DDP with nanscan's hook: which ranks' own gradients held a NaN/Inf
             params = [p for _, p in model_or_params.named_parameters() if p.grad is not None]  # type: ignore[union-attr]
             stats = ddp.with_attribution(stats, scanner, params)
-        total = total_norm_of(grads, stats, norm_type, process_group)
+        total = total_norm_of(grads, stats, norm_type, process_group, view.dtypes() if view is not None else None)
         # (Across processes the flag and the total are global, so every rank takes the same branch.)
         clips = max_norm is not None and (len(grads) > 0 or process_group is not None)
         if on_nonfinite == "raise" and clips and not bool(stats.finite):
@@ -458,7 +464,8 @@ def check(
             if recorder is not None:
                 recorder.append(early)
             raise_on_nonfinite(early)
-        coef = clip_grads_with_norm_(grads, max_norm, total) if clips and max_norm is not None else None
+        scaled = view.shards if view is not None else grads
+        coef = clip_grads_with_norm_(scaled, max_norm, total) if clips and max_norm is not None else None
     report = Report(names, stats, total, norm_type, max_norm, coef, replicas)
     if recorder is not None:
         recorder.append(report, skipped=~stats.finite if on_nonfinite == "skip" else False)

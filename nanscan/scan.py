@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from ._ops import scan_op
 
 if TYPE_CHECKING:
+    from . import distributed
     from .distributed import Attribution
 
 SUPPORTED_DTYPES = frozenset(
@@ -136,6 +138,27 @@ def validate(tensors: Sequence[object], names: Sequence[str] | None = None) -> N
             )
 
 
+_GRAD = operator.attrgetter("grad")
+_PLAIN_PARAMETER_TYPES = (torch.nn.Parameter, torch.Tensor)
+
+
+def gradients_of(parameters: Sequence[Any]) -> list[torch.Tensor | None]:
+    """``[p.grad for p in parameters]``, at half the cost for DTensor parameters (FSDP2, tensor parallel).
+
+    DTensor disables ``__torch_function__``, yet the ``.grad`` getter of every Tensor subclass looks
+    it up on each read: 0.12 us of the 0.26 us a DTensor's read costs on the CPU this was measured on,
+    a tenth of a checked step's host time per parameter. With subclass dispatch switched off the getter
+    skips the lookup. Only where that changes nothing: when the type of every entry disables
+    ``__torch_function__`` (a subclass with its own still sees each read; torch function modes are
+    untouched). Raises AttributeError, as the comprehension does, for an entry that is no tensor."""
+    if parameters and type(parameters[0]) not in _PLAIN_PARAMETER_TYPES and not torch.compiler.is_compiling():
+        types = set(map(type, parameters))
+        if all(getattr(t, "__torch_function__", None) is torch._C._disabled_torch_function_impl for t in types):
+            with torch._C.DisableTorchFunctionSubclass():
+                return list(map(_GRAD, parameters))
+    return [p.grad for p in parameters]
+
+
 def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
     """Indices of the tensors on each device, devices in order of first appearance."""
     groups: dict[torch.device, list[int]] = {}
@@ -186,10 +209,26 @@ def scan(
             "nanscan.scan: checksum=True compares replicas of the same tensors; process_group is for ranks "
             "that hold different ones (pipeline stages). Scan without process_group to compare replicas"
         )
-    if process_group is not None or (tensors and _is_dtensor(tensors[0])):
+    return routed_scan(tensors, names, fp16_range, checksum, process_group)
+
+
+def routed_scan(
+    tensors: list[torch.Tensor],
+    names: Sequence[str] | None,
+    fp16_range: bool,
+    checksum: bool,
+    process_group: Any,
+    view: distributed.LocalView | None = None,
+) -> ScanResult:
+    """``scan`` once its arguments are checked: plain tensors in this process, DTensors and
+    ``process_group`` through nanscan.distributed. ``view``: ``distributed.local_view(tensors)``, when
+    the caller has made it (``check`` shares it with the clip)."""
+    if view is not None or process_group is not None or (tensors and _is_dtensor(tensors[0])):
         from . import distributed
 
-        return distributed.scan(tensors, names, fp16_range, process_group, checksum)
+        if view is None:
+            view = distributed.local_view(tensors)
+        return distributed.scan(view, names, fp16_range, process_group, checksum)
     try:
         return scan_local(tensors, names, fp16_range, checksum)
     except (RuntimeError, TypeError):
@@ -199,7 +238,7 @@ def scan(
             from . import distributed
 
             if distributed.has_dtensor(tensors):
-                return distributed.scan(tensors, names, fp16_range, checksum=checksum)
+                return distributed.scan(distributed.local_view(tensors), names, fp16_range, checksum=checksum)
         raise
 
 
