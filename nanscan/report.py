@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, overload
 import torch
 import torch.distributed as dist
 
-from . import ddp, distributed
+from . import ddp, distributed, walk
 from .clip import (
     as_max_norm,
     as_norm_type,
@@ -318,12 +318,12 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
     # closure cell, which torch.compile(fullgraph=True) cannot trace.
     if isinstance(model_or_params, torch.nn.Module):
         # Parameters are tensors: no entry can need naming in an error.
-        named = list(model_or_params.named_parameters())
-        all_grads = gradients_of([p for _, p in named])
+        module_names, params = walk.named_parameters(model_or_params)  # the module walk, kept between calls
+        all_grads = gradients_of(params)
         grads = [g for g in all_grads if g is not None]
-        if len(grads) == len(named):
-            return [name for name, _ in named], grads
-        return [name for (name, _), g in zip(named, all_grads, strict=True) if g is not None], grads
+        if len(grads) == len(module_names):
+            return module_names, grads
+        return [name for name, g in zip(module_names, all_grads, strict=True) if g is not None], grads
     if isinstance(model_or_params, torch.Tensor):
         pairs: Iterable[Any] = [("[0]", model_or_params)]
     else:
@@ -452,7 +452,7 @@ def check(
             )
         scanner = ddp.scanner_of(model_or_params)
         if scanner is not None:  # DDP with nanscan's hook: which ranks' own gradients held a NaN/Inf
-            params = [p for _, p in model_or_params.named_parameters() if p.grad is not None]  # type: ignore[union-attr]
+            params = [p for p in walk.named_parameters(model_or_params)[1] if p.grad is not None]  # type: ignore[arg-type]
             stats = ddp.with_attribution(stats, scanner, params)
         total = total_norm_of(grads, stats, norm_type, process_group, view.dtypes() if view is not None else None)
         # (Across processes the flag and the total are global, so every rank takes the same branch.)
