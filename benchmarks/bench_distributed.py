@@ -12,12 +12,13 @@ is a DTensor with Shard(0) placement; one backward, then each method is timed on
   returns (a DTensor), which is how one gets the value.
 * ``nanscan.clip``: ``nanscan.clip_grad_norm_(params, 1e9)``, and ``float()`` of its plain norm.
 * ``nanscan.check``: ``nanscan.check(model, max_norm=1e9)`` and ``report.finite`` (global statistics
-  of every parameter, read on the host).
+  of every parameter, read on the host). It names the gradients after the module tree, whose walk it
+  keeps between calls and verifies each call (nanscan.walk).
 * ``check(named)``: ``nanscan.check(named, max_norm=1e9)`` and ``report.finite``, where ``named`` is
   ``list(model.named_parameters())`` made once, as torch's and nanscan's clips get their parameter
-  list made once: the same report without the walk of the module tree each call.
-* ``named_params``: ``list(model.named_parameters())`` alone, no collective: that walk, which
-  ``check(model)`` makes to name the gradients. ``check(model)`` cannot be faster than this row.
+  list made once: the same report without the module tree.
+* ``named_params``: ``list(model.named_parameters())`` alone, no collective: torch's walk of the
+  module tree, for scale (what ``check(model)`` paid each call before it kept the walk).
 
 Times are of the whole call on rank 0 (gloo collectives are synchronous on the CPU, so host time is
 the time). Collectives per call are counted with the profiler (gloo's collective events). What this
