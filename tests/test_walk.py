@@ -56,11 +56,16 @@ def add_parameter(model: nn.Module, rng: random.Random) -> None:
     m.register_parameter(f"extra{rng.randrange(1000)}", nn.Parameter(torch.zeros(1)))
 
 
+def delete_entry(model: nn.Module, rng: random.Random, dict_name: str) -> None:
+    """Deletes a random entry of some module's ``_parameters`` or ``_modules``, if any has one."""
+    dicts = [d for d in (getattr(m, dict_name) for m in modules_of(model)) if d]
+    if dicts:
+        d = rng.choice(dicts)
+        del d[rng.choice(list(d))]
+
+
 def delete_parameter(model: nn.Module, rng: random.Random) -> None:
-    candidates = [m for m in modules_of(model) if m._parameters]
-    if candidates:
-        m = rng.choice(candidates)
-        del m._parameters[rng.choice(list(m._parameters))]
+    delete_entry(model, rng, "_parameters")
 
 
 def none_parameter(model: nn.Module, rng: random.Random) -> None:
@@ -101,10 +106,7 @@ def replace_module(model: nn.Module, rng: random.Random) -> None:
 
 
 def delete_module(model: nn.Module, rng: random.Random) -> None:
-    candidates = [m for m in modules_of(model) if m._modules]
-    if candidates:
-        m = rng.choice(candidates)
-        del m._modules[rng.choice(list(m._modules))]
+    delete_entry(model, rng, "_modules")
 
 
 def share_module(model: nn.Module, rng: random.Random) -> None:
