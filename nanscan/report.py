@@ -311,8 +311,9 @@ class PositionalNames(LazyNames):
 def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[Sequence[str], list[torch.Tensor]]:
     """(names, gradients) of the parameters that have a gradient.
 
-    Accepts an ``nn.Module`` (names from ``named_parameters()``), an iterable of parameters (named
-    by position, ``"[3]"``) or an iterable of ``(name, parameter)`` pairs.
+    Accepts an ``nn.Module`` (names from ``named_parameters()``, whose walk is kept between calls:
+    nanscan.walk), an iterable of parameters (named by position, ``"[3]"``) or an iterable of
+    ``(name, parameter)`` pairs.
     """
     # Plain comprehensions, each .grad read once: an assignment expression inside one would make a
     # closure cell, which torch.compile(fullgraph=True) cannot trace.
@@ -339,9 +340,8 @@ def named_gradients(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[S
                 return PositionalNames(range(len(items))), grads
             return PositionalNames([i for i, g in enumerate(all_grads) if g is not None]), grads
         if set(map(type, items)) == {tuple} and set(map(len, items)) == {2}:
-            # A list of (name, parameter) pairs made once (list(model.named_parameters())), the way to
-            # skip the walk of the module tree each step: C-level maps and comprehensions, no per-pair
-            # Python branch.
+            # A list of (name, parameter) pairs made once (list(model.named_parameters())): names
+            # without the module tree. C-level maps and comprehensions, no per-pair Python branch.
             try:
                 all_grads = gradients_of([p for _, p in items])
             except AttributeError:
