@@ -13,11 +13,12 @@ their lengths (where one module's entries end and the next one's begin), their k
 which objects they hold (None entries are skipped, an object met twice is yielded once, and a child
 module's place decides the order of the walk). A call whose modules' types and dicts' lengths, keys
 and held objects' identities all equal the kept ones gets the kept names and the parameters now in
-the dicts, which is what a new walk would yield; anything else walks anew. Identities are compared as ``id()``s, and the kept record holds no
-object of the model (weak references to its modules only), so it never keeps a model alive. An id is
-unique among live objects: the objects compared are all alive now, and if one took a dead object's id
-at the same place, the yield is still the same (same key, same position, same identity relations),
-and the parameter handed out is the live one. Mutating a dict in place (FSDP2 swaps its sharded and
+the dicts, which is what a new walk would yield; anything else walks anew. Identities are compared
+as ``id()``s, and the kept record holds no object of the model (weak references to its modules
+only), so it never keeps a model alive. An id is unique among live objects: the objects compared are
+all alive now, and if one took a dead object's id at the same place, the yield is still the same
+(same key, same position, same identity relations), and the parameter handed out is the live one (a
+dead module is seen: its weak reference reads None). Mutating a dict in place (FSDP2 swaps its sharded and
 unsharded parameters by ``module._parameters[name] = p``) is seen like any other change.
 
 Only for modules whose types keep ``nn.Module``'s walk (``named_parameters``, ``named_modules``,
