@@ -168,10 +168,7 @@ def _total_norm(
         return torch.tensor(0.0), tensors
     # A DTensor's dtype and device are its local shard's, read there: a DTensor's attributes cost
     # 3-4x a plain tensor's (0.2 ms per 1,000), and the dtypes of a list of them are its plan's.
-    # Lists are routed by their first entry, as scan does.
-    view = None
-    if process_group is not None or distributed.has_dtensor(tensors[:1]):
-        view = distributed.local_view(tensors)
+    view = distributed.local_view_if_distributed(tensors, process_group)
     shards = view.shards if view is not None else tensors
     try:
         dtypes = view.dtypes() if view is not None else {t.dtype for t in shards}

@@ -341,6 +341,14 @@ def local_view(tensors: list[torch.Tensor]) -> LocalView:
     return LocalView(tensors, plan_of(tensors), to_local(tensors))
 
 
+def local_view_if_distributed(tensors: list[torch.Tensor], process_group: Any) -> LocalView | None:
+    """``local_view(tensors)`` when the list takes the distributed path (``process_group``, or a
+    DTensor first: lists are routed by their first entry, as nanscan.scan routes them), else None."""
+    if process_group is not None or has_dtensor(tensors[:1]):
+        return local_view(tensors)
+    return None
+
+
 def local_parts(view: LocalView) -> list[torch.Tensor]:
     """What a distributed scan reads of each tensor: a DTensor's local shard, a Partial DTensor's
     local part once reduced (one collective each: every rank of the mesh must call this), a plain

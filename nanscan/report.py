@@ -435,9 +435,7 @@ def check(
     names, grads = named_gradients(model_or_params)
     # DTensors (and process_group): their plan and local shards, made once for the scan, the norm's
     # dtype and the clip.
-    view = None
-    if process_group is not None or distributed.has_dtensor(grads[:1]):
-        view = distributed.local_view(grads)
+    view = distributed.local_view_if_distributed(grads, process_group)
     with torch.no_grad():
         stats = routed_scan(grads, names, False, verify_replicas, process_group, view)
         replicas = None

@@ -18,8 +18,8 @@ as ``id()``s, and the kept record holds no object of the model (weak references 
 only), so it never keeps a model alive. An id is unique among live objects: the objects compared are
 all alive now, and if one took a dead object's id at the same place, the yield is still the same
 (same key, same position, same identity relations), and the parameter handed out is the live one (a
-dead module is seen: its weak reference reads None). Mutating a dict in place (FSDP2 swaps its sharded and
-unsharded parameters by ``module._parameters[name] = p``) is seen like any other change.
+dead module is seen: its weak reference reads None). Mutating a dict in place (FSDP2 swaps its
+sharded and unsharded parameters by ``module._parameters[name] = p``) is seen like any other change.
 
 Only for modules whose types keep ``nn.Module``'s walk (``named_parameters``, ``named_modules``,
 ``_named_members``); a model with any other type (FSDP1, some wrappers) is walked every call.
@@ -50,6 +50,12 @@ def _walks_as_module(cls: type) -> bool:
     return standard
 
 
+def _walk(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """torch's own walk, as (names, parameters)."""
+    named = list(model.named_parameters())
+    return [name for name, _ in named], [p for _, p in named]
+
+
 def _flat_ids(dicts: list[dict[str, object]]) -> tuple[int, ...]:
     return tuple(map(id, itertools.chain.from_iterable(map(dict.values, dicts))))
 
@@ -76,9 +82,7 @@ class _Tree:
     @staticmethod
     def of(model: torch.nn.Module) -> tuple[_Tree | None, list[str], list[torch.nn.Parameter]]:
         """Walks ``model``: the record (None if some type overrides the walk), names, parameters."""
-        named = list(model.named_parameters())
-        names = [name for name, _ in named]
-        params = [p for _, p in named]
+        names, params = _walk(model)
         modules = [m for _, m in model.named_modules()]
         if not all(map(_walks_as_module, map(type, modules))):
             return None, names, params
@@ -130,8 +134,7 @@ def named_parameters(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.P
     """``list(model.named_parameters())`` as (names, parameters): the same lists, from the kept walk
     when the model's tree is unchanged since the last call (see the module notes)."""
     if torch.compiler.is_compiling():
-        named = list(model.named_parameters())
-        return [name for name, _ in named], [p for _, p in named]
+        return _walk(model)
     tree = _trees.get(model)  # an unhashable module raises TypeError here, as in torch's own walk
     if tree is not None:
         params = tree.parameters_if_unchanged()
