@@ -16,7 +16,8 @@ instead of whichever method happened to run during it.
   read of the gradient bytes. Every other time is also given as a ratio to it ("x ceiling").
 * ``nanscan.scan``; ``torch.ops.nanscan.scan``, the registered op without the Python wrapper (its
   validation per tensor), to show the wrapper's share; ``nanscan.scan(checksum)``, the scan with the
-  replica checksums (``verify_replicas``), against the plain scan; ``nanscan.clip`` and ``torch.clip``
+  replica checksums (``verify_replicas``), against the plain scan; ``nanscan.check(params)``, the
+  per-step call (the scan and the report, no clip); ``nanscan.clip`` and ``torch.clip``
   (``clip_grad_norm_``) with ``max_norm`` 1e30 (nothing is clipped) and 1e-3 (everything is).
 * ``per_param_loop``: the diagnosis loop of DESIGN.md section 1 (isnan/isinf ``.any().item()``,
   ``min``/``max``/``norm`` ``.item()`` per gradient); ``foreach_norm+stack``: ``torch._foreach_norm``,
@@ -252,6 +253,8 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
         Method("torch.ops.nanscan.scan", lambda x: torch.ops.nanscan.scan(x.grads)),
         # The replica checksum in the same pass (verify_replicas): its cost beside the plain scan's.
         Method("nanscan.scan(checksum)", lambda x: nanscan.scan(x.grads, checksum=True), SCAN),
+        # The per-step call users make: the scan plus the report's rows (no clip asked).
+        Method("nanscan.check(params)", lambda x: nanscan.check(x.params)),
         Method("nanscan.clip(no-clip)", lambda x: nanscan.clip_grad_norm_(x.params, NO_CLIP)),
         Method("nanscan.clip(clip)", lambda x: nanscan.clip_grad_norm_(x.params, CLIP), mutates=True),
         # torch multiplies by exactly 1.0 when nothing is clipped: it writes, but the values stay.

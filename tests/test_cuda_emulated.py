@@ -27,9 +27,6 @@ def test_kernels_on_emulated_gpu(tmp_path: Path) -> None:
         "-Werror",
         "-Wno-unused-parameter",
         "-Wno-unknown-pragmas",
-        # The L2 hints of the 10,000 x 1K case (off in the default GPU build; benchmarks/NOTES.md entry
-        # 26): no-ops here, but every hinted address is checked against the tensors' bytes.
-        "-DNANSCAN_SCAN_PREFETCH=1",
         "-I",
         str(ROOT / "tests" / "cuda_emulator" / "include"),
     ]

@@ -14,8 +14,8 @@
 #                                          # autocast)
 #   tools/gpu_session.sh scan-variants [NAME=VALUE...]  # bench_scan's scan and checksum rows and an
 #                                          # ncu profile, for the kernels as built and for each -DNAME=VALUE
-#                                          # build (default: NANSCAN_SCAN_PREFETCH=1, NANSCAN_SCAN_MIN_BLOCKS=0),
-#                                          # then the default build back in place (~7 minutes)
+#                                          # build (default: NANSCAN_SCAN_MIN_BLOCKS=0 and =4),
+#                                          # then the default build back in place (~6 minutes)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
@@ -89,8 +89,12 @@ sanitize() {
     local options=("${filter[@]}")
     [ "$t" != initcheck ] || options=()
     start=$SECONDS
+    # The kernel paths without the caching allocator (true allocation bounds), then the graph replay
+    # with it (a capture needs it): two processes, one log.
     if PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$t" "${options[@]}" --error-exitcode 17 \
-        "$PY" tools/sanitize_workload.py >"$out/sanitize_$t.log" 2>&1; then
+        "$PY" tools/sanitize_workload.py --part paths >"$out/sanitize_$t.log" 2>&1 &&
+      "$sanitizer" --tool "$t" "${options[@]}" --error-exitcode 17 \
+        "$PY" tools/sanitize_workload.py --part graph >>"$out/sanitize_$t.log" 2>&1; then
       echo "$t: clean in $((SECONDS - start)) s ($(grep -c . "$out/sanitize_$t.log") log lines)"
     else
       echo "$t: FAILED after $((SECONDS - start)) s, see $out/sanitize_$t.log"; tail -30 "$out/sanitize_$t.log"; status=1
@@ -118,15 +122,16 @@ bench() {
 }
 
 # The scan kernels as built against builds with other -D flags (each VARIANT is one NAME=VALUE; the
-# default pair: NANSCAN_SCAN_PREFETCH=1, the L2 hint for the next small tensor, and
-# NANSCAN_SCAN_MIN_BLOCKS=0, no launch bound on any scan kernel; NOTES.md entries 25 and 26). The flag
+# default pair: NANSCAN_SCAN_MIN_BLOCKS=0, no launch bound on any scan kernel, and =4, every scan
+# kernel held to 64 registers: the launch bounds to settle again on a GPU other than the H100, where
+# they were measured; NOTES.md entries 25 and 28). The flag
 # reaches nvcc through NVCC_APPEND_FLAGS, which the build's dependency tracking does not see: each
 # variant is a clean build (~100 s on the H100 machine's 16 cores). For each: bench_scan's ceiling,
 # scan and checksum rows (--methods, ~30 s) and an ncu profile of tools/ncu_scan.py's launches
 # (~15 s). Two files per variant in $out, and bench_scan's progress and errors in variants.err.
 scan_variants() {
   local variants=("$@") ncu NANSCAN_PREBUILT=0  # every variant is built here, whatever the caller set
-  [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_PREFETCH=1 NANSCAN_SCAN_MIN_BLOCKS=0)
+  [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_MIN_BLOCKS=0 NANSCAN_SCAN_MIN_BLOCKS=4)
   ncu="$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu /usr/local/cuda/nsight-compute-*/ncu \
     /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
   rm -f /tmp/nanscan_default_C.so
@@ -139,6 +144,8 @@ scan_variants() {
     else
       NVCC_APPEND_FLAGS="-D$variant" build || return 1
     fi
+    # Each build kept, for a later command to carry the one the measurements favour.
+    cp nanscan/_C*.so "/tmp/nanscan_${variant}_C.so"
     "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024 \
         --dtype float32,bfloat16 --methods "nanscan.scan(checksum)" --max-repeats 20 --min-time 0.2 \
         2>>"$out/variants.err" | tee "$out/variant_$variant.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan" ||

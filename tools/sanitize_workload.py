@@ -10,20 +10,27 @@ then found in the cache), empty tensors, every dtype including fp8, tensors star
 within a 16-byte vector (the kernels' head path), the replica checksum, a tensor of over 1024
 chunks (met by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf
 planted, the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
-the clip multiply with a coefficient of 1 (no write) and below 1.
+the clip multiply with a coefficient of 1 (no write) and below 1. With ``--part graph``: a CUDA graph
+of a scan of a list in device memory, replayed (the blob's upload kernels run at every replay).
 
 Built to keep the sanitizer's work on nanscan's kernels: every list is a set of views into one flat
 buffer per dtype, made on the CPU and copied over in one transfer, and every comparison is of whole
 buffers (one copy back per check), so the workload launches a few dozen torch kernels besides
 nanscan's, not tens of thousands (each costs the sanitizer an interception even when filtered out).
-Set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that memcheck sees each allocation's true bounds rather
-than the caching allocator's pooled blocks.
+Set PYTORCH_NO_CUDA_MEMORY_CACHING=1 for ``--part paths`` so that memcheck sees each allocation's
+true bounds rather than the caching allocator's pooled blocks. The graph part needs the caching
+allocator (a capture takes its memory from the allocator's graph pool; with caching off, the
+capture's allocation would be a cudaMalloc, which a capture forbids), so it runs in a process of its
+own, and refuses to run without it.
+
+    python3 tools/sanitize_workload.py --part graph     # the CUDA graph part alone
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,11 +110,48 @@ def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     return params
 
 
+def graph_replay(gen: torch.Generator) -> None:
+    """A captured scan of 3,000 tensors (device memory: their blob is copied for the graph, in several
+    upload kernels of 32 KB slices, one of them partial), replayed three times; the last replay's
+    results against the CPU backend's."""
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        raise SystemExit("--part graph needs the caching allocator: unset PYTORCH_NO_CUDA_MEMORY_CACHING")
+    views = Views.random([1 + i % 300 for i in range(3000)], [FLOATS[i % 4] for i in range(3000)], gen)
+    views.plant(2500, 0, math.nan)
+    views.plant(7, -1, -math.inf)
+    tensors = views.to("cuda").tensors
+    side = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        nanscan.scan(tensors)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = nanscan.scan(tensors)
+    for _ in range(3):
+        graph.replay()
+    got_exact, got_norms = packed(captured)
+    want_exact, want_norms = packed(nanscan.scan(views.tensors))
+    assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), "the replay's counts, min or max differ"
+    torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    device = parser.parse_args().device
+    parser.add_argument(
+        "--part", choices=["paths", "graph"], default="paths", help="the kernel paths, or the CUDA graph replay"
+    )
+    args = parser.parse_args()
+    device = args.device
     gen = torch.Generator().manual_seed(0)
+    if args.part == "graph":
+        if device != "cuda":
+            raise SystemExit("--part graph needs --device cuda")
+        graph_replay(gen)
+        torch.cuda.synchronize()
+        print("sanitize_workload: the graph's replays agreed with the CPU")
+        return
     dtypes = FLOATS + FP8
 
     # Small and large parameter capacity: 200 and 800 tensors of every dtype, starting at every offset.

@@ -44,10 +44,19 @@ constexpr int kUnroll = 4;
 static_assert(kFoldFanIn == kWarpSize, "a fold reads one partial per lane");
 
 // Kernel parameters may take 32764 bytes (CUDA 12.1+, sm_70+). Lists travel inline in one of two
-// capacities; 0 stands for "in device memory".
+// capacities; 0 stands for "in device memory". On an H100 a launch with the 32 KB block cost ~2.4 us
+// more than one with the small block, and a cached device copy nothing measurable; the large block
+// stays because its cost does not depend on the cache hitting (the cache is keyed by the gradients'
+// addresses; a miss allocates and uploads) nor on a graph re-uploading (benchmarks/NOTES.md, entry 28).
+// NANSCAN_LARGE_INLINE_TENSORS (a build flag) moves the second capacity, for
+// benchmarks/bench_list_layout.py to measure: at 256, lists past the small block go to device memory.
 constexpr size_t kParameterBytes = 32764;
 constexpr int32_t kSmallInlineTensors = 256;
+#ifdef NANSCAN_LARGE_INLINE_TENSORS
+constexpr int32_t kLargeInlineTensors = NANSCAN_LARGE_INLINE_TENSORS;
+#else
 constexpr int32_t kLargeInlineTensors = 1300;
+#endif
 constexpr int32_t kDeviceList = 0;
 
 // The list as a kernel receives it: the blob inline, or a pointer to its device copy.
@@ -512,7 +521,8 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 // 1.06x a plain scan's GPU time -> 1.02x; no case slower). The others ask for none (0): they sit at
 // 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128).
 // NANSCAN_SCAN_MIN_BLOCKS (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4)
-// overrides it for every scan kernel, for `tools/gpu_session.sh scan-variants` to measure.
+// overrides it for every scan kernel, for `tools/gpu_session.sh scan-variants` to measure: 4 (64
+// registers) was 4-14% slower on every case measured on an H100 (NOTES.md, entry 28).
 // Measured on sm_90 only, so only sm_90 takes the bound: on sm_80 it would spill 64-100 bytes,
 // unmeasured on an A100, and newer archs are unmeasured too (the launch bound is a device-code
 // attribute: the host pass's value is never used; grid sizes come from the occupancy query of the
@@ -528,35 +538,6 @@ template <bool kChecksum>
 constexpr int kScanMinBlocks = kChecksum ? 3 : 0;
 #endif
 
-// NANSCAN_SCAN_PREFETCH=1 (a build flag, off by default: not yet measured on a GPU): before a warp
-// scans a tensor of one chunk, it asks for the next tensor's first chunk in L2. ncu found the
-// 10,000 x 1K scan latency-bound (NOTES.md entry 25): a warp's share is ~3 tensors of 4 KB, and
-// each tensor's loads wait for DRAM only after the previous tensor's reduction and writes. With the
-// hint, those loads should find L2 instead. Large tensors keep their own loads in flight and get no
-// hint. The addresses stay inside the next tensor's bytes.
-#ifndef NANSCAN_SCAN_PREFETCH
-#define NANSCAN_SCAN_PREFETCH 0
-#endif
-
-__device__ __forceinline__ void prefetch_to_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#elif defined(NANSCAN_EMULATED_PREFETCH)
-  NANSCAN_EMULATED_PREFETCH(p);  // the CPU emulator records it; its test checks the address
-#else
-  (void)p;
-#endif
-}
-
-// One 128-byte line per lane and step, over the first chunk of tensor `t`.
-__device__ void prefetch_first_chunk(const ListView& list, int32_t t, int lane) {
-  const int64_t bytes = list.numel[t] * element_size(list.dtype_of(t));
-  const int64_t end = bytes < kChunkBytes ? bytes : kChunkBytes;
-  const char* base = static_cast<const char*>(list.data[t]);
-  constexpr int64_t kLine = 128;
-  for (int64_t at = lane * kLine; at < end; at += kWarpSize * kLine) prefetch_to_l2(base + at);
-}
-
 template <bool kHalfRange, bool kMultiply, bool kChecksum, int32_t kCapacity>
 __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
     scan_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
@@ -571,9 +552,6 @@ __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
   if (lane == 0) warp_totals[warp] = empty_stats();
   walk_warp_share<kCapacity>(list, shares, w, lane, [&](int32_t t, ChunkRange chunks) {
     if (lane == 0) warp_parts[warp] = empty_stats();
-    if (NANSCAN_SCAN_PREFETCH && list.chunks_of(t) == 1 && t + 1 < list.num_tensors) {
-      prefetch_first_chunk(list, t + 1, lane);
-    }
     scan_run_any<kHalfRange, kMultiply, kChecksum>(list.dtype_of(t), list.data[t], list.elements_of(t, chunks), lane,
                                                    factor, &warp_parts[warp]);
     __syncwarp();  // lane 0's partial, to every lane
@@ -655,9 +633,18 @@ struct UploadParams {
 };
 static_assert(sizeof(UploadParams) <= kParameterBytes && kUploadBytes % 16 == 0, "upload slice too large");
 
-__global__ void __launch_bounds__(kThreads) upload_kernel(const __grid_constant__ UploadParams p) {
+// One 16-byte vector per thread, over as many small blocks as the slice needs. The slice is read
+// from the parameters, through the constant cache, which serves a warp one address at a time: one
+// block looping over a 32 KB slice read it in 2,044 steps on one multiprocessor, ~10 us on an H100,
+// and a graph replay of a 10,000-tensor scan spent 76 us in its 8 uploads against the scan's 28
+// (benchmarks/NOTES.md, entry 28). Spread over 32 blocks of 64 threads, each multiprocessor serves
+// 64 of those steps.
+constexpr int kUploadThreads = 64;
+
+__global__ void __launch_bounds__(kUploadThreads) upload_kernel(const __grid_constant__ UploadParams p) {
   const uint4* src = reinterpret_cast<const uint4*>(p.bytes);
-  for (uint32_t i = threadIdx.x; i < p.vectors; i += kThreads) p.dst[i] = src[i];
+  const uint32_t i = blockIdx.x * kUploadThreads + threadIdx.x;
+  if (i < p.vectors) p.dst[i] = src[i];
 }
 
 // Resident blocks per multiprocessor of a kernel (its register use decides), asked once per kernel
@@ -777,7 +764,8 @@ cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t st
     params.dst = reinterpret_cast<uint4*>(static_cast<char*>(device_blob) + offset);
     params.vectors = static_cast<uint32_t>(bytes / 16);
     memcpy(params.bytes, plan.blob() + offset, bytes);
-    NANSCAN_LAUNCH(upload_kernel, 1, kThreads, stream, params);
+    const int blocks = static_cast<int>((params.vectors + kUploadThreads - 1) / kUploadThreads);
+    NANSCAN_LAUNCH(upload_kernel, blocks, kUploadThreads, stream, params);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

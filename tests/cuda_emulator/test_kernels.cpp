@@ -5,12 +5,9 @@
 // placements (small and large parameter blobs, a device blob written by the upload kernel), the
 // fp16-range counts, the fused unscale and the clip multiply; and that the bits do not depend on the
 // order in which blocks run. Built and run by tests/test_cuda_emulated.py.
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <iterator>
-#include <mutex>
 #include <random>
 #include <utility>
 #include <vector>
@@ -323,45 +320,11 @@ void check_block_order_does_not_matter(const char* what, const std::vector<HostT
         "%s: a run with the blocks in another order differs in its bits", what);
 }
 
-// With NANSCAN_SCAN_PREFETCH=1 (tests/test_cuda_emulated.py builds this test so): every address a
-// kernel hinted lies inside some tensor's bytes, and a list with one-chunk tensors got hints at all.
-void check_prefetch_hints(const char* what, const std::vector<HostTensor>& list) {
-#if NANSCAN_SCAN_PREFETCH
-  std::vector<std::pair<const unsigned char*, const unsigned char*>> spans;
-  for (const HostTensor& t : list) spans.emplace_back(t.data(), t.data() + t.numel * element_size(t.dtype));
-  std::sort(spans.begin(), spans.end());
-  const std::lock_guard<std::mutex> hold(cuda_emulator::prefetch_mutex);
-  int64_t outside = 0;
-  for (const void* p : cuda_emulator::prefetched) {
-    const auto* byte = static_cast<const unsigned char*>(p);
-    auto after = std::upper_bound(spans.begin(), spans.end(), std::make_pair(byte, byte),
-                                  [](const auto& a, const auto& b) { return a.first < b.first; });
-    outside += after == spans.begin() || !(byte < std::prev(after)->second);
-  }
-  // A one-chunk tensor followed by a non-empty one: its warp hints that one.
-  bool hinted = false;
-  for (size_t i = 0; i + 1 < list.size(); ++i) {
-    hinted |= list[i].numel * element_size(list[i].dtype) <= kChunkBytes && list[i + 1].numel > 0;
-  }
-  CHECK(outside == 0, "%s: %lld of %zu L2 hints outside every tensor", what, static_cast<long long>(outside),
-        cuda_emulator::prefetched.size());
-  CHECK(!hinted || !cuda_emulator::prefetched.empty(), "%s: no L2 hint for a list with small tensors", what);
-  cuda_emulator::prefetched.clear();
-#else
-  (void)what;
-  (void)list;
-#endif
-}
-
 void check_scan(const char* what, const std::vector<HostTensor>& list, int num_sms) {
-  cuda_emulator::prefetched.clear();
   expect_matches(what, list, run_scan(list, ScanKind::Plain, num_sms), false);
-  check_prefetch_hints(what, list);
-  check_block_order_does_not_matter(what, list, num_sms);  // scans a copy: its hints are not checked
-  cuda_emulator::prefetched.clear();
+  check_block_order_does_not_matter(what, list, num_sms);
   expect_matches(what, list, run_scan(list, ScanKind::HalfRange, num_sms), true);
   expect_matches(what, list, run_scan(list, ScanKind::Checksum, num_sms), false, true);
-  check_prefetch_hints(what, list);
 }
 
 // GradScaler's unscale fused with the scan: each element becomes encode(decode(x) * f), as torch does.

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -60,15 +59,6 @@ struct Block {
 inline int blocks_per_sm = 1;
 // Nonzero: launches run their blocks in an order shuffled with this seed.
 inline unsigned block_order_seed = 0;
-
-// The addresses the kernels hinted into L2 (NANSCAN_SCAN_PREFETCH), for the test to check that each
-// lies inside a tensor: on a GPU a hint is never seen, let alone checked.
-inline std::mutex prefetch_mutex;
-inline std::vector<const void*> prefetched;
-inline void prefetch(const void* p) {
-  const std::lock_guard<std::mutex> hold(prefetch_mutex);
-  prefetched.push_back(p);
-}
 
 inline thread_local Block* block = nullptr;
 inline thread_local int lane = 0;
@@ -123,7 +113,6 @@ void launch(void (*kernel)(Params...), int grid, int threads, Args&... args) {
 #define blockDim (cuda_emulator::block_dim)
 
 #define NANSCAN_LAUNCH(kernel, grid, block, stream, ...) cuda_emulator::launch(kernel, (grid), (block), __VA_ARGS__)
-#define NANSCAN_EMULATED_PREFETCH(p) cuda_emulator::prefetch(p)
 
 inline void __syncthreads() { cuda_emulator::block->barrier.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulator::warp().barrier.arrive_and_wait(); }
