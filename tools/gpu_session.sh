@@ -29,7 +29,8 @@
 # filter: "nanscan" is in their names); initcheck instruments every kernel, since it would take a
 # filtered-out kernel's writes (torch's clamp of the clip coefficient, a .contiguous() copy) for
 # uninitialized memory. The workload launches ~400 torch kernels besides nanscan's (benchmarks/
-# NOTES.md, entry 15); each tool took 6-9 s on the H100 machine (2026-11-22), all four 36 s. The
+# NOTES.md, entry 15); each tool took 10-14 s on the H100 machine with the graph part (2026-11-23),
+# all four ~50 s. The
 # sanitizer needs a Firecracker machine (nvidia-h100-x1 so far):
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail

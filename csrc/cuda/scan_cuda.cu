@@ -522,7 +522,7 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
 // 79-80 registers with no spill, and a minimum of 1 is not "none" (it took them to 128).
 // NANSCAN_SCAN_MIN_BLOCKS (a build flag, e.g. NVCC_APPEND_FLAGS=-DNANSCAN_SCAN_MIN_BLOCKS=4)
 // overrides it for every scan kernel, for `tools/gpu_session.sh scan-variants` to measure: 4 (64
-// registers) was 4-14% slower on every case measured on an H100 (NOTES.md, entry 28).
+// registers) was 3-18% slower on every case measured on an H100 (NOTES.md, entry 28).
 // Measured on sm_90 only, so only sm_90 takes the bound: on sm_80 it would spill 64-100 bytes,
 // unmeasured on an A100, and newer archs are unmeasured too (the launch bound is a device-code
 // attribute: the host pass's value is never used; grid sizes come from the occupancy query of the
