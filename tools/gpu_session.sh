@@ -16,6 +16,10 @@
 #                                          # ncu profile, for the kernels as built and for each -DNAME=VALUE
 #                                          # build (default: NANSCAN_SCAN_MIN_BLOCKS=0 and =4),
 #                                          # then the default build back in place (~6 minutes)
+#   tools/gpu_session.sh ncu-source        # a -lineinfo build (the same machine code), then ncu's
+#                                          # source counters and instruction mix of tools/ncu_scan.py's
+#                                          # launches: where the 10,000 x 1K scan's 963 instructions per
+#                                          # tensor go (NOTES.md entry 28); the report file to $out (~2 min)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
@@ -35,7 +39,7 @@
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-variants [NAME=VALUE...]|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -165,8 +169,28 @@ scan_variants() {
   NANSCAN_PREBUILT=1 build
 }
 
+# Which source lines the scan kernels' instructions and stalls come from. -lineinfo adds the line
+# table only (no change to the machine code), so the library built here stays for what follows.
+# The report (ncu_source.ncu-rep) opens in Nsight Compute's source view; the text holds the
+# sections' tables, the top stall locations among them.
+ncu_source() {
+  local ncu NANSCAN_PREBUILT=0
+  ncu="$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu /usr/local/cuda/nsight-compute-*/ncu \
+    /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  [ -n "$ncu" ] || { echo "no ncu on PATH or in the usual places" >&2; return 1; }
+  rm -rf build nanscan/_C*.so
+  NVCC_APPEND_FLAGS="-lineinfo" build || return 1
+  "$ncu" --profile-from-start off --clock-control none --import-source yes --section SourceCounters \
+      --section InstructionStats --section WarpStateStats --section LaunchStats -o "$out/ncu_source" -f \
+      "$PY" tools/ncu_scan.py >"$out/ncu_source.log" 2>&1 || { tail -20 "$out/ncu_source.log"; return 1; }
+  "$ncu" -i "$out/ncu_source.ncu-rep" --print-details all >"$out/ncu_source.txt" 2>&1 || true
+  grep -E "scan_kernel|Executed Instructions|Warp Cycles Per Issued|stall|Stall" "$out/ncu_source.txt" |
+    cut -c1-140 | head -40 || true
+}
+
 case "$stage" in
   build) build ;;
+  ncu-source) ncu_source ;;
   scan-variants) scan_variants "$@" ;;
   test) build; tests ;;
   sanitize) build; sanitize "$@" ;;
