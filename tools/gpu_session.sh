@@ -126,6 +126,12 @@ bench() {
   done
 }
 
+# Nsight Compute's command line: on PATH, in the toolkit, or where its installer puts it (empty if none).
+find_ncu() {
+  command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu /usr/local/cuda/nsight-compute-*/ncu \
+    /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true
+}
+
 # The scan kernels as built against builds with other -D flags (each VARIANT is one NAME=VALUE; the
 # default pair: NANSCAN_SCAN_MIN_BLOCKS=0, no launch bound on any scan kernel, and =4, every scan
 # kernel held to 64 registers: the launch bounds to settle again on a GPU other than the H100, where
@@ -137,8 +143,7 @@ bench() {
 scan_variants() {
   local variants=("$@") ncu NANSCAN_PREBUILT=0  # every variant is built here, whatever the caller set
   [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_MIN_BLOCKS=0 NANSCAN_SCAN_MIN_BLOCKS=4)
-  ncu="$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu /usr/local/cuda/nsight-compute-*/ncu \
-    /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  ncu="$(find_ncu)"
   rm -f /tmp/nanscan_default_C.so
   for variant in default "${variants[@]}"; do
     echo "== scan kernels: $variant"
@@ -175,8 +180,7 @@ scan_variants() {
 # sections' tables, the top stall locations among them.
 ncu_source() {
   local ncu NANSCAN_PREBUILT=0
-  ncu="$(command -v ncu || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/ncu /usr/local/cuda/nsight-compute-*/ncu \
-    /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  ncu="$(find_ncu)"
   [ -n "$ncu" ] || { echo "no ncu on PATH or in the usual places" >&2; return 1; }
   rm -rf build nanscan/_C*.so
   NVCC_APPEND_FLAGS="-lineinfo" build || return 1

@@ -19,9 +19,8 @@ buffers (one copy back per check), so the workload launches a few dozen torch ke
 nanscan's, not tens of thousands (each costs the sanitizer an interception even when filtered out).
 Set PYTORCH_NO_CUDA_MEMORY_CACHING=1 for ``--part paths`` so that memcheck sees each allocation's
 true bounds rather than the caching allocator's pooled blocks. The graph part needs the caching
-allocator (a capture takes its memory from the allocator's graph pool; with caching off, the
-capture's allocation would be a cudaMalloc, which a capture forbids), so it runs in a process of its
-own, and refuses to run without it.
+allocator (torch's capture takes the graph's memory from the allocator's private pool, which the
+setting bypasses), so it runs in a process of its own, and refuses to run without it.
 
     python3 tools/sanitize_workload.py --part graph     # the CUDA graph part alone
 """
