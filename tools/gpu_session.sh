@@ -10,8 +10,8 @@
 #                                          # racecheck, synccheck, initcheck; default all four)
 #   tools/gpu_session.sh bench [ARGS...]   # build, then bench_scan (ARGS: its options; default
 #                                          # gpt2-small and 10,000 x 1K fp32), bench_train_step
-#                                          # (batch 32) and bench_locate (decoder and gpt2, bf16
-#                                          # autocast)
+#                                          # (batch 64), bench_list_layout and bench_locate
+#                                          # (decoder and gpt2, bf16 autocast)
 #   tools/gpu_session.sh scan-variants [NAME=VALUE...]  # bench_scan's scan and checksum rows and an
 #                                          # ncu profile, for the kernels as built and for each -DNAME=VALUE
 #                                          # build (default: NANSCAN_SCAN_MIN_BLOCKS=0 and =4),
@@ -117,8 +117,10 @@ bench() {
   [ ${#args[@]} -gt 0 ] || args=(--models gpt2-small,many_small_10000x1024 --dtype float32)
   "$PY" benchmarks/bench_scan.py --device cuda --max-repeats 20 --min-time 0.2 "${args[@]}" \
       --json "$out/bench_scan_cuda.json" 2>"$out/bench_scan_cuda.err" | tee "$out/bench_scan_cuda.txt" | tail -12
-  "$PY" benchmarks/bench_train_step.py --batch 32 --json "$out/train_step.json" 2>"$out/train_step.err" |
+  # Batch 64: the largest of 32, 48, 64 and 96 that fit GPT-2-small's step on an H100's 80 GB.
+  "$PY" benchmarks/bench_train_step.py --batch 64 --json "$out/train_step.json" 2>"$out/train_step.err" |
     tee "$out/train_step.txt"
+  "$PY" benchmarks/bench_list_layout.py --json "$out/list_layout.json" 2>&1 | tee "$out/list_layout.txt"
   local model
   for model in decoder gpt2; do  # the small decoder (host-bound on a GPU) and GPT-2-small's size
     "$PY" benchmarks/bench_locate.py --device cuda --model "$model" --autocast --rounds 15 \
