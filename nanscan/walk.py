@@ -31,6 +31,7 @@ import itertools
 import operator
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,8 +57,13 @@ def _walk(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
     return [name for name, _ in named], [p for _, p in named]
 
 
+def _flat_values(dicts: list[dict[str, Any]]) -> list[Any]:
+    """Every dict's values, in order, laid end to end."""
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
+
+
 def _flat_ids(dicts: list[dict[str, object]]) -> tuple[int, ...]:
-    return tuple(map(id, itertools.chain.from_iterable(map(dict.values, dicts))))
+    return tuple(map(id, _flat_values(dicts)))
 
 
 def _flat_keys(dicts: list[dict[str, object]]) -> tuple[str, ...]:
@@ -88,7 +94,7 @@ class _Tree:
             return None, names, params
         pdicts = list(map(_PARAMETERS, modules))
         mdicts = list(map(_MODULES, modules))
-        flat = list(itertools.chain.from_iterable(map(dict.values, pdicts)))
+        flat = _flat_values(pdicts)
         position: dict[int, int] = {}
         for i, value in enumerate(flat):
             position.setdefault(id(value), i)  # the walk yields an object where it first meets it
@@ -121,7 +127,7 @@ class _Tree:
             or _flat_ids(mdicts) != self.module_ids
         ):
             return None
-        flat = list(itertools.chain.from_iterable(map(dict.values, pdicts)))
+        flat = _flat_values(pdicts)
         if tuple(map(id, flat)) != self.parameter_ids:
             return None
         return [flat[i] for i in self.selected]
