@@ -235,9 +235,7 @@ void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, c
   bump_versions_of_dense(tensors);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multiply(at::TensorList tensors,
-                                                                                   ScanOptions options,
-                                                                                   const float* multiply_by) {
+ScanResultTuple scan_and_maybe_multiply(at::TensorList tensors, ScanOptions options, const float* multiply_by) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
   std::vector<at::Tensor> copies;
@@ -249,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multip
                                                      : cuda::ScanKind::Plain;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto device = at::TensorOptions().device(tensors[0].device());
-  ScanOutputs out = allocate_scan_outputs(n, device, options);
+  ScanOutputs out = allocate_scan_outputs(tensors, device, options);
   const DeviceList list = device_list(plan, tensors[0].device());
   const int num_sms = sm_count();
   at::Tensor workspace =
@@ -257,11 +255,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_and_maybe_multip
   C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data_ptr(),
                             static_cast<size_t>(workspace.numel()), num_sms, c10::cuda::getCurrentCUDAStream(),
                             multiply_by));
-  return {out.counts, out.stats, out.total_norm, out.finite};
+  return as_tuple(out);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cuda(at::TensorList tensors, bool fp16_range,
-                                                                     bool checksum) {
+ScanResultTuple scan_cuda(at::TensorList tensors, bool fp16_range, bool checksum) {
   return scan_and_maybe_multiply(tensors, scan_options(fp16_range, checksum), nullptr);
 }
 
@@ -275,8 +272,7 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
 // GradScaler's unscale fused with the scan: one read and one write of every gradient. A list with a
 // non-dense tensor (the kernel reads those from a contiguous copy, which it must not write) takes two
 // steps instead: the multiply, then the scan.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cuda(at::TensorList tensors,
-                                                                             const at::Tensor& inv_scale) {
+ScanResultTuple unscale_scan_cuda(at::TensorList tensors, const at::Tensor& inv_scale) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
   check_multipliable(tensors, tags, "nanscan.unscale_scan_");
   check_writable(tensors);

@@ -193,11 +193,23 @@ void check_record_inputs(const at::Tensor& rows, const at::Tensor& counter, at::
   }
 }
 
-ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, ScanOptions options) {
+at::ScalarType norm_dtype_of(at::TensorList tensors) {
+  const auto counted = [](at::ScalarType t) { return at::isFloat8Type(t) ? at::kFloat : t; };
+  at::ScalarType dtype = counted(tensors[0].scalar_type());
+  for (const at::Tensor& t : tensors) dtype = c10::promoteTypes(dtype, counted(t.scalar_type()));
+  return dtype;
+}
+
+ScanOutputs allocate_scan_outputs(at::TensorList tensors, const at::TensorOptions& device, ScanOptions options) {
+  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
   const int64_t count_rows = 2 + (options.half_range ? 2 : 0) + (options.checksum ? 1 : 0);
   return ScanOutputs{at::empty({count_rows, num_tensors}, device.dtype(at::kLong)),
                      at::empty({3, num_tensors}, device.dtype(at::kDouble)), at::empty({}, device.dtype(at::kDouble)),
-                     at::empty({}, device.dtype(at::kBool))};
+                     at::empty({}, device.dtype(at::kBool)), at::empty({}, device.dtype(norm_dtype_of(tensors)))};
+}
+
+ScanResultTuple as_tuple(const ScanOutputs& o) {
+  return {o.counts, o.stats, o.total_norm, o.finite, o.total_norm_cast};
 }
 
 ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors, ScanOptions options) {
@@ -207,7 +219,9 @@ ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors, ScanOp
                         o.finite.data_ptr<bool>(),
                         num_tensors,
                         options.half_range,
-                        options.checksum};
+                        options.checksum,
+                        o.total_norm_cast.data_ptr(),
+                        *dtype_tag(o.total_norm_cast.scalar_type())};
 }
 
 ScanOptions scan_options(bool fp16_range, bool checksum) {
@@ -217,20 +231,18 @@ ScanOptions scan_options(bool fp16_range, bool checksum) {
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_cpu(at::TensorList tensors, bool fp16_range,
-                                                                    bool checksum) {
+ScanResultTuple scan_cpu(at::TensorList tensors, bool fp16_range, bool checksum) {
   const ScanOptions options = scan_options(fp16_range, checksum);
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
   const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), options);
+  ScanOutputs out = allocate_scan_outputs(tensors, at::TensorOptions().device(at::kCPU), options);
   cpu::scan(tensors, tags, result_pointers(out, n, options));
-  return {out.counts, out.stats, out.total_norm, out.finite};
+  return as_tuple(out);
 }
 
 // torch's GradScaler unscale and the scan in one pass: each element becomes round(x * inv_scale)
 // (torch's arithmetic; nothing is written when inv_scale is 1) and the statistics are of the result.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::TensorList tensors,
-                                                                            const at::Tensor& inv_scale) {
+ScanResultTuple unscale_scan_cpu(at::TensorList tensors, const at::Tensor& inv_scale) {
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
   check_multipliable(tensors, tags, "nanscan.unscale_scan_");
   check_writable(tensors);
@@ -242,10 +254,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> unscale_scan_cpu(at::
       const_cast<at::Tensor&>(t).mul_(inv_scale);
   }
   const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(n, at::TensorOptions().device(at::kCPU), ScanOptions{});
+  ScanOutputs out = allocate_scan_outputs(tensors, at::TensorOptions().device(at::kCPU), ScanOptions{});
   cpu::scan(tensors, tags, result_pointers(out, n, ScanOptions{}), factor);
   if (factor != 1.0f) bump_versions_of_dense(tensors);  // written by the kernel, not through ATen
-  return {out.counts, out.stats, out.total_norm, out.finite};
+  return as_tuple(out);
 }
 
 // Multiplies every tensor by coef in place, unless coef is exactly 1: a step that needs no clipping
@@ -314,8 +326,6 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-using ScanResultTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 ScanResultTuple scan_autograd(at::TensorList tensors, bool fp16_range, bool checksum) {
   static const auto op = op_handle<ScanResultTuple(at::TensorList, bool, bool)>("nanscan::scan");
   const at::AutoDispatchBelowAutograd below_autograd;
@@ -375,14 +385,15 @@ ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
 TORCH_LIBRARY(nanscan, m) {
   // fp16_range adds two rows to counts: finite values that overflow fp16, and non-zero values that
   // fp16 would flush to zero (the AMP advisor's evidence). checksum adds one: each tensor's replica
-  // checksum (scan_rules.h), a value in [0, 2^32). One option or the other.
+  // checksum (scan_rules.h), a value in [0, 2^32). One option or the other. total_norm_cast is
+  // total_norm in the dtype torch gives this list's total norm (norm_dtype_of): what a clip divides by.
   m.def(
       "scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (Tensor counts, Tensor stats, Tensor "
-      "total_norm, Tensor finite)");
+      "total_norm, Tensor finite, Tensor total_norm_cast)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "
-      "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite)");
+      "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite, Tensor total_norm_cast)");
   // A recorder's append: the sources' values (flattened, in order, cast to the rows' dtype) into row
   // counter % capacity of rows, attribution_sources' into the same row of attribution, counter + 1.
   const char* record_schema =

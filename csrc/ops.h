@@ -5,6 +5,7 @@
 #include <ATen/core/TensorBody.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "common/scan_rules.h"
@@ -12,13 +13,24 @@
 namespace nanscan {
 
 struct ScanOutputs {
-  at::Tensor counts;      // int64 [2, N]; [4, N] with the fp16-range counts; [3, N] with the checksums
-  at::Tensor stats;       // float64 [3, N]
-  at::Tensor total_norm;  // float64 []
-  at::Tensor finite;      // bool []
+  at::Tensor counts;           // int64 [2, N]; [4, N] with the fp16-range counts; [3, N] with the checksums
+  at::Tensor stats;            // float64 [3, N]
+  at::Tensor total_norm;       // float64 []
+  at::Tensor finite;           // bool []
+  at::Tensor total_norm_cast;  // [] of norm_dtype_of(tensors): total_norm as torch's .to() rounds it
 };
 
+// What the scan ops return, in the schema's order.
+using ScanResultTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+ScanResultTuple as_tuple(const ScanOutputs& outputs);
+
 std::optional<DType> dtype_tag(at::ScalarType t);
+
+// The dtype torch's get_total_norm gives the norm of these tensors: their dtypes promoted, float8
+// counted as float32 (torch has no float8 norm to promote). nanscan/_ops.py's norm_dtype states the
+// same rule for the fake kernels; tests/test_ops.py compares the two.
+at::ScalarType norm_dtype_of(at::TensorList tensors);
 
 // Checks every entry (defined, strided, one device, supported dtype) and returns the dtype tags.
 // Errors name the offending index.
@@ -60,7 +72,8 @@ ScanOptions scan_options(bool fp16_range, bool checksum);
 void check_record_inputs(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
                          const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources);
 
-ScanOutputs allocate_scan_outputs(int64_t num_tensors, const at::TensorOptions& device, ScanOptions options);
+// The outputs of a scan of `tensors` (already checked: at least one) on `device`.
+ScanOutputs allocate_scan_outputs(at::TensorList tensors, const at::TensorOptions& device, ScanOptions options);
 
 ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors, ScanOptions options);
 

@@ -3,12 +3,16 @@
 The ops themselves are declared once, in csrc/ops.cpp:
 
 * ``nanscan::scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (counts, stats,
-  total_norm, finite)``: counts int64 [2, N] (NaN, Inf; with fp16_range also fp16 overflow and
-  underflow: [4, N]; with checksum the replica checksums, in [0, 2^32): [3, N]), stats float64 [3, N] (min,
-  max, L2 norm), total_norm float64 [], finite bool []. All outputs live on the tensors' device.
+  total_norm, finite, total_norm_cast)``: counts int64 [2, N] (NaN, Inf; with fp16_range also fp16
+  overflow and underflow: [4, N]; with checksum the replica checksums, in [0, 2^32): [3, N]), stats
+  float64 [3, N] (min, max, L2 norm), total_norm float64 [], finite bool [], total_norm_cast []: the
+  total norm as ``total_norm.to(norm_dtype(...))`` would give it, in the dtype torch's total norm of
+  these tensors has, so that no caller reads every tensor's dtype to find it. All outputs live on the
+  tensors' device.
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
-* ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite)``:
-  GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the scan of the result.
+* ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite,
+  total_norm_cast)``: GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the
+  scan of the result.
 * ``nanscan::record_(Tensor(a!) rows, Tensor(b!) counter, Tensor[] sources, Tensor(c!)? attribution,
   Tensor[] attribution_sources) -> ()``: one nanscan.Recorder append. The sources' values (flattened,
   in order, cast to the rows' dtype as ``copy_`` casts) go into row ``counter % capacity`` of ``rows``
@@ -21,7 +25,8 @@ The ops themselves are declared once, in csrc/ops.cpp:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from functools import reduce
 from typing import Any, TypeVar, cast
 
 import torch
@@ -35,6 +40,18 @@ record_op = torch.ops.nanscan.record_.default
 
 _Fake = TypeVar("_Fake", bound=Callable[..., Any])
 
+ScanOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+_FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+
+
+def norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype of torch's total norm of tensors of these dtypes (at least one): per-tensor norms keep
+    each dtype and are then stacked, so the dtypes promoted. float8, which has no torch norm and
+    promotes with nothing, counts as float32. The op computes the same in C++ (norm_dtype_of,
+    csrc/ops.cpp) for its total_norm_cast output."""
+    return reduce(torch.promote_types, {torch.float32 if d in _FLOAT8_DTYPES else d for d in dtypes})
+
 
 def register_fake(op: str) -> Callable[[_Fake], _Fake]:
     """``torch.library.register_fake``, typed: torch leaves it unannotated, which would make every
@@ -43,23 +60,17 @@ def register_fake(op: str) -> Callable[[_Fake], _Fake]:
 
 
 @register_fake("nanscan::scan")
-def _scan_fake(
-    tensors: list[torch.Tensor], fp16_range: bool = False, checksum: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scan_fake(tensors: list[torch.Tensor], fp16_range: bool = False, checksum: bool = False) -> ScanOutputs:
     torch._check(not (fp16_range and checksum), lambda: "nanscan.scan: fp16_range and checksum are separate scans")
     return _scan_outputs(tensors, 4 if fp16_range else 3 if checksum else 2)
 
 
 @register_fake("nanscan::unscale_scan_")
-def _unscale_scan_fake(
-    tensors: list[torch.Tensor], inv_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unscale_scan_fake(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> ScanOutputs:
     return _scan_outputs(tensors)
 
 
-def _scan_outputs(
-    tensors: list[torch.Tensor], count_rows: int = 2
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scan_outputs(tensors: list[torch.Tensor], count_rows: int = 2) -> ScanOutputs:
     torch._check(len(tensors) > 0, lambda: "nanscan.scan: expected at least one tensor")
     n = len(tensors)
     device = tensors[0].device
@@ -73,6 +84,7 @@ def _scan_outputs(
         torch.empty((3, n), dtype=torch.float64, device=device),
         torch.empty((), dtype=torch.float64, device=device),
         torch.empty((), dtype=torch.bool, device=device),
+        torch.empty((), dtype=norm_dtype(t.dtype for t in tensors), device=device),
     )
 
 

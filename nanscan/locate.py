@@ -229,7 +229,7 @@ class _Scan:
             # The registered op directly: none of scan()'s per-call wrapping, which costs as much as
             # the op on small activations. scan() is the fallback: it gathers a list that spans
             # several devices, or raises naming the entry it cannot scan.
-            counts, stats, _, _ = scan_op(inputs)
+            counts, stats, *_ = scan_op(inputs)
         except (RuntimeError, TypeError):
             result = scan(inputs)
             counts = torch.stack([result.nan_count, result.inf_count])

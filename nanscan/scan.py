@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._ops import scan_op
+from ._ops import norm_dtype, scan_op
 
 if TYPE_CHECKING:
     from . import distributed
@@ -52,6 +52,10 @@ class ScanResult:
             beside it, the checksum of this rank's local part (its shard; a Partial tensor's value
             once reduced), not reduced over the mesh: it is compared with the same part's copies on
             other ranks, where it has some (nanscan.replicas).
+        total_norm_cast: ``total_norm`` in the dtype torch's total norm of these tensors has (their
+            dtypes promoted; float8 as float32), as ``.to()`` rounds it; computed by the op, so that
+            nothing reads every tensor's dtype to find it. None where no op made this result (a
+            distributed scan: the caller knows the dtypes from its plan).
     """
 
     nan_count: torch.Tensor
@@ -67,11 +71,18 @@ class ScanResult:
     ranks: Attribution | None = None
     consistent: torch.Tensor | None = None
     checksum: torch.Tensor | None = None
+    total_norm_cast: torch.Tensor | None = None
 
     @classmethod
     def from_op(
-        cls, counts: torch.Tensor, stats: torch.Tensor, total_norm: torch.Tensor, finite: torch.Tensor
+        cls,
+        counts: torch.Tensor,
+        stats: torch.Tensor,
+        total_norm: torch.Tensor,
+        finite: torch.Tensor,
+        total_norm_cast: torch.Tensor,
     ) -> ScanResult:
+        """The result of the op's outputs (nanscan._ops: scan and unscale_scan_), in their order."""
         half = counts.shape[0] == 4
         return cls(
             counts[0],
@@ -84,6 +95,7 @@ class ScanResult:
             fp16_overflow=counts[2] if half else None,
             fp16_underflow=counts[3] if half else None,
             checksum=counts[2] if counts.shape[0] == 3 else None,
+            total_norm_cast=total_norm_cast,
         )
 
     def __len__(self) -> int:
@@ -93,12 +105,15 @@ class ScanResult:
         """The statistics of these tensors multiplied by a positive ``factor`` (a device scalar): min,
         max and the norms scale, the counts do not. Exact for a power of two, as loss scales are."""
         factor = factor.to(self.norm.device, torch.float64)
+        total_norm = self.total_norm * factor
+        cast = self.total_norm_cast
         return dataclasses.replace(
             self,
             min=self.min * factor,
             max=self.max * factor,
             norm=self.norm * factor,
-            total_norm=self.total_norm * factor,
+            total_norm=total_norm,
+            total_norm_cast=total_norm.to(cast.dtype) if cast is not None else None,
         )
 
 
@@ -254,6 +269,7 @@ def empty_result(fp16_range: bool, device: torch.device | None = None, *, checks
         torch.zeros((3, 0), dtype=torch.float64, device=device),
         torch.zeros((), dtype=torch.float64, device=device),
         torch.ones((), dtype=torch.bool, device=device),
+        torch.zeros((), dtype=torch.float64, device=device),  # torch's total norm of no tensors: float64 0
     )
 
 
@@ -299,12 +315,15 @@ def _gather_devices(
     stats = torch.empty((3, n), dtype=torch.float64, device=first)
     sumsq = torch.zeros((), dtype=torch.float64, device=first)
     finite = torch.ones((), dtype=torch.bool, device=first)
+    dtypes = []
     for indices in groups.values():
-        c, s, total, fin = scan_op([tensors[i] for i in indices], fp16_range, checksum)
+        c, s, total, fin, cast = scan_op([tensors[i] for i in indices], fp16_range, checksum)
+        dtypes.append(cast.dtype)
         index = torch.tensor(indices, device=first)
         counts[:, index] = c.to(first)
         stats[:, index] = s.to(first)
         # NaN and Inf propagate through the square exactly as the norm rule requires.
         sumsq = sumsq + total.to(first).square()
         finite = finite & fin.to(first)
-    return ScanResult.from_op(counts, stats, sumsq.sqrt(), finite)
+    total_norm = sumsq.sqrt()
+    return ScanResult.from_op(counts, stats, total_norm, finite, total_norm.to(norm_dtype(dtypes)))

@@ -9,7 +9,7 @@ import torch
 
 import nanscan
 
-from conftest import DEVICES, FP8_DTYPES, random_tensor
+from conftest import DEVICES, FLOAT_DTYPES, FP8_DTYPES, random_tensor
 
 
 def finite_samples(device: str) -> list[list[torch.Tensor]]:
@@ -48,6 +48,51 @@ def test_torch_compile_fullgraph(device: str) -> None:
     assert got[1].item() is False and got[2].item() == 1
     grads[0][5] = 1.0
     torch.testing.assert_close(compiled(grads)[0], health(grads)[0])
+
+
+def same_value(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal dtype and value, a NaN equal to a NaN."""
+    return got.dtype == want.dtype and bool(torch.equal(got, want) or (got.isnan() & want.isnan()).item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_total_norm_cast_has_torchs_dtype_and_rounding(device: str) -> None:
+    """The op's total_norm_cast is total_norm.to(<torch's dtype of the total norm>), bit for bit, for
+    every pair of dtypes (the C++ promotion against nanscan._ops.norm_dtype, and against torch's own
+    get_total_norm where torch has a norm) and for norms that round, overflow or are NaN/Inf."""
+    from nanscan._ops import norm_dtype
+
+    dtypes = FLOAT_DTYPES + FP8_DTYPES
+    for first in dtypes:
+        for second in dtypes:
+            tensors = [random_tensor(5, first, device), random_tensor(3, second, device, scale=3.0)]
+            *_, total_norm, _, cast = torch.ops.nanscan.scan(tensors)
+            assert cast.dtype == norm_dtype({first, second}), (first, second)
+            if first not in FP8_DTYPES and second not in FP8_DTYPES:
+                assert cast.dtype == torch.nn.utils.get_total_norm(tensors).dtype, (first, second)
+            assert same_value(cast, total_norm.to(cast.dtype)), (first, second, total_norm, cast)
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for scale in (1e-30, 1e-6, 1.0, 3e2, 1e4, 1e30):
+            for _ in range(20):  # random norms: each a rounding from float64
+                values = torch.randn(int(torch.randint(1, 9, (), generator=generator)), generator=generator)
+                tensors = [(values * scale).to(dtype).to(device)]
+                *_, total_norm, _, cast = torch.ops.nanscan.scan(tensors)
+                assert same_value(cast, total_norm.to(dtype)), (dtype, scale, tensors, total_norm, cast)
+        for special in (math.nan, math.inf, 0.0):
+            *_, total_norm, _, cast = torch.ops.nanscan.scan([torch.tensor([special, 1.0], dtype=dtype, device=device)])
+            assert same_value(cast, total_norm.to(dtype)), (dtype, special)
+    # Rounding twice, as torch does: c10::Half takes a float, so a double becomes a float first. This
+    # norm (two float16 tensors: exact squares, summed exactly in float64) is 0x1.0ca00079fbf30p+1;
+    # as a float it is 0x1.0ca000p+1, a tie of float16's last bit, which goes to even: 0x1.0c8p+1,
+    # where rounding the double once would give 0x1.0ccp+1.
+    tensors = [
+        torch.tensor([1.9853515625], dtype=torch.float16, device=device),
+        torch.tensor([0.68017578125], dtype=torch.float16, device=device),
+    ]
+    *_, total_norm, _, cast = torch.ops.nanscan.scan(tensors)
+    assert total_norm.item() == float.fromhex("0x1.0ca00079fbf30p+1")
+    assert cast.item() == float.fromhex("0x1.0c8p+1") == total_norm.to(torch.float16).item()
 
 
 def test_raw_op_errors_name_the_index() -> None:
@@ -145,13 +190,11 @@ def test_outputs_are_not_differentiable(device: str) -> None:
     x = torch.randn(5, 3, device=device, requires_grad=True)
     y = (x * 2).sum(0)  # a non-leaf, with a grad_fn of its own
     r = nanscan.scan([x, y])
-    for name in ("nan_count", "inf_count", "min", "max", "norm", "total_norm", "finite"):
+    for name in ("nan_count", "inf_count", "min", "max", "norm", "total_norm", "finite", "total_norm_cast"):
         out = getattr(r, name)
         assert out.grad_fn is None and not out.requires_grad, name
-    counts, stats, total, finite = torch.ops.nanscan.unscale_scan_(
-        [torch.randn(4, device=device)], torch.tensor(0.5, device=device)
-    )
-    assert not any(t.requires_grad for t in (counts, stats, total, finite))
+    outputs = torch.ops.nanscan.unscale_scan_([torch.randn(4, device=device)], torch.tensor(0.5, device=device))
+    assert len(outputs) == 5 and not any(t.requires_grad for t in outputs)
     # opcheck's autograd-registration test needs inputs that require grad.
     for sample in finite_samples(device):
         torch.library.opcheck(torch.ops.nanscan.scan.default, ([t.clone().requires_grad_() for t in sample],))

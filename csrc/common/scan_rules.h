@@ -228,6 +228,10 @@ struct ResultPointers {
   int64_t num_tensors;
   bool half_range;
   bool checksum;  // counts has one more row, after the fp16 ones: the checksums (0 to 2^32 - 1)
+  // 0-dim: the total norm again, in the dtype torch's get_total_norm returns for these tensors
+  // (norm_dtype_of, ops.h), so that the Python layer need not read every tensor's dtype to cast it.
+  void* total_norm_cast;
+  DType total_norm_cast_dtype;  // Float32, Float64, Float16 or BFloat16
 };
 
 NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const TensorStats& s) {
@@ -244,9 +248,23 @@ NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const 
   out.stats[2 * n + i] = l2_norm(s);
 }
 
+// A float64 norm stored as torch's `.to(dtype)` rounds it: to fp32 once; to fp16 and bf16 through
+// fp32, as c10's Half and BFloat16 convert a double (they take a float), which rounds twice.
+NANSCAN_HD void store_norm_as(void* p, DType dtype, double norm) {
+  switch (dtype) {
+    case DType::Float64: *static_cast<double*>(p) = norm; break;
+    case DType::Float32: *static_cast<float*>(p) = static_cast<float>(norm); break;
+    case DType::Float16: *static_cast<uint16_t*>(p) = Float16Codec::encode(static_cast<float>(norm)); break;
+    case DType::BFloat16: *static_cast<uint16_t*>(p) = BFloat16Codec::encode(static_cast<float>(norm)); break;
+    default: break;  // float8: a norm never has it (norm_dtype_of counts float8 as float32)
+  }
+}
+
 // The totals: a combine of every element's contribution in an order fixed per backend and input.
 NANSCAN_HD void write_totals(const ResultPointers& out, const TensorStats& total) {
-  *out.total_norm = l2_norm(total);
+  const double norm = l2_norm(total);
+  *out.total_norm = norm;
+  store_norm_as(out.total_norm_cast, out.total_norm_cast_dtype, norm);
   *out.finite = all_finite(total);
 }
 

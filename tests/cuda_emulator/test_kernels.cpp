@@ -209,7 +209,19 @@ struct ScanOutput {
   std::vector<double> stats;
   double total_norm = -1;
   bool finite = false;
+  // The total norm in a torch dtype, as the op asks for it (tests/test_ops.py compares the CPU
+  // backend's with torch's .to(); here, that the kernel writes it, once, after the fp64 one).
+  DType cast_dtype = DType::Float32;
+  uint64_t total_norm_cast = ~0ull;  // storage for any cast dtype; all ones until written
 };
+
+// What the cast output must hold: total_norm as store_norm_as rounds it (its values against torch's
+// .to() are tests/test_ops.py's), in the low bytes of the storage.
+bool cast_matches(const ScanOutput& out) {
+  uint64_t want = ~0ull;
+  store_norm_as(&want, out.cast_dtype, out.total_norm);
+  return want == out.total_norm_cast;
+}
 
 // The launcher's own sequence, as the binding drives it: plan, device blob when needed, workspace.
 ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int num_sms,
@@ -223,7 +235,13 @@ ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int n
   ScanOutput out;
   out.counts.assign((half_range ? 4 : checksum ? 3 : 2) * n, -1);
   out.stats.assign(3 * n, -7.0);
-  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm, &out.finite, n, half_range, checksum};
+  // Each kind writes the cast in another dtype, so that every case of store_norm_as runs in the kernel.
+  out.cast_dtype = half_range    ? DType::BFloat16
+                   : checksum    ? DType::Float16
+                   : multiply_by ? DType::Float64
+                                 : DType::Float32;
+  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm,      &out.finite,   n,
+                      half_range,        checksum,         &out.total_norm_cast, out.cast_dtype};
   const cudaError_t err =
       scan(plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, num_sms, nullptr, multiply_by);
   CHECK(err == cudaSuccess, "scan returned %d", err);
@@ -258,6 +276,8 @@ void expect_matches(const char* what, const std::vector<HostTensor>& tensors, co
   CHECK(close(out.total_norm, l2_norm(total), 1e-6), "%s: total norm %.17g, want %.17g", what, out.total_norm,
         l2_norm(total));
   CHECK(out.finite == all_finite(total), "%s: finite flag", what);
+  CHECK(cast_matches(out), "%s: total norm cast to dtype %d: bits %llx", what, static_cast<int>(out.cast_dtype),
+        (unsigned long long)out.total_norm_cast);
 }
 
 std::vector<HostTensor> random_list(std::mt19937_64& rng, int n, int64_t max_numel, bool with_fp8) {
@@ -286,13 +306,16 @@ void check_workspace_guard(std::mt19937_64& rng) {
   std::vector<double> stats(3 * n, -7.0);
   double total_norm = -1;
   bool finite = false;
-  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm, &finite, n, false, false};
+  float total_norm_cast = -1;
+  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n,
+                            false,         false,        &total_norm_cast, DType::Float32};
   CHECK(
       scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
       "a workspace one byte short was accepted");
-  CHECK(counts[0] == -1 && total_norm == -1, "a refused scan wrote its outputs");
+  CHECK(counts[0] == -1 && total_norm == -1 && total_norm_cast == -1, "a refused scan wrote its outputs");
   CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess, "scan");
-  CHECK(total_norm != -1, "the scan wrote no total");
+  const float want_cast = static_cast<float>(total_norm);  // compared as bits: the list may hold a NaN
+  CHECK(total_norm != -1 && memcmp(&total_norm_cast, &want_cast, sizeof want_cast) == 0, "the scan wrote no total");
 }
 
 // How many warps' shares meet tensor t, for a grid of num_sms blocks (one per multiprocessor while
