@@ -68,6 +68,7 @@ def main() -> None:
         ),
         ("nanscan.clip_grad_norm_", lambda: nanscan.clip_grad_norm_(params, 1e30)),
         ("torch clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1e30)),
+        ("nanscan.check(params)", lambda: nanscan.check(params)),
         ("nanscan.check(params, max_norm)", lambda: nanscan.check(params, max_norm=1e30)),
         ("nanscan.check(model, max_norm)", lambda: nanscan.check(model, max_norm=1e30)),
         ("torch clip_grad_norm_(model.parameters())", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e30)),
