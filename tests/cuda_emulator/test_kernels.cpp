@@ -210,7 +210,7 @@ struct ScanOutput {
   double total_norm = -1;
   bool finite = false;
   // The total norm in a torch dtype, as the op asks for it (tests/test_ops.py compares the CPU
-  // backend's with torch's .to(); here, that the kernel writes it, once, after the fp64 one).
+  // backend's with torch's .to(); here, that the kernel writes it, in the dtype asked for).
   DType cast_dtype = DType::Float32;
   uint64_t total_norm_cast = ~0ull;  // storage for any cast dtype; all ones until written
 };
