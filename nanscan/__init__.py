@@ -5,14 +5,16 @@ if not report.finite:
     print(report.nonfinite)                    # names of the parameters that went bad
 """
 
-from . import amp, ddp, distributed, records, replicas, sinks
+from . import amp, ddp, layouts, records, replicas, sinks
+from .check import check
 from .clip import clip_grad_norm_, get_total_norm
+from .fused import SUPPORTED_DTYPES, ScanResult
 from .guard import NonFiniteGradientError, SkipGuard
 from .locate import Finding, Locator, locate
 from .recorder import Recorder
 from .replicas import ReplicaCheck, verify_replicas
-from .report import Report, check
-from .scan import SUPPORTED_DTYPES, ScanResult, scan
+from .report import Report
+from .scan import scan
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -28,8 +30,8 @@ __all__ = [
     "check",
     "clip_grad_norm_",
     "ddp",
-    "distributed",
     "get_total_norm",
+    "layouts",
     "locate",
     "records",
     "replicas",

@@ -24,6 +24,7 @@ step is skipped (torch would step with an Inf gradient).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections import defaultdict
@@ -34,7 +35,8 @@ from typing import Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ._ops import unscale_scan_op
+from . import layouts, walk
+from ._ops import scale_op, unscale_scan_op
 from .clip import (
     as_max_norm,
     as_norm_type,
@@ -43,9 +45,11 @@ from .clip import (
     raise_if_nonfinite,
     total_norm_of,
 )
+from .fused import ScanResult, empty_result
+from .layouts.reduce import group_device
+from .names import LazyNames
 from .recorder import Recorder
-from .report import LazyNames, Report, named_gradients
-from .scan import ScanResult, scan
+from .report import Report
 
 _SCANNED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -68,18 +72,23 @@ class GradScaler(torch.amp.GradScaler):
         self._names: dict[int, str] = {}
         # Set only while torch's step scans still-scaled gradients for a fused optimizer.
         self._scanning_scaled: torch.Tensor | None = None
-        # Set only inside clip_grad_norm_, between its unscale and its clip: the names and gradients the
-        # unscale scanned, and their statistics. Never outlives the call, so never describes stale values.
-        self._scanned: tuple[Sequence[str], list[torch.Tensor], ScanResult] | None = None
+        # Set only inside clip_grad_norm_, between its unscale and its clip: the layout the unscale
+        # scanned (its names and gradients), and their statistics. Never outlives the call, so never
+        # describes stale values.
+        self._scanned: tuple[layouts.Layout, ScanResult] | None = None
         self._keep_scan = False
         self._recorder: Recorder | None = None
 
     def watch(self, model: torch.nn.Module) -> GradScaler:
-        """Names the reports' parameters after ``model.named_parameters()`` instead of their position in
-        the optimizer (``"group0.param3"``). Returns the scaler."""
+        """Names the reports' parameters after ``model.named_parameters()`` (as the user wrote them:
+        nanscan.names) instead of their position in the optimizer (``"group0.param3"``); and, for a
+        model whose gradients are sharded (FSDP1), lets the scaler reduce its optimizer's gradients
+        over the model's ranks. Returns the scaler."""
+        layouts.learn(model)
+        walked = walk.walk(model)
         # A new dict, not an update: names formed before (OptimizerNames compares dicts by identity)
         # stay as they were.
-        self._names = self._names | {id(p): name for name, p in model.named_parameters()}
+        self._names = self._names | dict(zip(map(id, walked.parameters), walked.names, strict=True))
         return self
 
     def record(self, recorder: Recorder | None) -> GradScaler:
@@ -141,20 +150,23 @@ class GradScaler(torch.amp.GradScaler):
             finally:
                 self._keep_scan = False
         if scanned is None:  # already unscaled, or a scaler that is disabled: scan now
-            names, grads = self._optimizer_gradients(optimizer, allow_fp16=True)
-            if grads is None:  # sparse or exotic gradients: nanscan's clip, which defers to torch
+            layout = self._optimizer_layout(optimizer, allow_fp16=True)
+            if layout is None:  # sparse or exotic gradients: nanscan's clip, which defers to torch
                 self.last_report = None
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
             with torch.no_grad():
-                scanned = (names, grads, scan(grads, names))
-        names, grads, stats = scanned
+                scanned = (layout, layouts.scan(layout))
+        layout, stats = scanned
+        assert layout.names is not None
         with torch.no_grad():
-            total = total_norm_of(grads, stats, norm_type)
+            total = total_norm_of(layout, stats, norm_type)
             if error_if_nonfinite:
                 raise_if_nonfinite(total, norm_type)
-            coef = clip_grads_with_norm_(grads, max_norm, total) if grads else None
-        self.last_report = Report(names, stats, total, norm_type, max_norm, coef)
+            coef = (
+                clip_grads_with_norm_(layout.scaled, max_norm, total) if layout.scaled or layout.distributed else None
+            )
+        self.last_report = Report(layout.names, stats, total, norm_type, max_norm, coef)
         if scanned_by_unscale:  # else unscale_ ran earlier this step and recorded it: once per step
             self._record(self.last_report)
         return total
@@ -175,9 +187,11 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        names, grads = self._optimizer_gradients(optimizer, allow_fp16)
-        report_parts = self._unscale_scan(grads, inv_scale) if grads is not None else None
-        if grads is None or report_parts is None:
+        layout = self._optimizer_layout(optimizer, allow_fp16)
+        if layout is not None and layout.distributed:
+            return self._unscale_distributed(layout, inv_scale)
+        report_parts = self._unscale_scan(layout.parts, inv_scale) if layout is not None else None
+        if layout is None or report_parts is None:
             # Sparse (coalesced by torch) or exotic gradients: torch's own path, without a report.
             self.last_report = None
             self._last_found_inf = []
@@ -190,17 +204,45 @@ class GradScaler(torch.amp.GradScaler):
             found_per_device[outputs[3].device] = (~outputs[3]).to(torch.float32)
         self._last_found_inf = list(found_per_device.values())
         if len(report_parts) == 1:  # one device: the outputs describe the whole list, in its order
-            stats = ScanResult.from_op(*report_parts[0])
-            if self._scanning_scaled is not None:
-                stats = stats.scaled(self._scanning_scaled.double().reciprocal())
-            self.last_report = Report(names, stats, stats.total_norm, 2.0)
-            if self._keep_scan:
-                self._scanned = (names, grads, stats)  # clip_grad_norm_ records, with its coefficient
-            else:
-                self._record(self.last_report)
+            self._report(layout, ScanResult.from_op(*report_parts[0]))
         else:
             self.last_report = None  # several devices: found_inf is exact, the per-device stats are not merged
         return found_per_device
+
+    def _report(self, layout: layouts.Layout, stats: ScanResult) -> None:
+        """``last_report`` of an unscale's statistics (of unscaled values), recorded or kept for the clip."""
+        assert layout.names is not None
+        if self._scanning_scaled is not None:
+            stats = stats.scaled(self._scanning_scaled.double().reciprocal())
+        self.last_report = Report(layout.names, stats, stats.total_norm, 2.0)
+        if self._keep_scan:
+            self._scanned = (layout, stats)  # clip_grad_norm_ records, with its coefficient
+        else:
+            self._record(self.last_report)
+
+    def _unscale_distributed(self, layout: layouts.Layout, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """The unscale of gradients sharded over ranks (FSDP1, DTensors; ``watch(model)`` first for
+        FSDP1): this rank's parts unscaled and scanned in the fused pass, the statistics reduced over
+        the model's ranks, and ``found_inf`` from the global flag, so that every rank skips the step
+        together, as torch's ShardedGradScaler makes them."""
+        with torch.no_grad():
+            plan = layout.plan
+            if plan is not None and plan.partial:  # a Partial DTensor's stats need its parts reduced first
+                if layout.scaled:
+                    scale_op(layout.scaled, inv_scale.to(layout.scaled[0].device))
+                stats = layouts.scan(layout)
+            else:
+                parts = layout.parts
+                local = (
+                    ScanResult.from_op(*unscale_scan_op(parts, inv_scale.to(parts[0].device)))
+                    if parts
+                    else empty_result(False, group_device(layout.process_group))
+                )
+                stats = layouts.reduce_local(layout, local)
+        found = (~stats.finite).to(torch.float32)
+        self._last_found_inf = [found]
+        self._report(layout, stats)
+        return {found.device: found}
 
     @staticmethod
     def _unscale_scan(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> list[tuple[torch.Tensor, ...]] | None:
@@ -225,11 +267,10 @@ class GradScaler(torch.amp.GradScaler):
                     for device, indices in by_device.items()
                 ]
 
-    def _optimizer_gradients(
-        self, optimizer: torch.optim.Optimizer, allow_fp16: bool
-    ) -> tuple[Sequence[str], list[torch.Tensor] | None]:
-        """Names and gradients of the optimizer's parameters that have one, in torch's order and with
-        torch's errors; gradients None when one of them needs torch's own unscale.
+    def _optimizer_layout(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> layouts.Layout | None:
+        """The layout of the optimizer's parameters' gradients (those that have one, in torch's order
+        and with torch's errors), named after ``watch`` or their place in the optimizer; None when
+        one of them needs torch's own unscale.
 
         Runs every step over every parameter, so it is comprehensions (each ``.grad`` read once) and
         the names are formed only when a report is read (``OptimizerNames``)."""
@@ -246,11 +287,14 @@ class GradScaler(torch.amp.GradScaler):
         dtypes = {g.dtype for g in grads}
         if not allow_fp16 and torch.float16 in dtypes:
             raise ValueError("Attempting to unscale FP16 gradients.")
-        names = OptimizerNames(params, all_params, [len(group_params) for group_params in groups], self._names)
         if not grads or not dtypes.issubset(_SCANNED_DTYPES):
-            return names, None
+            return None
+        layout = layouts.of_parameter_list(all_params, grads)
+        if layout.cut:  # named after the parameters FSDP1 flattened
+            return layout
+        names = OptimizerNames(params, all_params, [len(group_params) for group_params in groups], self._names)
         # A sparse gradient is found by the op's validation, before it writes (_unscale_grads_).
-        return names, grads
+        return dataclasses.replace(layout, names=names)
 
 
 class OptimizerNames(LazyNames):
@@ -394,15 +438,21 @@ class Advisor:
 
     def observe(self, model_or_params: torch.nn.Module | Any) -> ScanResult:
         """Scans the current gradients once and accumulates the fp16 evidence; returns the scan."""
-        names, grads = named_gradients(model_or_params)
+        layout = (
+            layouts.of_module(model_or_params)
+            if isinstance(model_or_params, torch.nn.Module)
+            else layouts.of_parameters(model_or_params)
+        )
+        names = layout.names
+        assert names is not None
         if self.names is None:
-            self.names, self.numels = names, [g.numel() for g in grads]
+            self.names, self.numels = names, layouts.numels(layout)
         elif names != self.names:
             raise ValueError(
                 "nanscan.amp.Advisor: the set of parameters with gradients changed between observe() calls"
             )
         with torch.no_grad():
-            r = scan(grads, names, fp16_range=True)
+            r = layouts.scan(layout, fp16_range=True)
             step = _Evidence.of(r)
             self._evidence = step if self._evidence is None else self._evidence.plus(step)
         self.steps += 1

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
-from . import distributed
+from . import layouts
 from ._ops import norm_dtype, scale_op
-from .scan import SUPPORTED_DTYPES, ScanResult, describe, gradients_of, group_by_device, scan, validate
+from .fused import SUPPORTED_DTYPES, ScanResult, describe, gradients_of, group_by_device, validate
+from .layouts import dtensor
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
@@ -79,17 +80,6 @@ def as_max_norm(max_norm: object) -> float:
 NORM_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
-def result_dtype(tensors: list[torch.Tensor], dtypes: set[torch.dtype] | None = None) -> torch.dtype:
-    """The dtype torch's total norm has (nanscan._ops.norm_dtype; float8 counts as float32 in a
-    check's total). ``dtypes``: the tensors' dtypes, when the caller knows them
-    (``distributed.LocalView.dtypes``)."""
-    if dtypes is None:
-        if distributed.has_dtensor(tensors[:1]):
-            tensors = distributed.to_local(tensors)  # a DTensor's dtype is its shard's, 3-4x cheaper to read
-        dtypes = {t.dtype for t in tensors}  # then per dtype, not per tensor
-    return norm_dtype(dtypes)
-
-
 def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
     """The total norm (float64, on the scanned device) for the norm types the scan answers: 2 and inf."""
     if norm_type == 2.0:
@@ -103,36 +93,35 @@ def total_norm_from_scan(stats: ScanResult, norm_type: float) -> torch.Tensor:
     return per_tensor.max()  # max propagates NaN, as vector_norm(stack(norms), inf) does
 
 
-def total_norm_of(
-    grads: list[torch.Tensor],
-    stats: ScanResult,
-    norm_type: float,
-    process_group: Any = None,
-    dtypes: set[torch.dtype] | None = None,
-) -> torch.Tensor:
-    """The total norm of ``grads`` (scanned into ``stats``) in torch's result dtype: from the scan
-    when it answers ``norm_type``, else torch's own (made global over ``process_group``); float64
-    zero for an empty list. ``dtypes``: the gradients' dtypes, if known (see result_dtype)."""
-    if not grads and process_group is None:
+def scan_answers(layout: layouts.Layout, norm_type: float) -> bool:
+    """Whether the fused scan computes this norm of the layout's tensors: 2 and inf, but torch's inf
+    norm of an empty tensor is an error we keep (a parameter's empty part on this rank is no such
+    tensor)."""
+    if norm_type == 2.0:
+        return True
+    return norm_type == math.inf and (layout.cut or all(t.numel() > 0 for t in layout.tensors))
+
+
+def total_norm_of(layout: layouts.Layout, stats: ScanResult, norm_type: float) -> torch.Tensor:
+    """The total norm of the layout's tensors (scanned into ``stats``, global ones for a distributed
+    layout) in torch's result dtype: from the scan when it answers ``norm_type``, else torch's norms
+    of the parts, reduced as the layout says; float64 zero for an empty list in one process."""
+    if not layout.tensors and not layout.distributed:
         return torch.zeros((), dtype=torch.float64)
-    if scan_answers(grads, norm_type):
+    if scan_answers(layout, norm_type):
         # The op's cast of its total, or at least its dtype: reading the dtype of every tensor instead
         # costs ~70 ns a tensor on the CPU (0.7 ms for 10,000 parameters).
         cast = stats.total_norm_cast
         if cast is None:
-            dtype = result_dtype(grads, dtypes) if grads else torch.float64
+            dtype = norm_dtype(layout.dtypes() or {torch.float64})
         elif norm_type == 2.0:
             return cast
         else:
             dtype = cast.dtype
         return total_norm_from_scan(stats, norm_type).to(dtype)
-    local = torch_get_total_norm(grads, norm_type) if grads else torch.zeros((), dtype=torch.float64)
-    return distributed.global_norm(local, norm_type, process_group)
-
-
-def scan_answers(tensors: list[torch.Tensor], norm_type: float) -> bool:
-    """Whether the fused scan computes this norm; torch's inf norm of an empty tensor is an error we keep."""
-    return norm_type == 2.0 or (norm_type == math.inf and all(t.numel() > 0 for t in tensors))
+    if layout.distributed:
+        return layouts.total_norm(layout, norm_type).to(norm_dtype(layout.dtypes() or {torch.float32}))
+    return layouts.global_norm(torch_get_total_norm(layout.tensors, norm_type), norm_type)
 
 
 def check_foreach(tensors: list[torch.Tensor], foreach: bool | None) -> None:
@@ -162,45 +151,50 @@ def get_total_norm(
     stages: each rank holds different ones); every rank of the group must call it.
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    return _total_norm(tensors, norm_type, error_if_nonfinite, foreach, process_group)[0]
+    norm_type = as_norm_type(norm_type)
+    return _total_norm(layouts.of_tensors(tensors, None, process_group), norm_type, error_if_nonfinite, foreach)
 
 
 def _total_norm(
-    tensors: list[torch.Tensor], norm_type: object, error_if_nonfinite: bool, foreach: bool | None, process_group: Any
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``get_total_norm``, and what a clip by it scales: the tensors, or a list of DTensors' local shards."""
-    norm_type = as_norm_type(norm_type)
-    if not tensors and process_group is None:
-        return torch.tensor(0.0), tensors
+    layout: layouts.Layout, norm_type: float, error_if_nonfinite: bool, foreach: bool | None
+) -> torch.Tensor:
+    """``get_total_norm`` of the layout's tensors (a clip scales ``layout.scaled`` by it)."""
+    tensors = layout.tensors
+    if not tensors and not layout.distributed:
+        return torch.tensor(0.0)
     # A DTensor's dtype and device are its local shard's, read there: a DTensor's attributes cost
     # 3-4x a plain tensor's (0.2 ms per 1,000), and the dtypes of a list of them are its plan's.
-    view = distributed.local_view_if_distributed(tensors, process_group)
-    shards = view.shards if view is not None else tensors
     try:
-        dtypes = view.dtypes() if view is not None else {t.dtype for t in shards}
+        dtypes = layout.dtypes()
     except AttributeError:
         validate(tensors)  # raises, naming the entry that is not a tensor
         raise
-    check_foreach(shards, foreach)
-    if not dtypes <= NORM_DTYPES or not scan_answers(tensors, norm_type):
-        # Norms the scan does not compute, and dtypes without a torch norm to match (complex, integer,
-        # float8): torch's own code, so results and errors are torch's exactly (then made global).
-        if process_group is None:
+    check_foreach(layout.parts, foreach)
+    if not dtypes <= NORM_DTYPES:
+        # Dtypes without a torch norm to match (complex, integer, float8): torch's own code, so results
+        # and errors are torch's exactly (then made global).
+        if layout.process_group is None and not layout.cut:
             total = torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-            return distributed.global_norm(total, norm_type), shards
+            return layouts.global_norm(total, norm_type)
         local = torch_get_total_norm(tensors, norm_type, False, foreach) if tensors else torch.tensor(0.0)
-        total = distributed.global_norm(local, norm_type, process_group)
+        total = layouts.global_norm(local, norm_type, layout.process_group)
+    elif layout.distributed and (
+        layout.cut or norm_type not in (math.inf, -math.inf) or all(t.numel() > 0 for t in tensors)
+    ):
+        with torch.no_grad():
+            # Only the total crosses ranks: one number per group, not every tensor's statistics.
+            total = layouts.total_norm(layout, norm_type).to(norm_dtype(dtypes or {torch.float32}))
+    elif not scan_answers(layout, norm_type):
+        # Norms the scan does not compute (and torch's error for the inf norm of an empty tensor):
+        # torch's own code, so results and errors are torch's exactly.
+        total = torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        return layouts.global_norm(total, norm_type)
     else:
         with torch.no_grad():
-            if view is not None:
-                # Only the total crosses ranks: one number per mesh, not every tensor's statistics.
-                total = distributed.total_norm(view, norm_type, process_group)
-                total = total.to(norm_dtype(dtypes or {torch.float32}))
-            else:
-                total = total_norm_of(tensors, scan(tensors), norm_type)
+            total = total_norm_of(layout, layouts.scan(layout), norm_type)
     if error_if_nonfinite:
         raise_if_nonfinite(total, norm_type)
-    return total, shards
+    return total
 
 
 def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
@@ -210,16 +204,16 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     equal torch's; a coefficient of exactly 1 leaves the gradients unwritten.
     """
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    if grads and distributed.dtensor_class() is not None and distributed.has_dtensor(grads[:1]):
-        grads = distributed.to_local(grads)  # each rank scales its local shards (see scan's routing)
+    if grads and dtensor.is_dtensor(grads[0]):
+        grads = dtensor.to_local(grads)  # each rank scales its local shards (see nanscan.layouts)
     # One op call for the usual single-device list: it validates every entry (before writing any) in
     # C++, so Python does no per-tensor work here. A list that spans devices, or holds dtypes the op
     # does not write (complex: torch's norm was used for it), is handled on the op's error.
     try:
         scale_op(grads, clip_coef)
     except RuntimeError:
-        if distributed.has_dtensor(grads):  # each rank scales its local shards
-            return clip_grads_with_norm_(distributed.to_local(grads), max_norm, total_norm)
+        if dtensor.has_dtensor(grads):  # each rank scales its local shards
+            return clip_grads_with_norm_(dtensor.to_local(grads), max_norm, total_norm)
         if not {g.dtype for g in grads} <= SUPPORTED_DTYPES:
             for g in grads:  # torch's own multiply, as in its clip_grads_with_norm_
                 g.mul_(clip_coef.to(g.device))
@@ -256,7 +250,7 @@ def gradients(parameters: TensorOrTensors) -> tuple[list[torch.Tensor], list[tor
 
 
 def clip_grad_norm_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | torch.nn.Module,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
@@ -271,12 +265,21 @@ def clip_grad_norm_(
     gradients (FSDP2, tensor parallel) are clipped by their global norm, returned as a plain tensor
     with the global value on every rank; with ``process_group``, by the norm over every rank of the
     group (pipeline stages).
+
+    ``parameters`` may also be a model (an ``nn.Module``, where torch takes only parameters): its
+    parameters' gradients, wherever they live, as ``nanscan.check(model, max_norm=...)`` finds them.
+    That is how an FSDP1 model is clipped by its global norm, as FSDP's own ``model.clip_grad_norm_``
+    does; a list of its parameters works too once nanscan has seen the model.
     """
     max_norm = as_max_norm(max_norm)
     norm_type = as_norm_type(norm_type)
-    _, grads = gradients(parameters)
-    total_norm, shards = _total_norm(grads, norm_type, error_if_nonfinite, foreach, process_group)
-    if shards:
+    if isinstance(parameters, torch.nn.Module):
+        layout = layouts.of_module(parameters, process_group)
+    else:
+        params, grads = gradients(parameters)
+        layout = layouts.of_parameter_list(params, grads, process_group)
+    total_norm = _total_norm(layout, norm_type, error_if_nonfinite, foreach)
+    if layout.scaled:
         with torch.no_grad():
-            clip_grads_with_norm_(shards, max_norm, total_norm)
+            clip_grads_with_norm_(layout.scaled, max_norm, total_norm)
     return total_norm

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .check import check
 from .recorder import Recorder
-from .report import check
 from .sinks import JSONLSink
 
 

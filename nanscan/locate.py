@@ -72,7 +72,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .scan import SUPPORTED_DTYPES, scan
+from .fused import SUPPORTED_DTYPES
+from .scan import scan
 
 Phase = Literal["forward", "backward"]
 Kind = Literal["output", "input-gradient", "output-gradient", "parameter-gradient"]

@@ -62,18 +62,16 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from ._ops import RECORD_SOURCE_DTYPES, record_op
-from .distributed import Attribution
+from .layouts.reduce import Attribution
 from .records import StepRecord
+from .report import Report
 from .sinks import Sink
-
-if TYPE_CHECKING:
-    from .report import Report
 
 # A record's per-parameter rows, then its per-step columns, in its float32 row of the ring buffer.
 # The running median is stored, not the spike ratio: the ratio is one division per block at the read
@@ -82,7 +80,7 @@ _PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "median")
 _NORM_ROW = _PARAM_ROWS.index("norm")
 _MEDIAN_ROW = _PARAM_ROWS.index("median")
 _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "loss_scale")
-# Per parameter, in the float64 attribution row: nanscan.distributed.Attribution's rows, then its
+# Per parameter, in the float64 attribution row: nanscan.layouts.reduce.Attribution's rows, then its
 # per-rank row (``world`` values).
 _ATTRIBUTION_ROWS = ("count", "rank_sum", "rank_square_sum")
 

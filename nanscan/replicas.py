@@ -23,11 +23,15 @@ Which ranks hold copies of what:
   set of copies and gets the same answer (a rank that acted on a different answer would leave the
   others waiting in the next collective). A DTensor sharded along every dim of its mesh (FSDP2 on a
   1-d mesh) has no copies: it is not compared, and consistent by definition.
+* FSDP1: under ``NO_SHARD`` every rank of a unit's group holds all of it; under the hybrid strategies
+  each node group's shard has copies at the same position of the other node groups (the MAX over the
+  inter-node group, the SUM over the world); the fully sharded strategies have no copies.
 
-The tensors of a list are grouped by (mesh, dim), the plain ones in a group of their own, in order
-of first appearance; every rank holds the same list, so every rank issues the same collectives in the
-same order: two per group, none for a group without tensors. A tensor replicated along two dims of
-its mesh is compared along both, and the ranks named for it are those named along either dim.
+Where the copies lie is the layout's to say (``Plan.copies``, nanscan.layouts); the tensors of a list
+are grouped by where their copies lie, the plain ones in a group of their own, in order of first
+appearance; every rank holds the same list, so every rank issues the same collectives in the same
+order: two per group, none for a group without tensors. A tensor replicated along two dims of its
+mesh is compared along both, and the ranks named for it are those named along either dim.
 
 The SUM is issued unconditionally: deciding on the host whether it is needed would be a sync. Its
 result is read only when ``consistent`` or ``divergent`` is.
@@ -41,9 +45,9 @@ from typing import Any
 
 import torch
 
-from . import distributed
-from .report import named_gradients
-from .scan import scan_local
+from . import layouts
+from .fused import scan_local
+from .layouts.reduce import Copies, ReplicaLines
 
 RANKS_PER_WORD = 62  # bits per int64 word of a rank mask: sums of distinct powers below 2^62 are exact
 
@@ -140,38 +144,44 @@ class ReplicaCheck:
         )
 
 
-# Layouts by the identity of their mesh (or plain group) and mesh dim; each value holds its owner, so
-# that an id in a key cannot be another object's. Meshes and groups live as long as the training.
-_layouts: dict[tuple[int, int | None], tuple[Any, _Layout]] = {}
+# Layouts by where their copies lie (``Copies.key``, which holds the mesh or group it names, so that an
+# id in a key cannot be another object's); meshes and groups live as long as the training.
+_layouts: dict[tuple[Any, ...], _Layout] = {}
 
 
-def _layout_of(owner: Any, dim: int | None) -> _Layout:
-    """The layout of the copies along ``dim`` of the mesh ``owner``, or, with ``dim`` None, of plain
-    tensors held by every rank of the group ``owner`` (None: the default group). Made once."""
+def _layout_of(copies: Copies | None, plain_group: Any) -> _Layout:
+    """The layout of a set of copies; ``copies`` None (or without ``lines``): plain tensors held by
+    every rank of ``plain_group`` (None: the default group). Made once per placement."""
     import torch.distributed as dist
 
-    key_owner = dist.group.WORLD if owner is None else owner  # a new object when the world is re-made
-    key = (id(key_owner), dim)
+    if copies is None or copies.lines is None:
+        owner = dist.group.WORLD if plain_group is None else plain_group  # a new object when the world is re-made
+        key: tuple[Any, ...] = ("plain", id(owner), owner)
+        lines: ReplicaLines | None = None
+    else:
+        key, lines = copies.key, None
     cached = _layouts.get(key)
     if cached is not None:
-        return cached[1]
-    if dim is None:
-        replica_group = spread_group = owner
-        lines = [dist.get_process_group_ranks(owner)]
+        return cached
+    if copies is None or copies.lines is None:
+        lines = ReplicaLines(plain_group, plain_group, [dist.get_process_group_ranks(owner)])
     else:
-        replica_group, spread_group = owner.get_group(dim), distributed.mesh_group(owner)
-        # Every run of global ranks along ``dim`` differs only in that coordinate: a set of copies.
-        lines = owner.mesh.movedim(dim, -1).reshape(-1, owner.size(dim)).tolist()
-    ranks = dist.get_process_group_ranks(spread_group)
+        lines = copies.lines()
+    ranks = dist.get_process_group_ranks(dist.group.WORLD if lines.spread_group is None else lines.spread_group)
     position_of = {rank: p for p, rank in enumerate(ranks)}
     line_of = [0] * len(ranks)
-    for i, line in enumerate(lines):
+    for i, line in enumerate(lines.lines):
         for rank in line:
             line_of[position_of[rank]] = i
     layout = _Layout(
-        replica_group, spread_group, position_of[dist.get_rank()], ranks, line_of, [len(line) for line in lines]
+        lines.replica_group,
+        lines.spread_group,
+        position_of[dist.get_rank()],
+        ranks,
+        line_of,
+        [len(line) for line in lines.lines],
     )
-    _layouts[key] = (key_owner, layout)
+    _layouts[key] = layout
     return layout
 
 
@@ -195,42 +205,29 @@ def compare(names: Sequence[str], checksums: torch.Tensor, process_group: Any = 
     """Compares each rank's ``checksums`` of plain tensors (int64 [N], from ``scan(..., checksum=True)``)
     across the group, in two all-reduces (none for an empty list) and with no host sync. Every rank
     of the group must call it, with the same number of tensors."""
-    parts = [_compare_part(checksums, None, _layout_of(process_group, None))] if len(names) else []
+    parts = [_compare_part(checksums, None, _layout_of(None, process_group))] if len(names) else []
     return ReplicaCheck(names, parts, checksums.device)
 
 
-def compare_tensors(
-    names: Sequence[str], tensors: Sequence[torch.Tensor], checksums: torch.Tensor, process_group: Any = None
-) -> ReplicaCheck:
-    """Compares the ``checksums`` of ``tensors`` (int64 [N], from ``scan(tensors, checksum=True)``: of
-    a DTensor's local part) with those of their copies on other ranks: plain tensors over
-    ``process_group`` (None: the default group), DTensors along each of their mesh's Replicate (or
-    Partial) dims; DTensors without such a dim are not compared (see the module notes). Two
-    all-reduces per (mesh, dim) and for the plain tensors; no host sync. Every rank that holds a
-    part of the tensors must call it, with the same list."""
-    if not distributed.has_dtensor(tensors):
-        return compare(names, checksums, process_group)
+def compare_layout(layout: layouts.Layout, checksums: torch.Tensor, process_group: Any = None) -> ReplicaCheck:
+    """Compares the ``checksums`` of the layout's tensors (int64 [N], of each rank's local part, from
+    a scan with ``checksum=True``) with those of their copies on other ranks, wherever the layout
+    says they lie; plain tensors over ``process_group``, else the layout's replica group (a DDP
+    model's), else the default group. Two all-reduces per placement of copies; no host sync. Every
+    rank that holds a part of the tensors must call it, with the same list."""
+    names = layout.names if layout.names is not None else [f"[{i}]" for i in range(len(layout.tensors))]
+    plain_group = process_group if process_group is not None else layout.replica_group
+    if layout.plan is None:
+        return compare(names, checksums, plain_group)
     parts = []
-    for copies in distributed.plan_of(tensors).replicated:
-        layout = _layout_of(process_group, None) if copies.mesh is None else _layout_of(copies.mesh, copies.dim)
-        if len(copies.indices) == len(tensors):  # every tensor is in this set: no copy of the checksums
-            parts.append(_compare_part(checksums, None, layout))
+    for copies in layout.plan.copies:
+        replica_layout = _layout_of(copies, plain_group)
+        if len(copies.indices) == len(layout.tensors):  # every tensor is in this set: no copy of the checksums
+            parts.append(_compare_part(checksums, None, replica_layout))
         else:
             subset = checksums.index_select(0, copies.index_on(checksums.device))
-            parts.append(_compare_part(subset, copies.indices, layout))
+            parts.append(_compare_part(subset, copies.indices, replica_layout))
     return ReplicaCheck(names, parts, checksums.device)
-
-
-def replica_group(model_or_params: object, process_group: Any) -> Any:
-    """The group whose ranks hold the replicas of plain tensors: ``process_group`` if given, else a
-    DDP model's own (None, the default group, otherwise)."""
-    if process_group is not None:
-        return process_group
-    return (
-        getattr(model_or_params, "process_group", None)
-        if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel)
-        else None
-    )
 
 
 def verify_replicas(
@@ -257,24 +254,21 @@ def verify_replicas(
     dim, a tensor-parallel bias) or Partial (compared once reduced: one collective per such tensor).
     A DTensor sharded along every dim (FSDP2 on a 1-d mesh) has no copies: it is not compared.
     """
-    names: Sequence[str]
-    tensors: list[torch.Tensor]
-    if gradients:
-        names, tensors = named_gradients(model_or_params)
-    elif isinstance(model_or_params, torch.nn.Module):
-        pairs = list(model_or_params.named_parameters())
-        names, tensors = [name for name, _ in pairs], [p.detach() for _, p in pairs]
+    if isinstance(model_or_params, torch.nn.Module):
+        layout = layouts.of_module(model_or_params, source="grad" if gradients else "data")
+    elif gradients:
+        layout = layouts.of_parameters(model_or_params)
     else:
         items = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
         named: list[tuple[Any, Any]] = [
             item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item) for i, item in enumerate(items)
         ]
-        names, tensors = [str(name) for name, _ in named], [t.detach() for _, t in named]
+        tensors = [t.detach() for _, t in named]
+        layout = layouts.of_tensors(tensors, [str(name) for name, _ in named])
     with torch.no_grad():
         # Only the checksums are needed, and they are of local data: the local parts are scanned
-        # alone, without the statistics' collectives a scan of DTensors would add.
-        has_dtensor = distributed.has_dtensor(tensors)
-        local = distributed.local_parts(distributed.local_view(tensors)) if has_dtensor else tensors
-        result = scan_local(local, names, False, checksum=True)
+        # alone, without the statistics' collectives a distributed scan would add.
+        parts = layouts.local_parts(layout)
+        result = scan_local(parts, layout.names, False, checksum=True)
     assert result.checksum is not None
-    return compare_tensors(names, tensors, result.checksum, replica_group(model_or_params, process_group))
+    return compare_layout(layout, result.checksum, process_group)

@@ -21,8 +21,15 @@ all alive now, and if one took a dead object's id at the same place, the yield i
 dead module is seen: its weak reference reads None). Mutating a dict in place (FSDP2 swaps its
 sharded and unsharded parameters by ``module._parameters[name] = p``) is seen like any other change.
 
-Only for modules whose types keep ``nn.Module``'s walk (``named_parameters``, ``named_modules``,
-``_named_members``); a model with any other type (FSDP1, some wrappers) is walked every call.
+Only where the walk is ``nn.Module``'s own: the model's type keeps ``named_parameters``,
+``named_modules`` and ``_named_members``, and every module below it ``named_modules`` (the only one
+of the three that the root's walk calls on its children; activation checkpointing's wrapper
+overrides ``named_parameters`` alone, and is cached). A model with any other type (an FSDP1 root,
+some wrappers) is walked every call.
+
+Names are as the user wrote them (nanscan.names): the wrappers' components (``_orig_mod.``,
+``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, DDP's ``module.``) are dropped, once,
+when the walk is made.
 """
 
 from __future__ import annotations
@@ -31,30 +38,50 @@ import itertools
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from .names import clean_module_names, clean_name
 
 _PARAMETERS = operator.attrgetter("_parameters")
 _MODULES = operator.attrgetter("_modules")
 _WALK_METHODS = ("named_parameters", "named_modules", "_named_members")
 _BASE = {name: getattr(torch.nn.Module, name) for name in _WALK_METHODS}
-_standard_walk: dict[type, bool] = {}
+_standard_root: dict[type, bool] = {}
 
 
 def _walks_as_module(cls: type) -> bool:
-    """Whether ``cls`` keeps nn.Module's walk (looked up once per type)."""
-    standard = _standard_walk.get(cls)
+    """Whether ``cls`` keeps nn.Module's walk as a model's root (looked up once per type)."""
+    standard = _standard_root.get(cls)
     if standard is None:
         standard = all(getattr(cls, name, None) is base for name, base in _BASE.items())
-        _standard_walk[cls] = standard
+        _standard_root[cls] = standard
     return standard
 
 
-def _walk(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
-    """torch's own walk, as (names, parameters)."""
+def _walks_as_child(cls: type) -> bool:
+    """Whether ``cls`` keeps the one method of nn.Module's walk that a root calls on its children."""
+    return getattr(cls, "named_modules", None) is _BASE["named_modules"]
+
+
+class Walk(NamedTuple):
+    """What ``walk`` gives: the parameters, named as the user wrote them, and the types of the
+    modules the walk met (whose layout a caller may need to know: an FSDP1 unit among them)."""
+
+    names: list[str]
+    parameters: list[torch.nn.Parameter]
+    module_types: frozenset[type]
+
+
+def _walk(model: torch.nn.Module) -> Walk:
+    """torch's own walk, with clean names."""
     named = list(model.named_parameters())
-    return [name for name, _ in named], [p for _, p in named]
+    names = [name for name, _ in named]
+    clean = clean_module_names(model)
+    if clean is not None:
+        names = [clean_name(name, clean) for name in names]
+    return Walk(names, [p for _, p in named], frozenset(type(m) for m in model.modules()))
 
 
 def _flat_values(dicts: list[dict[str, Any]]) -> list[Any]:
@@ -84,14 +111,16 @@ class _Tree:
     module_ids: tuple[int, ...]
     selected: tuple[int, ...]  # positions in the flat _parameters values that the walk yields
     names: tuple[str, ...]
+    module_types: frozenset[type]
 
     @staticmethod
-    def of(model: torch.nn.Module) -> tuple[_Tree | None, list[str], list[torch.nn.Parameter]]:
-        """Walks ``model``: the record (None if some type overrides the walk), names, parameters."""
-        names, params = _walk(model)
+    def of(model: torch.nn.Module) -> tuple[_Tree | None, Walk]:
+        """Walks ``model``: the record (None if some type overrides the walk), and the walk."""
+        walked = _walk(model)
+        names, params = walked.names, walked.parameters
         modules = [m for _, m in model.named_modules()]
-        if not all(map(_walks_as_module, map(type, modules))):
-            return None, names, params
+        if not _walks_as_module(type(model)) or not all(map(_walks_as_child, map(type, modules))):
+            return None, walked
         pdicts = list(map(_PARAMETERS, modules))
         mdicts = list(map(_MODULES, modules))
         flat = _flat_values(pdicts)
@@ -109,8 +138,9 @@ class _Tree:
             _flat_ids(mdicts),
             tuple(position[id(p)] for p in params),
             tuple(names),
+            walked.module_types,
         )
-        return tree, names, params
+        return tree, walked
 
     def parameters_if_unchanged(self) -> list[torch.nn.Parameter] | None:
         """The parameters a walk would yield now, if the tree is as it was; else None."""
@@ -136,19 +166,26 @@ class _Tree:
 _trees: weakref.WeakKeyDictionary[torch.nn.Module, _Tree] = weakref.WeakKeyDictionary()
 
 
-def named_parameters(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
-    """``list(model.named_parameters())`` as (names, parameters): the same lists, from the kept walk
-    when the model's tree is unchanged since the last call (see the module notes)."""
+def walk(model: torch.nn.Module) -> Walk:
+    """``list(model.named_parameters())`` as (clean names, parameters), with the modules' types: the
+    same lists, from the kept walk when the model's tree is unchanged since the last call (see the
+    module notes)."""
     if torch.compiler.is_compiling():
         return _walk(model)
     tree = _trees.get(model)  # an unhashable module raises TypeError here, as in torch's own walk
     if tree is not None:
         params = tree.parameters_if_unchanged()
         if params is not None:
-            return list(tree.names), params
-    tree, names, params = _Tree.of(model)
+            return Walk(list(tree.names), params, tree.module_types)
+    tree, walked = _Tree.of(model)
     if tree is not None:
         _trees[model] = tree
     else:
         _trees.pop(model, None)
-    return names, params
+    return walked
+
+
+def named_parameters(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """``walk(model)``'s names and parameters."""
+    walked = walk(model)
+    return walked.names, walked.parameters

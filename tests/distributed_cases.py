@@ -363,14 +363,15 @@ def ddp_hook_names_the_rank_that_made_the_nan(world: int) -> None:
             report = nanscan.check(model)
             report.nonfinite_ranks  # noqa: B018
         assert calls[0] == 1, f"{calls[0]} all-reduces: one for the attribution"
-        assert report.nonfinite == ["module.2.weight"], report.nonfinite  # every rank holds it now
-        assert report.nonfinite_ranks == {"module.2.weight": [bad]}, report.nonfinite_ranks
+        # Named as the user wrote them: without DDP's "module." (nanscan.names).
+        assert report.nonfinite == ["2.weight"], report.nonfinite  # every rank holds it now
+        assert report.nonfinite_ranks == {"2.weight": [bad]}, report.nonfinite_ranks
     # Without the hook the reduced gradient holds the NaN on every rank, and nothing says who made it.
     plain = ddp_model(attach=False)
     if dist.get_rank() == bad:
         plain.module[2].weight.register_hook(lambda g: g * math.nan)
     backward(plain, 12)
-    assert nanscan.check(plain).nonfinite_ranks == {"module.2.weight": [dist.get_rank()]}
+    assert nanscan.check(plain).nonfinite_ranks == {"2.weight": [dist.get_rank()]}
 
 
 @case
@@ -401,7 +402,7 @@ def ddp_nan_on_two_ranks_in_two_parameters(world: int) -> None:
         model.module[4].weight.register_hook(lambda g: g * math.inf)
     backward(model, 12)
     report = nanscan.check(model)
-    want = {"module.0.bias": sorted({0, world - 1}), "module.4.weight": [world // 2]}
+    want = {"0.bias": sorted({0, world - 1}), "4.weight": [world // 2]}
     assert report.nonfinite_ranks == want, report.nonfinite_ranks
 
 
@@ -447,7 +448,7 @@ def ddp_bit_flip_after_all_reduce_is_named(world: int) -> None:
     assert not report.replicas_consistent
     # Two replicas have no majority: both are named. Four name the one that differs.
     want = [0, 1] if world == 2 else [bad]
-    assert report.divergent == {"module.2.weight": want}, report.divergent
+    assert report.divergent == {"2.weight": want}, report.divergent
 
 
 @case
@@ -465,7 +466,7 @@ def weights_that_drift_after_the_step_are_named(world: int) -> None:
     assert clean.consistent and clean.divergent == {}
     assert grads.consistent, "the gradients still agree: only the weights drifted"
     want = [0, 1] if world == 2 else [0]
-    assert drifted.divergent == {"module.0.bias": want, "module.4.weight": want}, drifted.divergent
+    assert drifted.divergent == {"0.bias": want, "4.weight": want}, drifted.divergent
 
 
 @case
@@ -708,7 +709,7 @@ def recorder_names_the_ddp_rank_that_made_the_nan(world: int) -> None:
 
     records, reports, _, calls = recorded(4, backward_step, lambda r: nanscan.check(model, recorder=r))
     assert calls == [1] * 4, f"{calls}: one all-reduce per check, for the attribution; none for the recorder"
-    want: list[dict[str, list[int]]] = [{}, {}, {"module.2.weight": [bad]}, {}]
+    want: list[dict[str, list[int]]] = [{}, {}, {"2.weight": [bad]}, {}]
     assert [r.nonfinite_ranks for r in records] == want, [r.nonfinite_ranks for r in records]
     assert [r.nonfinite_ranks for r in records] == [report.nonfinite_ranks for report in reports]
 

@@ -22,8 +22,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import nanscan
-from nanscan import distributed
-from nanscan.scan import gradients_of
+from nanscan import layouts
+from nanscan.fused import gradients_of
+from nanscan.layouts import dtensor
 
 
 def dtensor_parameters(dtypes: list[torch.dtype], placement: Any = None) -> list[torch.nn.Parameter]:
@@ -81,9 +82,9 @@ def test_a_list_of_the_same_length_with_other_layouts_gets_its_own_plan(world_of
     replicated = dtensor_parameters([torch.float32, torch.float32], Replicate())
     for params in (fp32, bf16, fp32, replicated, bf16):  # each after another of the same length
         grads = [p.grad for p in params]
-        plan = distributed.plan_of(grads)
+        plan = dtensor.plan_of(grads)
         assert plan.specs == [g._spec for g in grads]
-        assert distributed.plan_of(grads) is plan  # found again
+        assert dtensor.plan_of(grads) is plan  # found again
         report = nanscan.check(params, max_norm=1e9)
         torch_norm = torch.nn.utils.get_total_norm(grads).full_tensor()
         assert report.total_norm_tensor.dtype == torch_norm.dtype == params[0].dtype
@@ -97,10 +98,11 @@ def test_dtypes_of_a_list_with_plain_tensors_among_dtensors(world_of_one: None) 
     plain = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
     plain.grad = torch.full((3,), 2.0)
     grads = [params[0].grad, plain.grad]
-    view = distributed.local_view(grads)
-    assert view.plan.dtensor_dtypes == {torch.bfloat16} and view.dtypes() == {torch.bfloat16, torch.float32}
+    layout = layouts.of_tensors(grads)
+    assert layout.plan is not None and layout.plan.dtypes == {torch.bfloat16}
+    assert layout.dtypes() == {torch.bfloat16, torch.float32}
     # A plan whose specs had no tensor metadata reads every shard's dtype instead.
-    unknown = dataclasses.replace(view, plan=dataclasses.replace(view.plan, dtensor_dtypes=None))
+    unknown = dataclasses.replace(layout, plan=dataclasses.replace(layout.plan, dtypes=None))
     assert unknown.dtypes() == {torch.bfloat16, torch.float32}
     total = nanscan.clip_grad_norm_([params[0], plain], 1e9)
     want = torch.nn.utils.get_total_norm([torch.full((4, 3), 2.0, dtype=torch.bfloat16), plain.grad])

@@ -15,7 +15,7 @@ import torch
 
 import nanscan
 import nanscan.recorder
-from nanscan.distributed import Attribution
+from nanscan.layouts.reduce import Attribution
 
 from conftest import needs_cuda
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nanscan
-from nanscan.distributed import Attribution
+from nanscan.layouts.reduce import Attribution
 from nanscan.records import PER_PARAMETER, StepRecord, read_jsonl
 from nanscan.sinks import CSVSink, JSONLSink
 
@@ -369,7 +369,7 @@ def test_unscale_then_clip_is_recorded_once_per_step() -> None:
 def attributed(report: nanscan.Report, world: int, ranks: dict[str, list[int]], flagged: list[int]) -> nanscan.Report:
     """``report`` as a distributed check would have made it: the same statistics, with an attribution
     saying that ``ranks[name]`` held each name's NaN/Inf and ``flagged`` held any (what the cross-rank
-    reduction computes, nanscan.distributed; the real processes are in tests/distributed_cases.py)."""
+    reduction computes, nanscan.layouts.reduce; the real processes are in tests/distributed_cases.py)."""
     n = len(report.names)
     rows = torch.zeros(3, n, dtype=torch.float64)
     for name, held in ranks.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nanscan
-from nanscan.report import named_gradients
+from nanscan.layouts.single import listed_gradients
 
 from conftest import DEVICES
 
@@ -117,7 +117,7 @@ def test_positional_names_read_like_a_list_of_strings() -> None:
     for i in (0, 1, 3):
         params[i].grad = torch.full((2,), float(i))
     params[3].grad[1] = math.nan
-    names, _ = named_gradients(params)  # lazy: formed on reading
+    names, _, _ = listed_gradients(params)  # lazy: formed on reading
     assert names == ["[0]", "[1]", "[3]"] and names == ["[0]", "[1]", "[3]"] and names != ["[0]"]
     assert (
         len(names) == 3 and names[-1] == "[3]" and names[1:] == ["[1]", "[3]"] and names[::-1] == ["[3]", "[1]", "[0]"]
@@ -158,7 +158,7 @@ def test_report_names_are_a_list() -> None:
     report = nanscan.check(params)
     assert type(report.names) is list and report.names == ["[1]", "[2]"]
     assert json.loads(json.dumps(report.names)) == ["[1]", "[2]"] and [*report.names, "x"] == ["[1]", "[2]", "x"]
-    names, _ = named_gradients(params)
+    names, _, _ = listed_gradients(params)
     assert names == ["[1]", "[2]"] and names != ("[1]", "[2]")  # equal like a list: to lists only
     assert pickle.loads(pickle.dumps(names, protocol=0)) == names
 

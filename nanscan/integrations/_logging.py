@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..check import check
 from ..clip import as_max_norm, as_norm_type
 from ..guard import ON_NONFINITE, check_max_consecutive_skips
 from ..records import StepRecord
-from ..report import check
 
 if TYPE_CHECKING:
     from ..recorder import Recorder

@@ -1,0 +1,295 @@
+"""Layouts: where the tensors a caller passes live, and how their per-tensor results are reduced.
+
+Every entry point (``scan``, ``check``, ``clip_grad_norm_``, ``get_total_norm``, the GradScaler, the
+Advisor, ``verify_replicas``) asks this module for the ``Layout`` of what it was given and never
+branches on the kind of model itself. A layout answers three questions:
+
+1. which local tensors to scan (``Layout.parts``), in one fused call per device;
+2. their global names, as the user wrote them (``Layout.names``);
+3. how to reduce the per-tensor results and the clip's total norm (``Layout.plan``, and
+   ``process_group`` for pipeline stages; nanscan.layouts.reduce), and what a clip scales.
+
+The layouts, one module each:
+
+* a single process (single.py): a module's parameters after its kept walk, a list of parameters,
+  a list of ``(name, parameter)`` pairs; DDP, whose all-reduce leaves every rank the same gradients,
+  is one too, with its hook's rank attribution where attached (ddp.py);
+* DTensors (dtensor.py): FSDP2, tensor parallel, HSDP, any placement on any mesh;
+* FSDP1 flat parameters (fsdp1.py), every sharding strategy;
+* ``process_group``: ranks that each hold different tensors (pipeline stages), on top of any other;
+* refused (refused.py): gradient sharding nanscan cannot reduce (DeepSpeed ZeRO, Megatron's
+  distributed optimizer, ...) is refused with an error that names the wrapper, before anything is
+  read: a rank-local answer presented as the model's is the one outcome that must never happen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import walk
+from ..fused import ScanResult, empty_result, scan_local
+from . import ddp, dtensor, fsdp1, refused, single
+from .reduce import (
+    Plan,
+    group_device,
+    reduce_norm_terms,
+    reduce_scan,
+    require_initialized,
+    scan_norm_terms,
+    scan_norm_total,
+    torch_norm_terms,
+    torch_norm_total,
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one call works on (see the module notes). Made per call, from cached parts.
+
+    Attributes:
+        names: one per tensor; None where the caller names them (``nanscan.scan(tensors, names)``).
+        tensors: the tensors described, as the caller holds them (gradients, DTensors).
+        parts: this rank's part of each (a DTensor's local shard, an FSDP1 parameter's part of the
+            shard): what the fused scan reads.
+        scaled: what a clip multiplies in place (local shards, FSDP1's flat gradients).
+        plan: how the parts' results are reduced across ranks; None in a single process.
+        process_group: pipeline stages: every rank's list is laid end to end over this group.
+        replica_group: the ranks that hold copies of the plain tensors (a DDP model's group).
+        scanner: a DDP model's bucket scanner (``nanscan.ddp.attach``), for the rank attribution.
+        parameters: the parameters whose gradients ``tensors`` are, where the scanner needs them.
+        cut: the tensors are parts of parameters cut from FSDP1's flat parameters, named by ``names``:
+            not the caller's list (its flat parameters), and possibly empty on this rank.
+        numels: the number of elements of each whole parameter, where ``tensors`` are parts of them.
+    """
+
+    names: Sequence[str] | None
+    tensors: list[torch.Tensor]
+    parts: list[torch.Tensor]
+    scaled: list[torch.Tensor]
+    plan: Plan | None = None
+    process_group: Any = None
+    replica_group: Any = None
+    scanner: ddp.BucketScanner | None = None
+    parameters: list[Any] | None = None
+    cut: bool = False
+    numels: Sequence[int] | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """Whether results are reduced across ranks."""
+        return self.plan is not None or self.process_group is not None
+
+    def dtypes(self) -> set[torch.dtype]:
+        """The tensors' dtypes: those the plan knows (a DTensor's spec holds its dtype: reading 1,000
+        shards' dtypes costs 0.1 ms a call), the others read."""
+        plan = self.plan
+        if plan is None or plan.dtypes is None:
+            return {t.dtype for t in self.parts}
+        return set(plan.dtypes).union([self.parts[i].dtype for i in plan.own])
+
+
+def _plain(names: Sequence[str] | None, tensors: list[torch.Tensor], **extra: Any) -> Layout:
+    return Layout(names, tensors, tensors, tensors, **extra)
+
+
+def _dtensors(names: Sequence[str] | None, tensors: list[torch.Tensor], process_group: Any) -> Layout:
+    shards = dtensor.to_local(tensors)
+    return Layout(names, tensors, shards, shards, dtensor.plan_of(tensors), process_group)
+
+
+def _routed(names: Sequence[str] | None, tensors: list[torch.Tensor], process_group: Any, **extra: Any) -> Layout:
+    """DTensors (lists are routed by their first entry) over their meshes, other tensors as they are;
+    either over ``process_group`` too, if given."""
+    if tensors and dtensor.is_dtensor(tensors[0]):
+        return dataclasses.replace(_dtensors(names, tensors, process_group), **extra)
+    return _plain(names, tensors, process_group=process_group, **extra)
+
+
+def _fsdp1(model_layout: fsdp1.ModelLayout, positions: Sequence[int] | None, source: str, process_group: Any) -> Layout:
+    parts = fsdp1.parts(model_layout, source, positions)
+    return Layout(
+        parts.names, parts.parts, parts.parts, parts.scaled, parts.plan, process_group, cut=True, numels=parts.numels
+    )
+
+
+def of_tensors(tensors: list[torch.Tensor], names: Sequence[str] | None = None, process_group: Any = None) -> Layout:
+    """The layout of a list of tensors scanned as they are (``nanscan.scan``, ``get_total_norm``):
+    DTensors reduced over their meshes, FSDP1's flattened parameters over FSDP's groups (of a model
+    nanscan has seen; refused otherwise), others this rank's own unless ``process_group``."""
+    if tensors and not dtensor.is_dtensor(tensors[0]):
+        refused.check_tensors(tensors)
+        if fsdp1.flattened(tensors):
+            model_layout, positions = fsdp1.of_parameters(tensors)
+            return _fsdp1(model_layout, positions, "data", process_group)
+    return _routed(names, tensors, process_group)
+
+
+def of_parameters(params_or_pairs: torch.Tensor | Iterable[Any], process_group: Any = None) -> Layout:
+    """The layout of the gradients of a list of parameters, or of ``(name, parameter)`` pairs
+    (``check(params)``, ``clip_grad_norm_``): the parameters without a gradient left out."""
+    items: Sequence[Any]
+    if isinstance(params_or_pairs, torch.Tensor):
+        items = [params_or_pairs]
+    else:
+        items = params_or_pairs if isinstance(params_or_pairs, (list, tuple)) else list(params_or_pairs)
+    if items and not dtensor.is_dtensor(items[0]) and not torch.compiler.is_compiling():
+        params = [item[1] if type(item) is tuple else item for item in items]
+        refused.check_tensors(params)
+        if fsdp1.flattened(params):
+            model_layout, positions = fsdp1.of_parameters(params)
+            return _fsdp1(model_layout, positions, "grad", process_group)
+    names, grads, _ = single.listed_gradients(items)
+    return _routed(names, grads, process_group)
+
+
+def of_parameter_list(params: list[Any], grads: list[torch.Tensor], process_group: Any = None) -> Layout:
+    """The layout of ``grads``, the gradients of ``params`` (a list of parameters whose entries the
+    caller has checked: ``clip_grad_norm_``), those without a gradient left out."""
+    if params and not dtensor.is_dtensor(params[0]) and not torch.compiler.is_compiling():
+        refused.check_tensors(params)
+        if fsdp1.flattened(params):
+            model_layout, positions = fsdp1.of_parameters(params)
+            return _fsdp1(model_layout, positions, "grad", process_group)
+    return _routed(None, grads, process_group)
+
+
+def of_module(model: torch.nn.Module, process_group: Any = None, source: str = "grad") -> Layout:
+    """The layout of a model's gradients (``source="grad"``, parameters without one left out) or of
+    its parameters' values (``"data"``): FSDP1 units cut back into their parameters, DTensors reduced
+    over their meshes, a DDP model with its replicas' group and hook (see the module notes)."""
+    if torch.compiler.is_compiling():
+        walked = walk.walk(model)
+        names, tensors, _ = single.module_gradients(walked.names, walked.parameters)
+        return _plain(names, tensors)
+    refused.check_module(model)
+    cached = fsdp1.kept(model)
+    if cached is not None:
+        return _fsdp1(cached, None, source, process_group)
+    walked = walk.walk(model)
+    if fsdp1.holds_fsdp1(walked.module_types):
+        return _fsdp1(fsdp1.of_model(model), None, source, process_group)
+    refused.check_tensors(walked.parameters)
+    if source == "grad":
+        names, tensors, params = single.module_gradients(walked.names, walked.parameters)
+    else:
+        names, params = walked.names, walked.parameters
+        tensors = [p.detach() for p in params]
+    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    replica_group = model.process_group if is_ddp else None
+    scanner = ddp.scanner_of(model) if source == "grad" else None
+    if scanner is not None:
+        return _plain(names, tensors, replica_group=replica_group, scanner=scanner, parameters=params)
+    return _routed(names, tensors, process_group, replica_group=replica_group)
+
+
+def local_parts(layout: Layout) -> list[torch.Tensor]:
+    """What a scan of the layout reads on this rank: its parts, a Partial DTensor's once reduced (one
+    collective each: every rank of its mesh must call this)."""
+    plan = layout.plan
+    return dtensor.without_partial(layout.tensors, layout.parts, plan) if plan is not None else layout.parts
+
+
+def scan(
+    layout: Layout, names: Sequence[str] | None = None, fp16_range: bool = False, checksum: bool = False
+) -> ScanResult:
+    """The statistics of the layout's tensors: one fused pass per device over this rank's parts, then
+    the layout's reduction (none in a single process). ``names`` name entries in error messages
+    (default: the layout's)."""
+    names = layout.names if names is None else names
+    if not layout.distributed:
+        try:
+            local = scan_local(layout.parts, names, fp16_range, checksum)
+        except (RuntimeError, TypeError):
+            # A DTensor has no kernel of its own (its dispatch refuses the op): a list that holds one
+            # past its first entry is scanned by its shards.
+            if dtensor.has_dtensor(layout.tensors):
+                return scan(_dtensors(names, layout.tensors, None), names, fp16_range, checksum)
+            raise
+        if layout.scanner is not None:  # DDP with nanscan's hook: which ranks' own gradients held a NaN/Inf
+            assert layout.parameters is not None
+            local = ddp.with_attribution(local, layout.scanner, layout.parameters)
+        return local
+    require_initialized()
+    parts = local_parts(layout)
+    # A rank with nothing to scan still takes part in the group's collectives, on the group's device.
+    local = (
+        scan_local(parts, names, fp16_range, checksum)
+        if parts
+        else empty_result(fp16_range, group_device(layout.process_group), checksum=checksum)
+    )
+    return reduce_local(layout, local, names)
+
+
+def reduce_local(layout: Layout, local: ScanResult, names: Sequence[str] | None = None) -> ScanResult:
+    """The global statistics of a distributed layout from this rank's scan of its parts (``local``):
+    the layout's reduction. Every rank of every group must call it."""
+    result = reduce_scan(local, layout.plan, layout.process_group, layout.names if names is None else names)
+    if layout.cut and result.names is None:  # it describes the parameters, not the caller's list
+        result = dataclasses.replace(result, names=tuple(layout.names or ()))
+    return result
+
+
+def numels(layout: Layout) -> list[int]:
+    """The number of elements of each of the layout's tensors, whole (not this rank's part)."""
+    return list(layout.numels) if layout.numels is not None else [t.numel() for t in layout.tensors]
+
+
+def learn(model: torch.nn.Module) -> None:
+    """Makes nanscan know a model's layout before its first check: refused wrappers are refused now,
+    and FSDP1's flattened parameters become known (lists of them are then reduced: fsdp1.py)."""
+    refused.check_module(model)
+    if fsdp1.holds_fsdp1(walk.walk(model).module_types):
+        fsdp1.of_model(model)
+
+
+def total_norm(layout: Layout, norm_type: float) -> torch.Tensor:
+    """The total norm of a distributed layout's tensors (float64 [], the same on every rank): what
+    ``clip_grad_norm_`` and ``get_total_norm`` need, and nothing more. No per-tensor statistic leaves
+    the rank: each rank combines the terms of its counted parts into one partial per group, so a
+    group costs one collective of one number (L2: a SUM of squares), or two (inf: a MAX of a NaN
+    flag and a magnitude), and ``process_group`` one more. The L2 and infinity norms come from the
+    fused scan; other orders from torch's norm of each part (the parts' p-th powers add up)."""
+    require_initialized()
+    plan = layout.plan
+    parts = local_parts(layout)
+    if norm_type in (2.0, math.inf):
+        local = scan_local(parts, None, False) if parts else empty_result(False, group_device(layout.process_group))
+        terms = scan_norm_terms(local, norm_type)
+        return scan_norm_total(reduce_norm_terms(terms, norm_type, plan, layout.process_group), norm_type)
+    device = parts[0].device if parts else group_device(layout.process_group)
+    norms = torch.full((len(parts),), _identity(norm_type), dtype=torch.float64, device=device)
+    # torch's norm of each non-empty part (its inf norms refuse an empty one, which adds nothing).
+    filled = [i for i, t in enumerate(parts) if t.numel() > 0]
+    if filled:
+        values = [torch.linalg.vector_norm(parts[i], norm_type, dtype=torch.float64) for i in filled]
+        norms[torch.tensor(filled, device=device)] = torch.stack(values).to(device)
+    terms = torch_norm_terms(norms, norm_type)
+    return torch_norm_total(reduce_norm_terms(terms, norm_type, plan, layout.process_group), norm_type)
+
+
+def _identity(norm_type: float) -> float:
+    """The norm of a part with no element, as far as the total goes: one that adds nothing (0 to a
+    sum of p-th powers or a maximum; +inf for a negative order, whose p-th power is 0, and for the
+    minimum of the -inf norm)."""
+    return math.inf if norm_type < 0 else 0.0
+
+
+def global_norm(total: torch.Tensor, norm_type: float, process_group: Any = None) -> torch.Tensor:
+    """A norm torch computed on this rank's tensors, made global and plain: a DTensor's full value;
+    with ``process_group``, combined over the group's ranks (one collective): the p-norms by their
+    p-th powers, the infinity norms by max/min, the 0-"norm" (a count) by a sum."""
+    if dtensor.is_dtensor(total):
+        total = total.full_tensor()  # type: ignore[attr-defined]
+    if process_group is None:
+        return total
+    value = total.double().to(group_device(process_group))
+    combined = torch_norm_total(
+        reduce_norm_terms(torch_norm_terms(value.reshape(1), norm_type), norm_type, None, process_group), norm_type
+    )
+    return combined.to(total.dtype)
