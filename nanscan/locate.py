@@ -73,6 +73,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
 from .fused import SUPPORTED_DTYPES
+from .names import clean_module_names
 from .scan import scan
 
 Phase = Literal["forward", "backward"]
@@ -380,7 +381,7 @@ class Locator:
             raise RuntimeError("nanscan.locate: this locator is already active; make a new one per with block")
         self._active = True
         try:
-            for name, module in self.model.named_modules():
+            for name, module in self._named_modules():
                 if self.leaf_only and next(module.children(), None) is not None:
                     continue
                 pre_hook, forward_hook = self._hooks(name, type(module).__name__)
@@ -410,13 +411,20 @@ class Locator:
         while self._handles:
             self._handles.pop().remove()
 
+    def _named_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """``model.named_modules()``, named as the user wrote them (nanscan.names): a wrapper and the
+        module it wraps share a name, the wrapper first."""
+        named = list(self.model.named_modules())
+        clean = clean_module_names(self.model)
+        return named if clean is None else [(clean.get(name, name), module) for name, module in named]
+
     # ----------------------------------------------------------------------------------- hooks
 
     def _hook_parameters(self) -> None:
         """A post-accumulate-grad hook on every parameter, under the module that owns it (a parameter
         shared by several modules, such as tied embeddings, under the first)."""
         hooked: set[int] = set()
-        for module_name, module in self.model.named_modules():
+        for module_name, module in self._named_modules():
             for short, param in module.named_parameters(recurse=False):
                 if id(param) in hooked or not param.requires_grad:
                     continue
@@ -724,7 +732,7 @@ class Locator:
                 "or from code outside the hooked modules."
             )
         made = f"{text}\n  They arrived non-finite; the first module that made them from finite values: {origin}"
-        module = dict(self.model.named_modules()).get(origin.module)
+        module = dict(self._named_modules()).get(origin.module)
         if module is not None and next(module.children(), None) is not None:
             made += "\n  (a container: in its own code, since none of its hooked children made them)"
         return made

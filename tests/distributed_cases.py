@@ -239,6 +239,32 @@ def hsdp_replicated_dim_counted_once(world: int) -> None:
     compare_with_torch(lambda: fsdp(mlp([16, 24, 6]), mesh), 16, 0.05, "hsdp")
 
 
+@case
+def a_copy_that_goes_bad_alone_is_never_reported_finite(world: int) -> None:
+    """Replicated parts are counted once (on the first copy), but a NaN in another copy only (written
+    after the reduction that made the copies equal) still makes every rank's report non-finite and
+    names that rank: the counts travel in the MAX too."""
+    mesh = init_device_mesh("cpu", (world,))
+    bad = world - 1
+    torch.manual_seed(4)
+    grads = [
+        distribute_tensor(torch.randn(6, 3), mesh, [Replicate()]),
+        distribute_tensor(torch.randn(8), mesh, [Shard(0)]),
+    ]
+    clean = nanscan.scan(grads)
+    clean_counts = clean.nan_count.tolist()
+    if dist.get_rank() == bad:
+        grads[0].to_local()[2, 1] = math.nan
+    with counted_all_reduces() as calls:
+        report = nanscan.scan(grads)
+        finite, counts = bool(report.finite), report.nan_count.tolist()
+    assert calls[0] == 2, f"{calls[0]} all-reduces"
+    assert clean_counts == [0, 0] and bool(clean.finite)
+    assert not finite, "a NaN in one copy only was reported finite"
+    assert counts == [1, 0], counts
+    assert report.ranks is not None and round(float(report.ranks.count[0])) == 1
+
+
 # ------------------------------------------------------------------------------ placements, layout
 
 

@@ -17,6 +17,7 @@ import math
 import sys
 from typing import Any
 
+import distributed_fsdp1_cases  # noqa: F401  (registers the FSDP1 cases, after distributed_cases')
 import torch
 import torch.distributed as dist
 from distributed_cases import CASES, assert_close, case, counted_all_reduces, run

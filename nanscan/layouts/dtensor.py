@@ -104,7 +104,8 @@ def _plan(key: tuple[int, ...], specs: list[Any]) -> DTensorPlan:
             for i in indices
         ]
         description = [(specs[i].placements, specs[i].shape) for i in indices]
-        groups.append(Group(indices, mesh_group(mesh), counted, fingerprint(description)))
+        copies = any(p.is_replicate() or p.is_partial() for i in indices for p in specs[i].placements)
+        groups.append(Group(indices, mesh_group(mesh), counted, fingerprint(description), copies))
     partial = [i for i, spec in enumerate(specs) if spec is not None and any(p.is_partial() for p in spec.placements)]
     own = [i for i, spec in enumerate(specs) if spec is None]
     metas = [spec.tensor_meta for spec in specs if spec is not None]

@@ -23,6 +23,11 @@ takes them: copies on every rank, reduced over the root's group and counted on i
 that share their groups (FSDP's auto-wrap gives every unit the root's) make one reduction group:
 two collectives per check.
 
+A unit that FSDP reduces over a group of one rank (``NO_SHARD`` there: FSDP1 clamps any strategy
+over a one-rank shard group to it, so ``HYBRID_SHARD`` on a mesh whose shard dim has size 1 becomes
+it) is reduced over that one rank, as FSDP reduces it: each rank's report of it is its own, as each
+rank's gradients are; nanscan warns once per model, since the replicas are then never averaged.
+
 Which units: every handle of the FSDP1 root the model belongs to (FSDP keeps them, from the first
 forward, in the execution-order data it shares with every unit: ``_exec_order_data.all_handles``),
 so a model passed from inside its root (the module Hugging Face's Trainer hands its callbacks, the
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -85,7 +91,7 @@ class _Unit:
     """One FSDP1 unit (a FlatParamHandle): how its local flat tensor is cut into its parameters'
     parts, and how those are reduced."""
 
-    handle: Any
+    handle_ref: weakref.ReferenceType[Any]  # no strong reference into the model (module notes)
     use_orig_params: bool
     sizes: list[int]  # split_with_sizes of the local flat tensor: every element once, in order
     pieces: list[int]  # per parameter of the unit: which piece of that split is its part
@@ -93,6 +99,13 @@ class _Unit:
     counted: bool  # whether this rank adds its parts' counts and squares (False on extra copies)
     strategy: str
     copies: tuple[tuple[Any, ...], Any] | None  # (key, lines maker) when its parts have copies
+
+    @property
+    def handle(self) -> Any:
+        handle = self.handle_ref()
+        if handle is None:
+            raise RuntimeError("nanscan: an FSDP1 unit of this model no longer exists; check the model itself again")
+        return handle
 
     @property
     def flat_param(self) -> Any:
@@ -112,7 +125,7 @@ class _Entry:
 
     name: str
     unit: int | None
-    index: int  # in the unit's parameters; for an unmanaged parameter, in ``ModelLayout.unmanaged``
+    index: int  # in the unit's parameters; for an unmanaged parameter, in ``ModelLayout.unmanaged_refs``
 
 
 @dataclass
@@ -121,19 +134,29 @@ class ModelLayout:
 
     units: list[_Unit]
     entries: list[_Entry]  # in the model's parameter order
-    unmanaged: list[torch.nn.Parameter]  # parameters of the model that no unit manages
+    unmanaged_refs: list[weakref.ReferenceType[torch.nn.Parameter]]  # parameters that no unit manages
     root_group: Any  # the group unmanaged parameters are reduced over
     root_counted: bool
     # FSDP's execution-order data whose handles the layout was made from, and their ids, compared at
     # every call (None before the first forward: then the layout is made again at the next call).
-    order: Any
+    order_ref: weakref.ReferenceType[Any] | None
     handle_ids: tuple[int, ...]
+    model_ref: weakref.ReferenceType[torch.nn.Module]  # to make the layout again (before the first forward)
     plans: dict[tuple[Any, ...], tuple[Plan, list[int]]] = field(default_factory=dict)
 
     def current(self) -> bool:
         """Whether FSDP still has the handles this layout was made from."""
-        handles = getattr(self.order, "all_handles", None)
+        order = self.order_ref() if self.order_ref is not None else None
+        handles = getattr(order, "all_handles", None)
         return handles is not None and len(handles) > 0 and tuple(map(id, handles)) == self.handle_ids
+
+    def unmanaged(self, index: int) -> torch.nn.Parameter:
+        p = self.unmanaged_refs[index]()
+        if p is None:
+            raise RuntimeError(
+                "nanscan: a parameter of this FSDP1 model no longer exists; check the model itself again"
+            )
+        return p
 
 
 @dataclass(frozen=True)
@@ -147,10 +170,36 @@ class Parts:
     numels: list[int]  # each whole parameter's number of elements
 
 
+# A layout holds no strong reference into its model (weak ones to FSDP's handles and objects), so
+# that these maps keep no model alive.
 _models: weakref.WeakKeyDictionary[torch.nn.Module, ModelLayout] = weakref.WeakKeyDictionary()
-# Each flattened parameter seen (a flat parameter, or an original one), with its model's layout and
-# its entries' positions there: how a list of parameters is reduced (module notes).
-_by_parameter: weakref.WeakKeyDictionary[Any, tuple[ModelLayout, list[int]]] = weakref.WeakKeyDictionary()
+# Each parameter of a model seen (a flat parameter, an original one, one no unit manages), by id, with
+# a weak reference that proves the id still its, its model's layout and its entries' positions there:
+# how a list of parameters is reduced (module notes). Tensors cannot be the keys of a weak dict (their
+# == is elementwise); an entry leaves when its parameter dies.
+_by_parameter: dict[int, tuple[weakref.ReferenceType[Any], ModelLayout, list[int]]] = {}
+
+
+def _known(p: Any) -> tuple[ModelLayout, list[int]] | None:
+    entry = _by_parameter.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1], entry[2]
+
+
+def _remember(p: Any, layout: ModelLayout, position: int) -> None:
+    entry = _by_parameter.get(id(p))
+    if entry is not None and entry[0]() is p and entry[1] is layout:
+        entry[2].append(position)
+        return
+    key = id(p)
+
+    def forget(ref: weakref.ReferenceType[Any]) -> None:
+        current = _by_parameter.get(key)
+        if current is not None and current[0] is ref:
+            del _by_parameter[key]
+
+    _by_parameter[key] = (weakref.ref(p, forget), layout, [position])
 
 
 def _states(model: torch.nn.Module) -> list[Any]:
@@ -173,7 +222,13 @@ def _strategy(handle: Any) -> str:
 
 
 def _lines_of_group(group: Any) -> ReplicaLines:
-    return ReplicaLines(group, group, [dist.get_process_group_ranks(group)])
+    """Copies on every rank of ``group`` (None: the world)."""
+    ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    return ReplicaLines(group, group, [ranks])
+
+
+def _copies_over(group: Any) -> tuple[tuple[Any, ...], Any]:
+    return ("fsdp1", id(group), group), functools.partial(_lines_of_group, group)
 
 
 def _hybrid_lines(inter: Any, mesh: Any) -> ReplicaLines:
@@ -198,11 +253,7 @@ def _reduction(handle: Any, states_by_handle: dict[int, Any], any_state: Any) ->
     if strategy in _SHARDED:
         return group, True, None
     if strategy == "NO_SHARD":
-        return (
-            group,
-            dist.get_rank(group) == 0,
-            (("fsdp1", id(group), group), functools.partial(_lines_of_group, group)),
-        )
+        return group, dist.get_rank(group) == 0, _copies_over(group)
     if strategy not in _HYBRID:
         raise NotImplementedError(f"nanscan: FSDP1's sharding strategy {strategy} is not known to nanscan")
     state = states_by_handle.get(id(handle), any_state)
@@ -264,7 +315,16 @@ def _make(model: torch.nn.Module, states: list[Any], order: Any, handles: list[A
         sizes, pieces = _split(handle)
         unit_index = len(units)
         units.append(
-            _Unit(handle, bool(handle._use_orig_params), sizes, pieces, group, counted, _strategy(handle), copies)
+            _Unit(
+                weakref.ref(handle),
+                bool(handle._use_orig_params),
+                sizes,
+                pieces,
+                group,
+                counted,
+                _strategy(handle),
+                copies,
+            )
         )
         for i, info in enumerate(handle.flat_param._param_infos):
             owner = module_name.get(id(info.module))
@@ -283,19 +343,45 @@ def _make(model: torch.nn.Module, states: list[Any], order: Any, handles: list[A
             keyed.append(((m_index, k), _Entry(f"{owner}.{key}" if owner else key, None, len(unmanaged))))
             unmanaged.append(p)
     keyed.sort(key=lambda pair: pair[0])
-    root = units[0] if units else None
-    root_group = root.handle.process_group if root is not None else None
-    if root is not None and root.strategy in _HYBRID:
-        root_group = root.group
+    # Unmanaged parameters are copies on every rank the model spans: the first unit's reduction group
+    # (FSDP's first handle is the root's, or the first of its units'; all share the root's groups).
+    root_group = units[0].group if units else None
     root_counted = dist.get_rank(root_group) == 0
     entries = [e for _, e in keyed]
-    return ModelLayout(units, entries, unmanaged, root_group, root_counted, order, tuple(map(id, handles)))
+    _warn_if_alone(units)
+    return ModelLayout(
+        units,
+        entries,
+        [weakref.ref(p) for p in unmanaged],
+        root_group,
+        root_counted,
+        weakref.ref(order) if order is not None else None,
+        tuple(map(id, handles)),
+        weakref.ref(model),
+    )
 
 
 def kept(model: torch.nn.Module) -> ModelLayout | None:
     """The kept layout of a model nanscan has seen hold FSDP1 units, if FSDP still has its handles."""
     cached = _models.get(model)
     return cached if cached is not None and cached.current() else None
+
+
+def _warn_if_alone(units: list[_Unit]) -> None:
+    """Warns of units that FSDP reduces over no other rank in a world of several: each rank's model
+    is then its own, and so is each rank's report (module notes)."""
+    world = dist.get_world_size()
+    alone = [u for u in units if u.strategy == "NO_SHARD" and dist.get_world_size(u.handle.process_group) == 1]
+    if world > 1 and alone:
+        warnings.warn(
+            f"nanscan: {len(alone)} of this FSDP1 model's {len(units)} units are NO_SHARD over a process group of "
+            f"one rank in a world of {world}: FSDP never averages their gradients with other ranks', so each "
+            "rank's are its own and so is each rank's report of them. FSDP1 turns a sharding strategy over a "
+            "shard group of one rank into that (HYBRID_SHARD on a device mesh whose shard dim has size 1): "
+            "was it meant?",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
 
 def of_model(model: torch.nn.Module) -> ModelLayout:
@@ -312,18 +398,14 @@ def of_model(model: torch.nn.Module) -> ModelLayout:
     _models[model] = layout
     for position, entry in enumerate(layout.entries):
         if entry.unit is None:
-            keys = [layout.unmanaged[entry.index]]
+            keys = [layout.unmanaged(entry.index)]
         else:
             unit = layout.units[entry.unit]
             keys = [unit.flat_param]
             if unit.use_orig_params:
                 keys.append(unit.flat_param._params[entry.index])
         for key in keys:
-            known = _by_parameter.get(key)
-            if known is None or known[0] is not layout:
-                _by_parameter[key] = (layout, [position])
-            else:
-                known[1].append(position)
+            _remember(key, layout, position)
     return layout
 
 
@@ -357,7 +439,7 @@ def parts(layout: ModelLayout, source: str = "grad", positions: Sequence[int] | 
     kept: list[int] = []
     for k, entry in enumerate(entries):
         if entry.unit is None:
-            p = layout.unmanaged[entry.index]
+            p = layout.unmanaged(entry.index)
             t = p.grad if source == "grad" else p.detach()
             if t is None:
                 continue
@@ -370,58 +452,55 @@ def parts(layout: ModelLayout, source: str = "grad", positions: Sequence[int] | 
         names.append(entry.name)
         tensors.append(t)
         kept.append(k)
+    # What a clip scales: a flat gradient shard whole (use_orig_params=False: what the optimizer steps
+    # on), else each kept parameter's gradient (the original parameters', an unmanaged one's).
     scaled: list[torch.Tensor] = []
     if source == "grad":
-        used_units = {entries[k].unit for k in kept}
-        for u, (unit, flat) in enumerate(zip(units, locals_, strict=True)):
-            if u not in used_units or flat is None:
-                continue
-            if unit.use_orig_params:  # what the optimizer steps on (and FSDP's own clip scales)
-                scaled += [g for g in (p.grad for p in unit.flat_param._params) if g is not None]
-            else:
-                scaled.append(flat)
-        scaled += [tensors[i] for i, k in enumerate(kept) if entries[k].unit is None]
+        kept_units = sorted({u for u in (entries[k].unit for k in kept) if u is not None})
+        scaled = [flat for u in kept_units if not units[u].use_orig_params and (flat := locals_[u]) is not None]
+        scaled += [tensors[i] for i, k in enumerate(kept) if _scaled_one_by_one(entries[k], units)]
     key = (source, None if positions is None else tuple(positions), tuple(kept))
     cached = layout.plans.get(key)
     if cached is None:
         cached = (_plan(layout, [entries[k] for k in kept]), kept)
         layout.plans[key] = cached
     numels = [
-        layout.unmanaged[e.index].numel() if e.unit is None else int(units[e.unit].flat_param._numels[e.index])
+        layout.unmanaged(e.index).numel() if e.unit is None else int(units[e.unit].flat_param._numels[e.index])
         for e in (entries[k] for k in kept)
     ]
     return Parts(names, tensors, scaled, cached[0], numels)
 
 
+def _scaled_one_by_one(entry: _Entry, units: list[_Unit]) -> bool:
+    """Whether a clip scales the entry's gradient itself, rather than its unit's flat shard whole."""
+    return entry.unit is None or units[entry.unit].use_orig_params
+
+
 def _plan(layout: ModelLayout, entries: list[_Entry]) -> Plan:
     """The reduction plan of these entries (module notes): one group per process group."""
-    by_group: dict[int, tuple[Any, list[int], list[bool], list[Any]]] = {}
+    by_group: dict[int, tuple[Any, list[int], list[bool], list[Any], list[bool]]] = {}
     copies: dict[tuple[Any, ...], tuple[Any, list[int]]] = {}
     for i, entry in enumerate(entries):
+        copy: tuple[tuple[Any, ...], Any] | None
         if entry.unit is None:
-            group, counted, copy = layout.root_group, layout.root_counted, None
-            root = layout.units[0] if layout.units else None
-            if root is not None and root.copies is not None:
-                copy = root.copies
-            elif root is not None:
-                root_group = layout.root_group
-                copy = (("fsdp1", id(root_group), root_group), functools.partial(_lines_of_group, root_group))
-            shape: Any = tuple(layout.unmanaged[entry.index].shape)
+            group, counted, copy = layout.root_group, layout.root_counted, _copies_over(layout.root_group)
+            shape: Any = tuple(layout.unmanaged(entry.index).shape)
             strategy = "unmanaged"
         else:
             unit = layout.units[entry.unit]
             group, counted, copy = unit.group, unit.counted, unit.copies
             shape = tuple(unit.flat_param._shapes[entry.index])
             strategy = unit.strategy
-        slot = by_group.setdefault(id(group), (group, [], [], []))
+        slot = by_group.setdefault(id(group), (group, [], [], [], []))
         slot[1].append(i)
         slot[2].append(counted)
         slot[3].append((entry.name, shape, strategy))
+        slot[4].append(copy is not None)
         if copy is not None:
             copies.setdefault(copy[0], (copy[1], []))[1].append(i)
     groups = [
-        Group(indices, group, counted, fingerprint(description))
-        for group, indices, counted, description in by_group.values()
+        Group(indices, group, counted, fingerprint(description), any(copied))
+        for group, indices, counted, description, copied in by_group.values()
     ]
     return Plan(
         groups,
@@ -436,8 +515,14 @@ def of_parameters(params: Sequence[Any]) -> tuple[ModelLayout, list[int]]:
     (a flat parameter stands for all of its unit's parameters); refused otherwise (module notes)."""
     layout: ModelLayout | None = None
     positions: list[int] = []
+    first = _known(params[0]) if params else None
+    if first is not None and not first[0].current():
+        # Made before FSDP's first forward, when the units it knew were only the model's own: again.
+        model = first[0].model_ref()
+        if model is not None:
+            of_model(model)
     for i, p in enumerate(params):
-        known = _by_parameter.get(p)
+        known = _known(p)
         if known is None:
             if getattr(p, _FLATTENED, False):
                 refuse_unknown(i)

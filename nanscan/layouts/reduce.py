@@ -23,7 +23,11 @@ tensors are reduced over which group (a ``Plan``); everything after the local sc
 * Copies are counted once: a group's tensor is ``counted`` on one rank of each set of copies of its
   local part (a DTensor's replica at coordinate 0 of its Replicate dims, FSDP1's first replica under
   HSDP); the others add zeros to the counted rows, selected (``where``), not multiplied: a NaN square
-  times 0 is NaN. The max and min are the same on every copy.
+  times 0 is NaN. The max and min are the same on every copy. The copies that are not counted send
+  their NaN and Inf counts in the MAX too (only where the group has such copies), so that a copy
+  that went bad on its own (after the all-reduce that made the copies equal) is never reported
+  finite: a count is the counted copy's where the copies agree, and at least the bad copy's where
+  they do not.
 * Which rank held a NaN/Inf, per tensor, without a per-rank row per tensor: each rank adds, for each
   tensor whose local part is non-finite, 1, its rank and its rank squared (three SUM rows), and a 1 at
   its own position of a per-rank row of the length of the world. From the count n, the sum s1 and
@@ -80,6 +84,9 @@ class Group:
     group: Any  # a ProcessGroup, or None for the default (world) group
     counted: list[bool]  # per tensor: this rank adds its counts and squares (False on extra copies)
     fingerprint: float  # the same on every rank that scans the same layout
+    # Whether some of the group's parts have copies on other ranks (the same on every rank: it sizes
+    # the MAX buffer): their NaN/Inf counts travel in the MAX too (module notes).
+    with_copies: bool = False
     # Made once, on the buffers' device (a host-to-device copy per call would be a sync point):
     device: torch.device | None = None  # where the tensors below are
     index: torch.Tensor | None = None  # the indices
@@ -264,12 +271,25 @@ def _reduce_groups(
         group_sums = sums if whole else sums.index_select(1, g.index_on(device))
         group_maxes = maxes if whole else maxes.index_select(1, g.index_on(device))
         row_mask = g.row_mask_on(device, len(sums))
+        max_rows = 4 if g.with_copies else 2
+        if g.with_copies:
+            # The NaN and Inf counts of the parts this rank does not count, in the MAX: a copy that
+            # differs from the counted one (corrupted after the all-reduce) still shows its NaN/Inf.
+            counts = group_sums[_NAN : _INF + 1]
+            uncounted = (
+                torch.zeros_like(counts) if row_mask is None else torch.where(row_mask[_NAN : _INF + 1], 0.0, counts)
+            )
+            group_maxes = torch.cat([group_maxes, uncounted])
         if row_mask is not None:  # a select, not a product: a NaN or Inf square times 0 is NaN
             group_sums = torch.where(row_mask, group_sums, 0.0)
         flat_sums = torch.cat([group_sums.flatten(), any_by_rank])
         flat_maxes = torch.cat([group_maxes.flatten(), g.fingerprints_on(device)])
         _all_reduce(flat_sums, flat_maxes, g.group)
-        reduced_sums, reduced_maxes = flat_sums[:-world].view(-1, n), flat_maxes[:-2].view(2, n)
+        reduced_sums, reduced_maxes = flat_sums[:-world].view(-1, n), flat_maxes[:-2].view(max_rows, n)
+        if max_rows == 4:
+            # Exact where the copies agree (the counted one holds as many); never 0 where one holds any.
+            reduced_sums[_NAN : _INF + 1] = torch.maximum(reduced_sums[_NAN : _INF + 1], reduced_maxes[2:])
+            reduced_maxes = reduced_maxes[:2]
         if whole:
             sums, maxes = reduced_sums, reduced_maxes
         else:

@@ -58,31 +58,38 @@ _MARKS = (
     ("main_grad", None, "a parameter whose gradient lives in .main_grad (Megatron, TransformerEngine)"),
 )
 
-_refused_class: dict[type, _Engine | None] = {}
+_refused_class: dict[type, tuple[_Engine, type] | None] = {}
 
 
-def _engine_of(cls: type) -> _Engine | None:
+def _engine_of(cls: type) -> tuple[_Engine, type] | None:
+    """The refused engine ``cls`` is (or derives from), with the engine's own class; looked up once."""
     try:
         return _refused_class[cls]
     except KeyError:
         found = None
         for c in cls.__mro__:
             package = c.__module__.partition(".")[0]
-            found = next((e for e in _ENGINES if e.package == package and c.__name__ in e.names), None)
-            if found is not None:
+            engine = next((e for e in _ENGINES if e.package == package and c.__name__ in e.names), None)
+            if engine is not None:
+                found = (engine, c)
                 break
         _refused_class[cls] = found
         return found
 
 
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def check_module(model: object) -> None:
     """Raises for a model whose class is a wrapper nanscan refuses (see the module notes)."""
-    engine = _engine_of(type(model))
-    if engine is not None:
+    found = _engine_of(type(model))
+    if found is not None:
+        engine, cls = found
+        named = _qualified(cls) if cls is type(model) else f"{_qualified(type(model))} (a {_qualified(cls)})"
         raise ValueError(
-            f"nanscan: {type(model).__module__}.{type(model).__qualname__} is {engine.what}: this rank holds "
-            f"only its part, so nanscan's statistics would be one rank's, not the model's. Instead, "
-            f"{engine.instead}. {_ADVICE_PROCESS_GROUP}"
+            f"nanscan: {named} is {engine.what}: this rank holds only its part, so nanscan's statistics would "
+            f"be one rank's, not the model's. Instead, {engine.instead}. {_ADVICE_PROCESS_GROUP}"
         )
 
 

@@ -1,0 +1,501 @@
+"""FSDP1 (torch's FullyShardedDataParallel) in real processes: run by tests/test_distributed.py.
+
+Every sharding strategy, with ``use_orig_params`` False and True, on 2 and 4 gloo ranks, the same
+batch on every rank. The references are FSDP's own: its ``clip_grad_norm_`` (the total, and the
+clipped shards), and its full gradients (``summon_full_params(with_grads=True)`` of a twin with
+``use_orig_params=True``, FSDP's one way to see them whole), not a plain model's: FSDP1 clamps a
+hybrid strategy whose shard group is one rank to NO_SHARD over that rank, whose gradients are then
+never averaged with the replicas' (and divided by the world size; see the case on it).
+
+As in the other case files, every case makes all its collectives before its first assertion.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed_cases import assert_close, case, counted_all_reduces
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+
+import nanscan
+
+STRATEGIES = list(ShardingStrategy)
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def net(dims: tuple[int, ...] = (16, 24, 3, 5), seed: int = 0) -> torch.nn.Sequential:
+    """Linear layers (a Tanh after the first): the same weights on every rank."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        layers.append(torch.nn.Linear(a, b))
+        if i == 0:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
+def wrap(
+    module: torch.nn.Module,
+    strategy: ShardingStrategy,
+    use_orig_params: bool,
+    world: int,
+    policy: Any = None,
+    **kwargs: Any,
+) -> FSDP:
+    """FSDP1 with a unit per Linear (or ``policy``); the hybrid strategies on a (2, world / 2) mesh,
+    two replicas of a model sharded over half the ranks, on 4 ranks or more; on 2, one replica sharded
+    over both (FSDP1 clamps a shard group of one rank to NO_SHARD over that one rank, which never
+    averages the replicas: fsdp1_hybrid_over_one_rank_shards_is_refused)."""
+    if strategy in HYBRID:
+        kwargs.setdefault("device_mesh", init_device_mesh("cpu", (2, world // 2) if world >= 4 else (1, world)))
+    return FSDP(
+        module,
+        auto_wrap_policy=policy if policy is not None else ModuleWrapPolicy({torch.nn.Linear}),
+        sharding_strategy=strategy,
+        use_orig_params=use_orig_params,
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+
+
+def backward(model: torch.nn.Module, dim: int = 16, seed: int = 1) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(8, dim)).float().square().mean().backward()
+
+
+def full_gradients(model: FSDP) -> dict[str, torch.Tensor]:
+    """FSDP's full gradients of a ``use_orig_params=True`` model, by the names the user wrote."""
+    with FSDP.summon_full_params(model, with_grads=True):
+        return {_clean(name): p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def gathered_full_gradients(model: FSDP) -> dict[str, torch.Tensor]:
+    """FSDP's full gradients of a ``use_orig_params=False`` model gathered by hand (every rank's flat
+    shard, laid end to end, cut by the flat parameter's sizes), where summon_full_params cannot
+    (bf16 gradients kept by MixedPrecision: torch 2.13's FSDP refuses to unshard them), by name."""
+    names = {id(m): n for n, m in model.named_modules()}
+    full = {}
+    for unit in FSDP.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        shards = [torch.empty_like(flat.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, flat.grad.contiguous())
+        whole = torch.cat(shards)[: sum(flat._numels)]
+        for info, piece, shape in zip(flat._param_infos, whole.split(list(flat._numels)), flat._shapes, strict=True):
+            full[_clean(names[id(info.module)] + ".") + info.param_name] = piece.view(shape).clone()
+    order = [name for name, _ in net().named_parameters()]
+    return {name: full[name] for name in order}
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def local_flat_gradients(model: FSDP) -> list[torch.Tensor]:
+    """Each unit's local flat gradient shard, copied."""
+    return [m._handle.flat_param.grad.clone() for m in FSDP.fsdp_modules(model) if m._handle is not None]
+
+
+def all_strategies() -> Iterator[tuple[ShardingStrategy, bool]]:
+    for strategy in STRATEGIES:
+        for use_orig_params in (False, True):
+            yield strategy, use_orig_params
+
+
+def assert_matches_full(report: nanscan.Report, full: dict[str, torch.Tensor], what: str) -> None:
+    """The report's per-parameter statistics are those of FSDP's full gradients, every one named."""
+    values = report.to_dict()["parameters"]
+    assert list(values) == list(full), f"{what}: names {list(values)} != {list(full)}"
+    for name, g in full.items():
+        assert_close(values[name]["norm"], g.double().norm(), f"{what}: norm of {name}", 1e-6)
+        assert values[name]["max"] == g.double().max().item(), f"{what}: max of {name}"
+        assert values[name]["min"] == g.double().min().item(), f"{what}: min of {name}"
+
+
+@case
+def fsdp1_every_strategy_matches_fsdps_own(world: int) -> None:
+    """check, clip_grad_norm_ (of the model, and of its parameters once seen) against FSDP's own
+    clip and full gradients; collectives counted: two per check, one per clip."""
+    for strategy, orig in all_strategies():
+        what = f"{strategy.name}, use_orig_params={orig}"
+        ours, theirs, whole = (wrap(net(), strategy, o, world) for o in (orig, orig, True))
+        for model in (ours, theirs, whole):
+            backward(model)
+        full = full_gradients(whole)
+        with counted_all_reduces() as check_calls:
+            report = nanscan.check(ours)
+            finite, ranks = report.finite, report.nonfinite_ranks
+        with counted_all_reduces() as clip_calls:
+            total = nanscan.clip_grad_norm_(ours, 0.05)
+        want = theirs.clip_grad_norm_(0.05)
+        # A list of the model's parameters, now that nanscan has seen the model (clipped once: its norm).
+        again = nanscan.clip_grad_norm_(list(ours.parameters()), 0.05)
+        want_again = theirs.clip_grad_norm_(0.05)
+        ours_shards, theirs_shards = local_flat_gradients(ours), local_flat_gradients(theirs)
+        assert check_calls[0] == 2, f"{what}: {check_calls[0]} all-reduces for a check"
+        assert clip_calls[0] == 1, f"{what}: {clip_calls[0]} all-reduces for a clip"
+        assert finite and ranks == {}, what
+        assert_matches_full(report, full, what)
+        assert type(total) is torch.Tensor and total.dtype == want.dtype == torch.float32, (total.dtype, want.dtype)
+        assert_close(total, want, f"{what}: total norm against FSDP's clip_grad_norm_", 1e-6)
+        assert_close(report.total_norm, want, f"{what}: check's total norm", 1e-6)
+        assert_close(again, want_again, f"{what}: the clip of the parameters' list", 1e-6)
+        for a, b in zip(ours_shards, theirs_shards, strict=True):
+            assert_close(a, b, f"{what}: clipped gradient shard against FSDP's", 1e-6)
+
+
+def _first_part(model: FSDP, unit: int) -> tuple[str, int] | None:
+    """(the name of the first parameter with an element in this rank's shard of ``unit``, the element's
+    offset in the shard), or None when the shard holds none."""
+    handle = FSDP.fsdp_modules(model)[unit]._handle
+    flat = handle.flat_param
+    placed = [(info.offset_in_shard, i) for i, info in enumerate(flat._shard_param_infos) if info.in_shard]
+    if not placed:
+        return None
+    offset, i = min(placed)
+    module = {id(m): n for n, m in model.named_modules()}[id(flat._param_infos[i].module)]
+    return f"{_clean(module + '.')}{flat._param_infos[i].param_name}", offset
+
+
+@case
+def fsdp1_nan_in_one_rank_part_is_named_on_every_rank(world: int) -> None:
+    """A NaN planted in the last rank's local gradient (after FSDP's reduction): every rank's report
+    is non-finite and names the parameter and the rank, whatever the strategy (also where the last
+    rank's copy is not the one counted: NO_SHARD, the hybrid ones)."""
+    bad = world - 1
+    for strategy, orig in all_strategies():
+        what = f"{strategy.name}, use_orig_params={orig}"
+        model = wrap(net(), strategy, orig, world)
+        backward(model)
+        planted = _first_part(model, 2) if dist.get_rank() == bad else None  # unit 2: the second Linear
+        if planted is not None:
+            FSDP.fsdp_modules(model)[2]._handle.flat_param.grad[planted[1]] = math.nan
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, planted)
+        report = nanscan.check(model)
+        finite, nonfinite, ranks = report.finite, report.nonfinite, report.nonfinite_ranks
+        try:
+            nanscan.check(model, on_nonfinite="raise")
+            raised = ""
+        except nanscan.NonFiniteGradientError as error:
+            raised = str(error)
+        name = gathered[bad][0]
+        assert not finite, f"{what}: a NaN on rank {bad} reported finite"
+        assert nonfinite == [name], f"{what}: {nonfinite}"
+        assert ranks == {name: [bad]}, f"{what}: {ranks}"
+        assert f"{name} (rank {bad})" in raised, f"{what}: {raised!r}"
+
+
+class Block(torch.nn.Module):
+    """A decoder block's shape without attention: what transformer_auto_wrap_policy wraps."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class TinyDecoder(torch.nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 8, blocks: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 1)  # one output: a bias of one element, empty on most ranks
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def decoder_backward(model: torch.nn.Module) -> None:
+    torch.manual_seed(3)
+    model(torch.randint(0, 11, (4, 6))).float().square().mean().backward()
+
+
+def with_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """Each block in a checkpoint wrapper, applied to the FSDP model as Accelerate applies it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, Block)
+    )
+    return model
+
+
+def framework_configurations(world: int) -> Iterator[tuple[str, Callable[[], torch.nn.Module]]]:
+    """FSDP1 as Hugging Face's Trainer and Accelerate (transformer_auto_wrap_policy on the decoder's
+    blocks, use_orig_params=True, bf16 MixedPrecision with fp32 reduction, activation checkpointing)
+    and Lightning's FSDPStrategy (a ModuleWrapPolicy of the blocks, use_orig_params=True,
+    ``precision="bf16-mixed"``'s MixedPrecision) configure it."""
+    hf_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+
+    def hugging_face() -> torch.nn.Module:
+        wrapped = wrap(TinyDecoder(), ShardingStrategy.FULL_SHARD, True, world, policy=hf_policy, mixed_precision=bf16)
+        return with_activation_checkpointing(wrapped)
+
+    def lightning() -> torch.nn.Module:
+        lightning_bf16 = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
+        )
+        return wrap(
+            TinyDecoder(),
+            ShardingStrategy.FULL_SHARD,
+            True,
+            world,
+            policy=ModuleWrapPolicy({Block}),
+            mixed_precision=lightning_bf16,
+        )
+
+    def plain_fp32_no_orig() -> torch.nn.Module:
+        return wrap(TinyDecoder(), ShardingStrategy.SHARD_GRAD_OP, False, world, policy=ModuleWrapPolicy({Block}))
+
+    yield "Hugging Face / Accelerate", hugging_face
+    yield "Lightning", lightning
+    yield "SHARD_GRAD_OP, use_orig_params=False", plain_fp32_no_orig
+
+
+@case
+def fsdp1_as_the_frameworks_configure_it(world: int) -> None:
+    """The decoder wrapped as the frameworks wrap it: names as the user wrote them (no FSDP or
+    checkpointing prefix), every parameter on every rank (the head's one-element bias too, empty on
+    most ranks), the same report from the root and from the model inside it (what Hugging Face's
+    Trainer and Lightning hand their callbacks), and totals equal to FSDP's own clip."""
+    want_names = [name for name, _ in TinyDecoder().named_parameters()]
+    for what, make in framework_configurations(world):
+        ours, theirs = make(), make()
+        decoder_backward(ours)
+        decoder_backward(theirs)
+        root = nanscan.check(ours)
+        inside = nanscan.check(ours.module)  # the model FSDP wraps: the root's handle is above it
+        names, totals = root.names, (root.total_norm, inside.total_norm)
+        inside_names, inside_norms = inside.names, inside.to_dict()["parameters"]
+        root_norms = root.to_dict()["parameters"]
+        total = nanscan.clip_grad_norm_(ours.module, 0.01)
+        want = theirs.clip_grad_norm_(0.01)
+        assert names == want_names, f"{what}: {names}"
+        assert inside_names == want_names, f"{what}: inside the root: {inside_names}"
+        assert root_norms == inside_norms, what
+        assert_close(totals[0], want, f"{what}: check's total against FSDP's clip", 1e-5)
+        assert_close(totals[1], want, f"{what}: check's total, inside the root", 1e-5)
+        assert_close(total, want, f"{what}: clip's total against FSDP's", 1e-5)
+        assert total.dtype == want.dtype, (total.dtype, want.dtype)
+
+
+@case
+def fsdp1_mixed_precision_and_a_bf16_unit(world: int) -> None:
+    """FSDP1's MixedPrecision (gradients kept in bf16 or cast back to fp32) and a unit whose parameters
+    are bf16: statistics of FSDP's full gradients, totals equal to FSDP's clip."""
+    mixed = [
+        ("bf16 compute, fp32 gradients", MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        (
+            "bf16 gradients kept",
+            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, keep_low_precision_grads=True),
+        ),
+    ]
+    for what, precision in mixed:
+        ours, theirs = (
+            wrap(net(), ShardingStrategy.FULL_SHARD, False, world, mixed_precision=precision) for _ in range(2)
+        )
+        for model in (ours, theirs):
+            backward(model)
+        full = gathered_full_gradients(theirs)
+        report = nanscan.check(ours)
+        want = theirs.clip_grad_norm_(1e9)
+        assert_matches_full(report, full, what)
+        assert_close(report.total_norm, want, f"{what}: total against FSDP's clip", 1e-3)
+
+    def bf16_unit() -> torch.nn.Module:
+        model = net((16, 24, 8, 5))
+        model[2].to(torch.bfloat16)  # the second Linear: a bf16 unit among fp32 ones
+        model.insert(2, _Cast(torch.bfloat16))
+        model.insert(4, _Cast(torch.float32))
+        return wrap(model, ShardingStrategy.FULL_SHARD, True, world)
+
+    ours, theirs = bf16_unit(), bf16_unit()
+    backward(ours)
+    backward(theirs)
+    report = nanscan.check(ours, max_norm=1e9)
+    want = theirs.clip_grad_norm_(1e9)
+    dtypes = {report.total_norm_tensor.dtype, want.dtype}
+    assert report.names == ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"], report.names
+    assert dtypes == {torch.float32}, dtypes
+    assert_close(report.total_norm, want, "a bf16 unit: total against FSDP's clip", 1e-3)
+
+
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+@case
+def fsdp1_grad_scaler_overflow_on_one_rank_skips_on_every_rank(world: int) -> None:
+    """nanscan's GradScaler under FSDP1 (``watch(model)``): an Inf on one rank's shard only, and every
+    rank skips the step and lowers the scale, as torch's ShardedGradScaler makes them; a clean step
+    then steps on every rank exactly as ShardedGradScaler's does. A scaler that was not shown the
+    model refuses its shards rather than decide on one rank's."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    bad = world - 1
+    for orig in (False, True):
+        what = f"use_orig_params={orig}"
+        ours, theirs = (wrap(net(), ShardingStrategy.FULL_SHARD, orig, world) for _ in range(2))
+        scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0**10).watch(ours)
+        opt, ref_opt = torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(theirs.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in ours.parameters()]
+        torch.manual_seed(1)
+        x = torch.randn(8, 16)
+        scaler.scale(ours(x).square().mean()).backward()
+        if dist.get_rank() == bad:
+            FSDP.fsdp_modules(ours)[1]._handle.flat_param.grad[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        skipped_weights = [p.detach().clone() for p in ours.parameters()]
+        skipped, scale = scaler.skipped, scaler.get_scale()
+        ranks = scaler.last_report.nonfinite_ranks if scaler.last_report is not None else None
+        # A clean step, beside ShardedGradScaler's on the twin (which never saw the overflow), from the
+        # scale ours has after its skipped step.
+        reference = ShardedGradScaler("cpu", init_scale=scale)
+        opt.zero_grad()
+        scaler.scale(ours(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        reference.scale(theirs(x).square().mean()).backward()
+        reference.step(ref_opt)
+        reference.update()
+        stepped = [
+            (a.detach().clone(), b.detach().clone())
+            for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+        ]
+        unseen = wrap(net(), ShardingStrategy.FULL_SHARD, orig, world)
+        unseen_opt = torch.optim.SGD(unseen.parameters(), lr=0.1)
+        fresh = nanscan.amp.GradScaler("cpu")
+        fresh.scale(unseen(x).square().mean()).backward()
+        try:
+            fresh.unscale_(unseen_opt)
+            refusal = ""
+        except ValueError as error:
+            refusal = str(error)
+        assert skipped, f"{what}: rank {dist.get_rank()} did not skip"
+        assert scale == 2.0**9, f"{what}: scale {scale}"
+        assert all(torch.equal(a, b) for a, b in zip(before, skipped_weights, strict=True)), (
+            f"{what}: a skipped step changed weights"
+        )
+        assert ranks is not None and list(ranks.values()) == [[bad]], f"{what}: {ranks}"
+        assert not scaler.skipped and scaler.get_scale() == reference.get_scale(), what
+        for a, b in stepped:
+            assert_close(a, b, f"{what}: a stepped parameter against ShardedGradScaler's", 1e-6)
+        assert "FSDP1" in refusal and "scaler.watch(model)" in refusal, f"{what}: {refusal!r}"
+
+
+@case
+def fsdp1_recorder_advisor_and_replicas(world: int) -> None:
+    """The recorder keeps the global statistics (the rank of a NaN too); the Advisor observes the
+    whole model; verify_replicas compares NO_SHARD's copies and names the rank whose copy drifted."""
+    bad = world - 1
+    model = wrap(net(), ShardingStrategy.FULL_SHARD, True, world)
+    sink_records: list[Any] = []
+    recorder = nanscan.Recorder([sink_records.append], every=10)
+    reports = []
+    for step in range(3):
+        model.zero_grad()
+        backward(model, seed=10 + step)
+        if step == 1 and dist.get_rank() == bad:
+            FSDP.fsdp_modules(model)[1]._handle.flat_param.grad[0] = math.nan
+        reports.append(nanscan.check(model, recorder=recorder))
+    recorder.close()
+    advisor = nanscan.amp.Advisor()
+    advisor.observe(model)
+    advice = advisor.advise()
+    shared = wrap(net(), ShardingStrategy.NO_SHARD, False, world)
+    backward(shared)
+    clean = nanscan.verify_replicas(shared, gradients=True)
+    clean_ok = clean.consistent
+    if dist.get_rank() == bad:
+        FSDP.fsdp_modules(shared)[1]._handle.flat_param.grad[3] += 1.0
+    drifted = nanscan.verify_replicas(shared, gradients=True)
+    divergent = drifted.divergent
+    names = [r.nonfinite_ranks for r in sink_records]
+    assert [r.finite for r in sink_records] == [True, False, True], [r.finite for r in sink_records]
+    assert names[1] == reports[1].nonfinite_ranks and list(names[1].values()) == [[bad]], names
+    assert_close(
+        sink_records[2].norm, [v["norm"] for v in reports[2].to_dict()["parameters"].values()], "recorded norms"
+    )
+    assert advisor.names == reports[0].names and advice.recommendation != "nonfinite", advice
+    assert clean_ok, "NO_SHARD's copies agree after the all-reduce"
+    want = [0, 1] if world == 2 else [bad]  # two copies: no majority, both named
+    assert divergent == {"0.weight": want}, divergent
+
+
+@case
+def fsdp1_hybrid_over_one_rank_shards_is_warned_of(world: int) -> None:
+    """HYBRID_SHARD on a (world, 1) mesh: FSDP1 makes each rank NO_SHARD over itself alone, so the
+    replicas are never averaged (and each rank's report is its own, as its gradients are): warned."""
+    import warnings
+
+    model = wrap(net(), ShardingStrategy.HYBRID_SHARD, False, world, device_mesh=init_device_mesh("cpu", (world, 1)))
+    torch.manual_seed(20 + dist.get_rank())  # different data per rank: the replicas now differ
+    model(torch.randn(8, 16)).square().mean().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = nanscan.check(model)
+    norms = report.to_dict()["parameters"]["0.weight"]["norm"]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, norms)
+    messages = [str(w.message) for w in caught if "nanscan" in str(w.message)]
+    assert len(messages) == 1 and "never averages" in messages[0], messages
+    assert len(set(gathered)) == world, f"each rank's own gradient: {gathered}"
+
+
+@case
+def fsdp1_ignored_modules_are_copies_counted_once(world: int) -> None:
+    """Parameters FSDP does not manage (``ignored_modules``) are the same on every rank (DDP-like
+    training keeps them so): named, counted once, and in the total as FSDP's own clip counts them."""
+
+    def make(orig: bool) -> FSDP:
+        model = TinyDecoder()
+        return wrap(
+            model,
+            ShardingStrategy.FULL_SHARD,
+            orig,
+            world,
+            policy=ModuleWrapPolicy({Block}),
+            ignored_modules=[model.head],
+        )
+
+    for orig in (False, True):
+        ours, theirs = make(orig), make(orig)
+        decoder_backward(ours)
+        decoder_backward(theirs)
+        report = nanscan.check(ours)
+        names, total, head = report.names, report.total_norm, report.to_dict()["parameters"]["head.weight"]["norm"]
+        want = theirs.clip_grad_norm_(1e9)
+        want_head = ours.module.head.weight.grad.double().norm()
+        assert names == [name for name, _ in TinyDecoder().named_parameters()], names
+        assert_close(head, want_head, "an ignored module's gradient, counted once", 1e-6)
+        assert_close(total, want, f"use_orig_params={orig}: total against FSDP's clip", 1e-5)

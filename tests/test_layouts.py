@@ -1,0 +1,217 @@
+"""Layouts in one process: names as the user wrote them through every wrapper, the wrappers that are
+refused (before anything is read or written), and FSDP1's parameters in a world of one rank. The
+layouts across real processes are in tests/distributed_cases.py and distributed_fsdp1_cases.py."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+import nanscan
+from nanscan.records import StepRecord
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.module = torch.nn.Linear(4, 4)  # a user's own attribute named "module": kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(torch.tanh(self.fc(x)))
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Block(), Block())
+
+
+WANT = ["0.fc.weight", "0.fc.bias", "0.module.weight", "0.module.bias", "1.fc.weight", "1.fc.bias"]
+WANT += ["1.module.weight", "1.module.bias"]
+
+
+def with_gradients(m: torch.nn.Module) -> torch.nn.Module:
+    torch.manual_seed(1)
+    m(torch.randn(3, 4)).square().mean().backward()
+    return m
+
+
+def checkpointed() -> torch.nn.Module:
+    m = model()
+    apply_activation_checkpointing(m, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda x: isinstance(x, Block))
+    assert any("_checkpoint_wrapped_module" in name for name, _ in m.named_parameters())
+    return m
+
+
+WRAPPED = {
+    "torch.compile": lambda: torch.compile(model()),
+    "activation checkpointing": checkpointed,
+    "torch.compile of a checkpointed model": lambda: torch.compile(checkpointed()),
+    "DataParallel": lambda: torch.nn.DataParallel(model()),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPED))
+def test_names_are_as_the_user_wrote_them(wrapper: str) -> None:
+    """Report, recorder and locate name parameters and modules without the wrappers' components, and
+    keep an attribute of the user's that happens to be called ``module``."""
+    m = with_gradients(WRAPPED[wrapper]())
+    records: list[StepRecord] = []
+    with nanscan.Recorder([records.append], every=1) as recorder:
+        report = nanscan.check(m, max_norm=1.0, recorder=recorder)
+    assert report.names == WANT, report.names
+    assert records[0].names == WANT, records[0].names
+    advisor = nanscan.amp.Advisor()
+    advisor.observe(m)
+    assert list(advisor.names or []) == WANT
+    scaler = nanscan.amp.GradScaler("cpu").watch(m)
+    assert sorted(scaler._names.values()) == sorted(WANT)
+    if wrapper == "activation checkpointing":  # locate's hooks run eagerly (compile would trace them)
+        with nanscan.locate(m) as trace:
+            m(torch.full((3, 4), float("nan"))).sum().backward()
+        assert trace.first is not None and trace.first.module in ("0", "0.fc"), trace.first
+
+
+def test_ddp_names_drop_its_module(world_of_one: None) -> None:
+    ddp = with_gradients(torch.nn.parallel.DistributedDataParallel(model()))
+    assert nanscan.check(ddp).names == WANT
+    assert list(nanscan.verify_replicas(ddp).names) == WANT
+
+
+# ---- refused wrappers, planted in the shapes their packages give them (none is installed here) -----
+
+
+def planted_class(module: str, name: str, base: type = torch.nn.Module) -> type:
+    """A class that reads, to anything that looks at it, as ``module.name`` (the engines nanscan must
+    recognise without importing them)."""
+    return types.new_class(name, (base,), exec_body=lambda ns: ns.update({"__module__": module}))
+
+
+ENGINES = [
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "engine.get_global_grad_norm()"),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine", "engine.get_global_grad_norm()"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel", "get_grad_norm"),
+    ("megatron.core.transformer.module", "Float16Module", "get_grad_norm"),
+    ("fairscale.nn.data_parallel.fully_sharded_data_parallel", "FullyShardedDataParallel", "clip_grad_norm_"),
+]
+
+
+def engine_model(module: str, name: str) -> torch.nn.Module:
+    engine = planted_class(module, name)()
+    engine.module = with_gradients(model())
+    return engine
+
+
+def refused_calls(target: Any) -> dict[str, Any]:
+    return {
+        "check": lambda: nanscan.check(target, max_norm=1.0),
+        "clip_grad_norm_": lambda: nanscan.clip_grad_norm_(target, 1.0),
+        "verify_replicas": lambda: nanscan.verify_replicas(target),
+        "Advisor.observe": lambda: nanscan.amp.Advisor().observe(target),
+        "GradScaler.watch": lambda: nanscan.amp.GradScaler("cpu").watch(target),
+    }
+
+
+@pytest.mark.parametrize(("module", "name", "instead"), ENGINES, ids=[f"{m}.{n}" for m, n, _ in ENGINES])
+def test_engines_that_shard_gradients_are_refused_before_anything_is_read(module: str, name: str, instead: str) -> None:
+    engine = engine_model(module, name)
+    before = [p.grad.clone() for p in engine.parameters()]
+    for call_name, call in refused_calls(engine).items():
+        with pytest.raises(
+            ValueError, match=rf"{module}\.{name} is .*this rank holds only its part.*{instead}"
+        ) as error:
+            call()
+        assert "process_group=" in str(error.value), call_name
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, engine.parameters(), strict=True))
+    # A subclass of the engine is the engine too.
+    subclass = planted_class("my_project.engines", "MyEngine", type(engine))()
+    with pytest.raises(ValueError, match=name):
+        nanscan.check(subclass)
+
+
+MARKS = [
+    ("deepspeed", "ds_id", 7, "partitioned by DeepSpeed ZeRO stage 3"),
+    ("megatron", "main_grad", torch.zeros(4), r"\.main_grad"),
+    ("transformer_engine", "main_grad", torch.zeros(4), r"\.main_grad"),
+]
+
+
+@pytest.mark.parametrize(("package", "attribute", "value", "what"), MARKS, ids=[f"{p}.{a}" for p, a, _, _ in MARKS])
+def test_parameters_an_engine_marked_are_refused(
+    package: str, attribute: str, value: Any, what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parameters the engine marks (ZeRO-3's partitioned ones, gradients kept in .main_grad): refused
+    wherever they are passed, once the engine's package is loaded (never otherwise: no cost)."""
+    m = with_gradients(model())
+    params = list(m.parameters())
+    setattr(params[3], attribute, value)
+    assert nanscan.check(m).names == WANT  # the package is not loaded: no engine could have marked it
+    monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+    calls = {
+        **refused_calls(m),
+        "check(params)": lambda: nanscan.check(params),
+        "clip_grad_norm_(params)": lambda: nanscan.clip_grad_norm_(params, 1.0),
+        "scan(params)": lambda: nanscan.scan(params),
+    }
+    calls.pop("GradScaler.watch")  # watching reads no gradient: the scaler refuses them at its unscale
+    for call_name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"entry 3 is .*{what}"):
+            call()
+        del call_name
+    scaler = nanscan.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match=what):
+        scaler.unscale_(torch.optim.SGD(params, lr=0.1))
+
+
+# ---- FSDP1 in a world of one rank -----------------------------------------------------------------
+
+
+def fsdp1(m: torch.nn.Module, use_orig_params: bool) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
+        return FullyShardedDataParallel(
+            m,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_parameters_are_refused_until_nanscan_knows_their_model(
+    world_of_one: None, use_orig_params: bool
+) -> None:
+    """A list of FSDP1's parameters is a rank's shards: refused (naming the way out) until nanscan has
+    seen their model, then reduced like the model; the model itself always works."""
+    wrapped = with_gradients(fsdp1(model(), use_orig_params))
+    reference = with_gradients(model())
+    params = list(wrapped.parameters())
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    for call in (
+        lambda: nanscan.clip_grad_norm_(params, 1e-3),
+        lambda: nanscan.check(params),
+        lambda: nanscan.scan(params),
+        lambda: nanscan.amp.Advisor().observe(params),
+    ):
+        with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel\) has flattened and sharded"):
+            call()
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, (p for p in params if p.grad is not None), strict=True))
+    report = nanscan.check(wrapped)
+    assert report.names == WANT
+    for values, p in zip(report.to_dict()["parameters"].values(), reference.parameters(), strict=True):
+        assert values["norm"] == pytest.approx(p.grad.norm().item(), rel=1e-6)
+    total = nanscan.clip_grad_norm_(params, 1e9)  # now known
+    assert total.item() == pytest.approx(report.total_norm, rel=1e-6)
+    assert nanscan.check(params).names == WANT
+    assert nanscan.scan(params).names == tuple(WANT)  # the parameters' values, named
