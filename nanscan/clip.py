@@ -152,7 +152,8 @@ def get_total_norm(
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     norm_type = as_norm_type(norm_type)
-    return _total_norm(layouts.of_tensors(tensors, None, process_group), norm_type, error_if_nonfinite, foreach)
+    layout = layouts.of_tensors(tensors, None, process_group, per_tensor=False)
+    return _total_norm(layout, norm_type, error_if_nonfinite, foreach)
 
 
 def _total_norm(
@@ -273,11 +274,12 @@ def clip_grad_norm_(
     """
     max_norm = as_max_norm(max_norm)
     norm_type = as_norm_type(norm_type)
+    # A total norm needs no per-parameter part (FSDP1's flat shards are not cut: per_tensor=False).
     if isinstance(parameters, torch.nn.Module):
-        layout = layouts.of_module(parameters, process_group)
+        layout = layouts.of_module(parameters, process_group, per_tensor=False)
     else:
         params, grads = gradients(parameters)
-        layout = layouts.of_parameter_list(params, grads, process_group)
+        layout = layouts.of_parameter_list(params, grads, process_group, per_tensor=False)
     total_norm = _total_norm(layout, norm_type, error_if_nonfinite, foreach)
     if layout.scaled:
         with torch.no_grad():

@@ -66,22 +66,29 @@ def _walks_as_child(cls: type) -> bool:
 
 
 class Walk(NamedTuple):
-    """What ``walk`` gives: the parameters, named as the user wrote them, and the types of the
-    modules the walk met (whose layout a caller may need to know: an FSDP1 unit among them)."""
+    """What ``walk`` gives: the parameters, named as the user wrote them, and what a caller may need
+    to know of the model's layout: the types of its modules (an FSDP1 unit among them) and the
+    attributes set on its parameters (the marks an engine leaves on the parameters it manages)."""
 
     names: list[str]
     parameters: list[torch.nn.Parameter]
     module_types: frozenset[type]
+    parameter_attributes: frozenset[str]
 
 
-def _walk(model: torch.nn.Module) -> Walk:
-    """torch's own walk, with clean names."""
+def _walk(model: torch.nn.Module, layout: bool = True) -> Walk:
+    """torch's own walk, with clean names; ``layout``: with the module types and parameter attributes
+    (which a traced walk leaves out: a compiled check takes the single-process layout)."""
     named = list(model.named_parameters())
     names = [name for name, _ in named]
     clean = clean_module_names(model)
     if clean is not None:
         names = [clean_name(name, clean) for name in names]
-    return Walk(names, [p for _, p in named], frozenset(type(m) for m in model.modules()))
+    params = [p for _, p in named]
+    if not layout:
+        return Walk(names, params, frozenset(), frozenset())
+    attributes = frozenset(itertools.chain.from_iterable(map(vars, params)))
+    return Walk(names, params, frozenset(type(m) for m in model.modules()), attributes)
 
 
 def _flat_values(dicts: list[dict[str, Any]]) -> list[Any]:
@@ -112,6 +119,7 @@ class _Tree:
     selected: tuple[int, ...]  # positions in the flat _parameters values that the walk yields
     names: tuple[str, ...]
     module_types: frozenset[type]
+    parameter_attributes: frozenset[str]
 
     @staticmethod
     def of(model: torch.nn.Module) -> tuple[_Tree | None, Walk]:
@@ -139,6 +147,7 @@ class _Tree:
             tuple(position[id(p)] for p in params),
             tuple(names),
             walked.module_types,
+            walked.parameter_attributes,
         )
         return tree, walked
 
@@ -171,12 +180,12 @@ def walk(model: torch.nn.Module) -> Walk:
     same lists, from the kept walk when the model's tree is unchanged since the last call (see the
     module notes)."""
     if torch.compiler.is_compiling():
-        return _walk(model)
+        return _walk(model, layout=False)
     tree = _trees.get(model)  # an unhashable module raises TypeError here, as in torch's own walk
     if tree is not None:
         params = tree.parameters_if_unchanged()
         if params is not None:
-            return Walk(list(tree.names), params, tree.module_types)
+            return Walk(list(tree.names), params, tree.module_types, tree.parameter_attributes)
     tree, walked = _Tree.of(model)
     if tree is not None:
         _trees[model] = tree

@@ -142,6 +142,10 @@ def fsdp1_every_strategy_matches_fsdps_own(world: int) -> None:
         # A list of the model's parameters, now that nanscan has seen the model (clipped once: its norm).
         again = nanscan.clip_grad_norm_(list(ours.parameters()), 0.05)
         want_again = theirs.clip_grad_norm_(0.05)
+        # The other norm orders: inf from the fused scan, 1 and 3 from torch's norm of each part.
+        orders = {
+            p: (nanscan.clip_grad_norm_(ours, 1e9, p), theirs.clip_grad_norm_(1e9, p)) for p in (math.inf, 1.0, 3.0)
+        }
         ours_shards, theirs_shards = local_flat_gradients(ours), local_flat_gradients(theirs)
         assert check_calls[0] == 2, f"{what}: {check_calls[0]} all-reduces for a check"
         assert clip_calls[0] == 1, f"{what}: {clip_calls[0]} all-reduces for a clip"
@@ -151,6 +155,8 @@ def fsdp1_every_strategy_matches_fsdps_own(world: int) -> None:
         assert_close(total, want, f"{what}: total norm against FSDP's clip_grad_norm_", 1e-6)
         assert_close(report.total_norm, want, f"{what}: check's total norm", 1e-6)
         assert_close(again, want_again, f"{what}: the clip of the parameters' list", 1e-6)
+        for order, (got, want_order) in orders.items():
+            assert_close(got, want_order, f"{what}: the {order}-norm against FSDP's", 1e-5)
         for a, b in zip(ours_shards, theirs_shards, strict=True):
             assert_close(a, b, f"{what}: clipped gradient shard against FSDP's", 1e-6)
 

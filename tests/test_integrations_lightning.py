@@ -38,6 +38,9 @@ class Tiny(LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.fused = fused
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
@@ -189,6 +192,33 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
     # All four parameters' shards (the one rank's) held the NaN; finite steps leave the column empty.
     assert float(logged[NAN_STEP]["nanscan/nonfinite_rank/0"]) == 4.0
     assert all(row["nanscan/nonfinite_rank/0"] == "" for step, row in logged.items() if step != NAN_STEP)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_under_lightnings_fsdp1_strategy_the_optimizers_parameters_are_checked_whole(
+    world_of_one: None, use_orig_params: bool
+) -> None:
+    """Lightning's FSDP strategy wraps the LightningModule in FSDP1's root (it refuses a CPU, so the
+    wrap is made here as the strategy makes it, and the Trainer's strategy is stood in for): the
+    callback checks the optimizer's parameters, reduced through the root it shows nanscan, by the
+    names the user wrote."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    module = Tiny(False)
+    with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
+        root = FullyShardedDataParallel(module, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    optimizer = torch.optim.SGD(root.parameters(), lr=LR)
+    x, y = next(iter(loader()))
+    torch.nn.functional.mse_loss(root(x), y).backward()
+    callback = NanscanCallback(max_norm=1.0)
+    callback._trainer = SimpleNamespace(strategy=SimpleNamespace(model=root))  # type: ignore[assignment]
+    target = callback._target(module, optimizer)
+    report = nanscan.check(target)
+    assert report.names == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"], report.names
+    assert report.total_norm == pytest.approx(nanscan.check(root).total_norm)
 
 
 def test_rank_metrics_count_each_ranks_parameters_in_its_worst_record() -> None:

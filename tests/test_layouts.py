@@ -215,3 +215,21 @@ def test_fsdp1_parameters_are_refused_until_nanscan_knows_their_model(
     assert total.item() == pytest.approx(report.total_norm, rel=1e-6)
     assert nanscan.check(params).names == WANT
     assert nanscan.scan(params).names == tuple(WANT)  # the parameters' values, named
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_model_inside_one_fsdp1_unit(world_of_one: None, use_orig_params: bool) -> None:
+    """The model inside a root-only FSDP1 (no auto-wrap: one unit, outside the model) holds the unit's
+    flat parameter, or its original parameters marked flattened, and no unit: refused until nanscan
+    has seen the root, then the root's report of those parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
+        root = FullyShardedDataParallel(model(), use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    with_gradients(root)
+    inner = root.module
+    with pytest.raises(ValueError, match="flattened and sharded"):
+        nanscan.check(inner)
+    whole = nanscan.check(root)
+    assert whole.names == WANT
+    assert nanscan.check(inner).to_dict() == whole.to_dict()

@@ -12,7 +12,10 @@ the GradScaler's ``unscale_`` (plugins/precision/amp.py ``MixedPrecision.optimiz
 Lightning's own clipping (``configure_gradient_clipping``) and before the step. In automatic
 optimization the closure, and so this hook, runs inside ``optimizer.step(closure=...)``; nanscan's
 SkipGuard runs such a closure first and decides the step after it (nanscan.guard). The callback
-wraps every optimizer's step at ``on_train_start``, before the first step.
+wraps every optimizer's step at ``on_train_start``, before the first step. Under the FSDP strategy
+(FSDP1) the LightningModule lies inside FSDP's root, which holds some of its parameters: the callback
+shows nanscan the root (``trainer.strategy.model``) and checks the optimizer's parameters, reduced
+over the ranks that shard them (nanscan.layouts.fsdp1).
 
 Clipping twice is refused: a Trainer with ``gradient_clip_val`` and a callback with ``max_norm``
 raise ValueError at setup. A LightningModule that clips in its own ``configure_gradient_clipping``
@@ -28,7 +31,7 @@ Trainer (``logger.log_metrics``, at ``step=record.step``) as ``nanscan/total_nor
 ``nanscan/skipped``, ``nanscan/nonfinite_params`` (how many parameters hold a NaN/Inf gradient),
 ``nanscan/clip_coef`` (when clipped) and ``nanscan/loss_scale`` (when a GradScaler recorded it),
 and at a non-finite step of a distributed run whose checks name ranks (DTensors: FSDP2, tensor
-parallel; DDP with ``nanscan.ddp.attach``) ``nanscan/nonfinite_rank/<rank>`` for each rank whose
+parallel; FSDP1; DDP with ``nanscan.ddp.attach``) ``nanscan/nonfinite_rank/<rank>`` for each rank whose
 local data held a NaN/Inf (how many parameters); ``log_every_n_steps`` thins them, never dropping a
 skipped or non-finite step. Without a recorder the callback logs nothing. LR schedulers step on
 skipped steps too, as they do on a step that Lightning's GradScaler skips.
@@ -48,7 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import layouts
 from ..guard import SkipGuard
+from ..layouts import fsdp1
 from ._logging import CheckingCallback, record_metrics, worth_logging
 
 if TYPE_CHECKING:
@@ -156,7 +161,16 @@ class NanscanCallback(Callback, CheckingCallback):
         cached = self._targets.get(id(optimizer))
         if cached is not None and cached[0] is optimizer:
             return cached[1]
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        root = self._trainer.strategy.model if self._trainer is not None else None
+        if fsdp1.flattened(params) and root is not None:
+            # Lightning's FSDP strategy (FSDP1): the LightningModule lies inside FSDP's root, which holds
+            # some of its parameters. nanscan learns the root (the strategy's wrapped model), and then
+            # checks the optimizer's own parameters, reduced over the ranks that shard them.
+            layouts.learn(root)
+            self._targets[id(optimizer)] = (optimizer, params)
+            return params
+        owned = {id(p) for p in params}
         named = list(pl_module.named_parameters())
         trainable = {id(p) for _, p in named if p.requires_grad}
         # A parameter the optimizer does not hold is no business of its step (Lightning clips

@@ -111,23 +111,38 @@ def _routed(names: Sequence[str] | None, tensors: list[torch.Tensor], process_gr
     return _plain(names, tensors, process_group=process_group, **extra)
 
 
-def _fsdp1(model_layout: fsdp1.ModelLayout, positions: Sequence[int] | None, source: str, process_group: Any) -> Layout:
-    parts = fsdp1.parts(model_layout, source, positions)
+def _fsdp1(
+    model_layout: fsdp1.ModelLayout,
+    positions: Sequence[int] | None,
+    source: str,
+    process_group: Any,
+    per_tensor: bool = True,
+) -> Layout:
+    parts = (fsdp1.parts if per_tensor else fsdp1.whole_parts)(model_layout, source, positions)
     return Layout(
         parts.names, parts.parts, parts.parts, parts.scaled, parts.plan, process_group, cut=True, numels=parts.numels
     )
 
 
-def of_tensors(tensors: list[torch.Tensor], names: Sequence[str] | None = None, process_group: Any = None) -> Layout:
+def of_tensors(
+    tensors: list[torch.Tensor], names: Sequence[str] | None = None, process_group: Any = None, per_tensor: bool = True
+) -> Layout:
     """The layout of a list of tensors scanned as they are (``nanscan.scan``, ``get_total_norm``):
     DTensors reduced over their meshes, FSDP1's flattened parameters over FSDP's groups (of a model
     nanscan has seen; refused otherwise), others this rank's own unless ``process_group``."""
-    if tensors and not dtensor.is_dtensor(tensors[0]):
+    # Parameters (not the usual gradients, plain tensors) may carry an engine's marks.
+    if tensors and type(tensors[0]) is not torch.Tensor and _marks_possible() and not dtensor.is_dtensor(tensors[0]):
         refused.check_tensors(tensors)
         if fsdp1.flattened(tensors):
             model_layout, positions = fsdp1.of_parameters(tensors)
-            return _fsdp1(model_layout, positions, "data", process_group)
+            return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
     return _routed(names, tensors, process_group)
+
+
+def _marks_possible() -> bool:
+    """Whether some parameter can carry an engine's marks (FSDP1's, a refused engine's) in this
+    process: where not, no list's entries are looked at (each look costs 45 ns a tensor)."""
+    return fsdp1.possible() or refused.possible()
 
 
 def of_parameters(params_or_pairs: torch.Tensor | Iterable[Any], process_group: Any = None) -> Layout:
@@ -138,7 +153,7 @@ def of_parameters(params_or_pairs: torch.Tensor | Iterable[Any], process_group: 
         items = [params_or_pairs]
     else:
         items = params_or_pairs if isinstance(params_or_pairs, (list, tuple)) else list(params_or_pairs)
-    if items and not dtensor.is_dtensor(items[0]) and not torch.compiler.is_compiling():
+    if items and _marks_possible() and not dtensor.is_dtensor(items[0]) and not torch.compiler.is_compiling():
         params = [item[1] if type(item) is tuple else item for item in items]
         refused.check_tensors(params)
         if fsdp1.flattened(params):
@@ -148,18 +163,22 @@ def of_parameters(params_or_pairs: torch.Tensor | Iterable[Any], process_group: 
     return _routed(names, grads, process_group)
 
 
-def of_parameter_list(params: list[Any], grads: list[torch.Tensor], process_group: Any = None) -> Layout:
+def of_parameter_list(
+    params: list[Any], grads: list[torch.Tensor], process_group: Any = None, per_tensor: bool = True
+) -> Layout:
     """The layout of ``grads``, the gradients of ``params`` (a list of parameters whose entries the
     caller has checked: ``clip_grad_norm_``), those without a gradient left out."""
-    if params and not dtensor.is_dtensor(params[0]) and not torch.compiler.is_compiling():
+    if params and _marks_possible() and not dtensor.is_dtensor(params[0]) and not torch.compiler.is_compiling():
         refused.check_tensors(params)
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
-            return _fsdp1(model_layout, positions, "grad", process_group)
+            return _fsdp1(model_layout, positions, "grad", process_group, per_tensor)
     return _routed(None, grads, process_group)
 
 
-def of_module(model: torch.nn.Module, process_group: Any = None, source: str = "grad") -> Layout:
+def of_module(
+    model: torch.nn.Module, process_group: Any = None, source: str = "grad", per_tensor: bool = True
+) -> Layout:
     """The layout of a model's gradients (``source="grad"``, parameters without one left out) or of
     its parameters' values (``"data"``): FSDP1 units cut back into their parameters, DTensors reduced
     over their meshes, a DDP model with its replicas' group and hook (see the module notes)."""
@@ -170,11 +189,18 @@ def of_module(model: torch.nn.Module, process_group: Any = None, source: str = "
     refused.check_module(model)
     cached = fsdp1.kept(model)
     if cached is not None:
-        return _fsdp1(cached, None, source, process_group)
+        return _fsdp1(cached, None, source, process_group, per_tensor)
     walked = walk.walk(model)
     if fsdp1.holds_fsdp1(walked.module_types):
-        return _fsdp1(fsdp1.of_model(model), None, source, process_group)
-    refused.check_tensors(walked.parameters)
+        return _fsdp1(fsdp1.of_model(model), None, source, process_group, per_tensor)
+    # The marks engines leave on their parameters (the walk collects the attributes set on them once):
+    # a refused engine's, or FSDP1's on the parameters of a model inside an FSDP1 unit (its root's,
+    # which holds them: a root nanscan has seen reduces them, else they are refused).
+    if walked.parameter_attributes:
+        refused.check_tensors(walked.parameters)
+        if fsdp1.FLATTENED in walked.parameter_attributes:
+            model_layout, positions = fsdp1.of_parameters(walked.parameters)
+            return _fsdp1(model_layout, positions, source, process_group, per_tensor)
     if source == "grad":
         names, tensors, params = single.module_gradients(walked.names, walked.parameters)
     else:

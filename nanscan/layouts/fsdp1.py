@@ -43,6 +43,8 @@ the GradScaler) is reduced too. Flattened parameters whose model nanscan has not
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import sys
 import warnings
 import weakref
@@ -58,9 +60,11 @@ from .reduce import Copies, Group, Plan, ReplicaLines, fingerprint
 
 _FSDP1 = ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel")
 _FLAT_PARAMETER_MODULE = "torch.distributed.fsdp._flat_param"
-_FLATTENED = "_fsdp_flattened"  # FSDP's mark on flat parameters and the original parameters in them
+FLATTENED = "_fsdp_flattened"  # FSDP's mark on flat parameters and the original parameters in them
 _SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
 _is_fsdp1: dict[type, bool] = {}
 
 
@@ -78,12 +82,16 @@ def holds_fsdp1(module_types: Iterable[type]) -> bool:
     return any(map(is_fsdp1_class, module_types))
 
 
+def possible() -> bool:
+    """Whether FSDP1 can have flattened a parameter in this process: only once its module is imported
+    and a process group is up (FSDP1 needs one). Where not, a list costs no look at its entries."""
+    return _FLAT_PARAMETER_MODULE in sys.modules and dist.is_available() and dist.is_initialized()
+
+
 def flattened(tensors: Sequence[object]) -> bool:
     """Whether any of ``tensors`` is a parameter FSDP1 flattened (a flat parameter, or an original
-    parameter in one). Costs nothing where FSDP1 was never imported: none can exist then."""
-    if _FLAT_PARAMETER_MODULE not in sys.modules:
-        return False
-    return any(getattr(t, _FLATTENED, False) for t in tensors)
+    parameter in one): 45 ns a tensor by a C-level map, where ``possible()``, else nothing."""
+    return possible() and any(map(hasattr, tensors, itertools.repeat(FLATTENED)))
 
 
 @dataclass
@@ -99,6 +107,10 @@ class _Unit:
     counted: bool  # whether this rank adds its parts' counts and squares (False on extra copies)
     strategy: str
     copies: tuple[tuple[Any, ...], Any] | None  # (key, lines maker) when its parts have copies
+    # use_orig_params: the original parameters and FSDP's list of which have no gradient (lists it
+    # keeps for the unit's life; parameters hold no reference to their model).
+    params: tuple[torch.nn.Parameter, ...] = ()
+    grad_none_mask: list[bool] | None = None
 
     @property
     def handle(self) -> Any:
@@ -142,7 +154,7 @@ class ModelLayout:
     order_ref: weakref.ReferenceType[Any] | None
     handle_ids: tuple[int, ...]
     model_ref: weakref.ReferenceType[torch.nn.Module]  # to make the layout again (before the first forward)
-    plans: dict[tuple[Any, ...], tuple[Plan, list[int]]] = field(default_factory=dict)
+    selections: dict[tuple[Any, ...], _Selection] = field(default_factory=dict)  # by parts()' key
 
     def current(self) -> bool:
         """Whether FSDP still has the handles this layout was made from."""
@@ -324,6 +336,8 @@ def _make(model: torch.nn.Module, states: list[Any], order: Any, handles: list[A
                 counted,
                 _strategy(handle),
                 copies,
+                tuple(handle.flat_param._params) if handle._use_orig_params else (),
+                handle.flat_param._is_grad_none_mask if handle._use_orig_params else None,
             )
         )
         for i, info in enumerate(handle.flat_param._param_infos):
@@ -336,7 +350,7 @@ def _make(model: torch.nn.Module, states: list[Any], order: Any, handles: list[A
     seen: set[int] = set()
     for m_index, (_, module) in enumerate(modules):
         for k, (key, p) in enumerate(module._parameters.items()):
-            if p is None or id(p) in seen or getattr(p, _FLATTENED, False):
+            if p is None or id(p) in seen or getattr(p, FLATTENED, False):
                 continue
             seen.add(id(p))
             owner = module_name[id(module)]
@@ -409,71 +423,163 @@ def of_model(model: torch.nn.Module) -> ModelLayout:
     return layout
 
 
+@dataclass
+class _Selection:
+    """What one call's parts are, for one set of parameters present (``parts``): made once per
+    (source, positions, which units and parameters have a gradient), so that a call only cuts the
+    shards and lays the pieces out."""
+
+    where: list[tuple[int, int]]  # per part: (unit, index in it), or (-1, index of an unmanaged one)
+    names: list[str]
+    numels: list[int]
+    plan: Plan
+    flat_scaled: list[int]  # units whose flat shard a clip scales whole
+    one_by_one: list[int]  # parts a clip scales themselves
+    # The plan of what a clip scales (flat_scaled's shards, then one_by_one's parts): a total norm
+    # needs no per-parameter part, and cutting the shards is most of a call's host time.
+    whole_plan: Plan
+
+
+def _locals(layout: ModelLayout, source: str) -> list[torch.Tensor | None]:
+    """This rank's flat tensor of each unit: its gradient shard (None where the unit has none) or its
+    parameter shard."""
+    if source == "grad":
+        return [u.flat_param.grad for u in layout.units]
+    return [u.flat_param.detach() for u in layout.units]
+
+
+def _wanted(layout: ModelLayout, source: str) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    """What decides which original parameters of ``use_orig_params`` units have a gradient, by FSDP's
+    rule (module notes: each one's ``requires_grad`` and FSDP's ``_is_grad_none_mask``), read by
+    C-level maps; part of the selection's key."""
+    if source != "grad":
+        return ()
+    return tuple(
+        (tuple(map(_REQUIRES_GRAD, unit.params)), tuple(unit.grad_none_mask or ()))
+        for unit in layout.units
+        if unit.use_orig_params
+    )
+
+
+def _selected(
+    layout: ModelLayout, source: str, positions: Sequence[int] | None
+) -> tuple[_Selection, list[torch.Tensor | None]]:
+    """This call's selection (made once per key), and the units' flat tensors it was keyed by."""
+    locals_ = _locals(layout, source)
+    wanted = _wanted(layout, source)
+    key = (source, None if positions is None else tuple(positions), tuple(t is None for t in locals_), wanted)
+    selection = layout.selections.get(key)
+    if selection is None:
+        selection = _select(layout, source, positions, locals_, wanted)
+        layout.selections[key] = selection
+    return selection, locals_
+
+
 def parts(layout: ModelLayout, source: str = "grad", positions: Sequence[int] | None = None) -> Parts:
     """This call's parts of the model's parameters (``positions``: of some of its entries, in that
     order), their names, what a clip scales, and the reduction plan."""
-    units = layout.units
-    locals_: list[torch.Tensor | None] = [u.local(source) for u in units]
+    selection, locals_ = _selected(layout, source, positions)
+    # Cut each unit's shard into its parameters' parts (a parameter with no element here: an empty one).
     cut: list[list[torch.Tensor] | None] = []
-    present_by_unit: list[list[bool] | None] = []
-    for unit, flat in zip(units, locals_, strict=True):
-        if flat is None:
+    for unit, local in zip(layout.units, locals_, strict=True):
+        if local is None:
             cut.append(None)
-            present_by_unit.append(None)
             continue
-        pieces = list(flat.split(unit.sizes)) if len(unit.sizes) > 1 else [flat]
-        mine = [pieces[p] for p in unit.pieces]
-        if unit.use_orig_params and source == "grad":
-            mask = unit.flat_param._is_grad_none_mask
-            params = unit.flat_param._params
-            wanted = [p.requires_grad and not none for p, none in zip(params, mask, strict=True)]
-            grads = [p.grad for p in params]
-            mine = [g if g is not None else empty for g, empty in zip(grads, mine, strict=True)]
-            present_by_unit.append(wanted)
-        else:
-            present_by_unit.append([True] * len(mine))
+        pieces = local.split_with_sizes(unit.sizes) if len(unit.sizes) > 1 else [local]
+        mine = [pieces[i] for i in unit.pieces]
+        if unit.use_orig_params and source == "grad":  # the views FSDP hands out: what the optimizer uses
+            mine = [g if g is not None else piece for g, piece in zip(map(_GRAD, unit.params), mine, strict=True)]
         cut.append(mine)
+    unmanaged = layout.unmanaged
+    tensors = [_unmanaged_tensor(unmanaged(i), source) if u < 0 else cut[u][i] for u, i in selection.where]  # type: ignore[index]
+    scaled = [locals_[u] for u in selection.flat_scaled] + [tensors[i] for i in selection.one_by_one]
+    return Parts(selection.names, tensors, scaled, selection.plan, selection.numels)
+
+
+def whole_parts(layout: ModelLayout, source: str = "grad", positions: Sequence[int] | None = None) -> Parts:
+    """What ``parts`` gives, for a total norm only: the units' flat shards whole (their padding is
+    zeros) and, where FSDP hands those out, each original parameter's gradient, in the plan of whole
+    units; no names. Cutting the shards into parts is most of a check's host time (a view costs 1.3
+    us), so a clip does without it."""
+    selection, locals_ = _selected(layout, source, positions)
+    tensors: list[torch.Tensor] = [locals_[u] for u in selection.flat_scaled]  # type: ignore[misc]
+    where = [selection.where[i] for i in selection.one_by_one]
+    # The original parameters' gradients, read unit by unit; none on this rank: a zero-size tensor.
+    grads = {u: list(map(_GRAD, layout.units[u].params)) for u in {u for u, _ in where if u >= 0}}
+    for u, i in where:
+        if u < 0:
+            tensors.append(_unmanaged_tensor(layout.unmanaged(i), source))
+            continue
+        grad = grads[u][i]
+        tensors.append(grad if grad is not None else _empty(locals_[u]))  # type: ignore[arg-type]
+    return Parts([], tensors, tensors, selection.whole_plan, [])
+
+
+_empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """A zero-size tensor of ``like``'s dtype and device, made once (a slice costs 3 us a call): the
+    part of a parameter that has no element on this rank, wherever it is needed."""
+    key = (like.dtype, like.device)
+    empty = _empties.get(key)
+    if empty is None:
+        empty = _empties[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+    return empty
+
+
+def _unmanaged_tensor(p: torch.nn.Parameter, source: str) -> torch.Tensor:
+    t = p.grad if source == "grad" else p.detach()
+    assert t is not None, "a selection keeps the unmanaged parameters that have a gradient"
+    return t
+
+
+def _select(
+    layout: ModelLayout,
+    source: str,
+    positions: Sequence[int] | None,
+    locals_: list[torch.Tensor | None],
+    wanted: tuple[tuple[tuple[bool, ...], ...], ...],
+) -> _Selection:
+    """The selection of the entries present in this call (see parts)."""
+    units = layout.units
+    orig_units = [u for u, unit in enumerate(units) if unit.use_orig_params]
+    wanted_by_unit = {
+        u: [requires and not none for requires, none in zip(*rule, strict=True)]
+        for u, rule in zip(orig_units, wanted, strict=False)
+    }
     entries = layout.entries if positions is None else [layout.entries[p] for p in positions]
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    kept: list[int] = []
-    for k, entry in enumerate(entries):
+    kept: list[_Entry] = []
+    for entry in entries:
         if entry.unit is None:
-            p = layout.unmanaged(entry.index)
-            t = p.grad if source == "grad" else p.detach()
-            if t is None:
+            if source == "grad" and layout.unmanaged(entry.index).grad is None:
                 continue
         else:
-            mine_or_none = cut[entry.unit]
-            wanted_or_none = present_by_unit[entry.unit]
-            if mine_or_none is None or wanted_or_none is None or not wanted_or_none[entry.index]:
+            flags = wanted_by_unit.get(entry.unit)
+            if locals_[entry.unit] is None or (flags is not None and not flags[entry.index]):
                 continue
-            t = mine_or_none[entry.index]
-        names.append(entry.name)
-        tensors.append(t)
-        kept.append(k)
-    # What a clip scales: a flat gradient shard whole (use_orig_params=False: what the optimizer steps
-    # on), else each kept parameter's gradient (the original parameters', an unmanaged one's).
-    scaled: list[torch.Tensor] = []
-    if source == "grad":
-        kept_units = sorted({u for u in (entries[k].unit for k in kept) if u is not None})
-        scaled = [flat for u in kept_units if not units[u].use_orig_params and (flat := locals_[u]) is not None]
-        scaled += [tensors[i] for i, k in enumerate(kept) if _scaled_one_by_one(entries[k], units)]
-    key = (source, None if positions is None else tuple(positions), tuple(kept))
-    cached = layout.plans.get(key)
-    if cached is None:
-        cached = (_plan(layout, [entries[k] for k in kept]), kept)
-        layout.plans[key] = cached
+        kept.append(entry)
+    where = [(e.unit if e.unit is not None else -1, e.index) for e in kept]
     numels = [
         layout.unmanaged(e.index).numel() if e.unit is None else int(units[e.unit].flat_param._numels[e.index])
-        for e in (entries[k] for k in kept)
+        for e in kept
     ]
-    return Parts(names, tensors, scaled, cached[0], numels)
-
-
-def _scaled_one_by_one(entry: _Entry, units: list[_Unit]) -> bool:
-    """Whether a clip scales the entry's gradient itself, rather than its unit's flat shard whole."""
-    return entry.unit is None or units[entry.unit].use_orig_params
+    # What stands for each kept parameter in a clip (and in a total norm): its unit's shard whole, but
+    # where FSDP hands out the original parameters' gradients (use_orig_params), which are what the
+    # optimizer steps on; a parameter no unit manages, itself.
+    one_by_one = [
+        i for i, e in enumerate(kept) if e.unit is None or (units[e.unit].use_orig_params and source == "grad")
+    ]
+    by_itself = set(one_by_one)
+    flat_scaled = sorted({e.unit for i, e in enumerate(kept) if e.unit is not None and i not in by_itself})
+    # A unit's shard stands for its parameters in the plan of whole units: the first entry of each.
+    first_of_unit: dict[int, _Entry] = {}
+    for e in kept:
+        if e.unit in flat_scaled:
+            first_of_unit.setdefault(e.unit, e)
+    whole = [first_of_unit[u] for u in flat_scaled] + [kept[i] for i in one_by_one]
+    plan = _plan(layout, kept)
+    return _Selection(where, [e.name for e in kept], numels, plan, flat_scaled, one_by_one, _plan(layout, whole))
 
 
 def _plan(layout: ModelLayout, entries: list[_Entry]) -> Plan:
@@ -524,7 +630,7 @@ def of_parameters(params: Sequence[Any]) -> tuple[ModelLayout, list[int]]:
     for i, p in enumerate(params):
         known = _known(p)
         if known is None:
-            if getattr(p, _FLATTENED, False):
+            if getattr(p, FLATTENED, False):
                 refuse_unknown(i)
             raise ValueError(
                 f"nanscan: entry {i} of the parameters belongs to no FSDP1 model nanscan knows, beside FSDP1 "
