@@ -452,7 +452,7 @@ class Advisor:
                 "nanscan.amp.Advisor: the set of parameters with gradients changed between observe() calls"
             )
         with torch.no_grad():
-            r = layouts.scan(layout, fp16_range=True)
+            r = layouts.scan(layout, fp16_range=True, sparse=True)
             step = _Evidence.of(r)
             self._evidence = step if self._evidence is None else self._evidence.plus(step)
         self.steps += 1

@@ -89,7 +89,7 @@ def check(
     assert names is not None
     grads = layout.tensors
     with torch.no_grad():
-        stats = layouts.scan(layout, checksum=verify_replicas)
+        stats = layouts.scan(layout, checksum=verify_replicas, sparse=True)
         replicas = None
         if verify_replicas:
             assert stats.checksum is not None

@@ -192,7 +192,19 @@ def _total_norm(
         return layouts.global_norm(total, norm_type)
     else:
         with torch.no_grad():
-            total = total_norm_of(layout, layouts.scan(layout), norm_type)
+            try:
+                stats = layouts.scan(layout)
+            except TypeError as refusal:
+                # Sparse COO gradients (nn.Embedding(sparse=True)): torch's own code where the torch
+                # running takes them (2.14 does; 2.13's norm does not, and then nanscan's error,
+                # which names the entry, stands).
+                if not any(isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in tensors):
+                    raise
+                try:
+                    return torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+                except NotImplementedError:
+                    raise refusal from None
+            total = total_norm_of(layout, stats, norm_type)
     if error_if_nonfinite:
         raise_if_nonfinite(total, norm_type)
     return total
@@ -215,8 +227,10 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     except RuntimeError:
         if dtensor.has_dtensor(grads):  # each rank scales its local shards
             return clip_grads_with_norm_(dtensor.to_local(grads), max_norm, total_norm)
-        if not {g.dtype for g in grads} <= SUPPORTED_DTYPES:
-            for g in grads:  # torch's own multiply, as in its clip_grads_with_norm_
+        if any(g.layout != torch.strided or g.dtype not in SUPPORTED_DTYPES for g in grads):
+            # Sparse, complex: torch's norm was used for them, and torch's own multiply scales them,
+            # as in its clip_grads_with_norm_.
+            for g in grads:
                 g.mul_(clip_coef.to(g.device))
             return clip_coef
         groups = group_by_device(grads)

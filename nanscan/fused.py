@@ -246,10 +246,17 @@ def empty_result(fp16_range: bool, device: torch.device | None = None, *, checks
 
 
 def scan_local(
-    tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool, checksum: bool = False
+    tensors: list[torch.Tensor],
+    names: Sequence[str] | None,
+    fp16_range: bool,
+    checksum: bool = False,
+    sparse: bool = False,
 ) -> ScanResult:
     """``scan`` of plain tensors in this process: one fused pass per device, nothing reduced.
-    ``checksum`` adds each tensor's replica checksum (ScanResult.checksum) to the same pass."""
+    ``checksum`` adds each tensor's replica checksum (ScanResult.checksum) to the same pass.
+    ``sparse``: sparse COO tensors (``nn.Embedding(sparse=True)``'s gradients) are scanned exactly,
+    as their dense values would be (``scan_sparse``); else refused like any non-dense tensor (the
+    drop-ins leave them to torch's own code)."""
     if not tensors:
         return empty_result(fp16_range, checksum=checksum)
     if torch.compiler.is_compiling():
@@ -260,6 +267,12 @@ def scan_local(
     try:
         outputs = scan_op(tensors, fp16_range, checksum)
     except (RuntimeError, TypeError):
+        if (
+            sparse
+            and not checksum
+            and any(t.layout == torch.sparse_coo for t in tensors if isinstance(t, torch.Tensor))
+        ):
+            return scan_sparse(tensors, names, fp16_range)
         validate(tensors, names)
         groups = group_by_device(tensors)
         if len(groups) > 1:
@@ -268,6 +281,25 @@ def scan_local(
     if outputs[0].is_meta:
         validate(tensors, names)
     return ScanResult.from_op(*outputs)
+
+
+def scan_sparse(tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_range: bool) -> ScanResult:
+    """The statistics of a list with sparse COO tensors, exactly those of their dense values: a COO
+    tensor is scanned by its coalesced values (duplicates summed, as ``to_dense()`` sums them, so a
+    NaN or an opposite pair of Infs makes the element NaN as it would there), which are its only
+    elements that are not zero: its counts and norm are theirs; its min and max take in 0 where some
+    elements are not stored. No dense copy is made."""
+    values = [t.coalesce().values() if t.layout == torch.sparse_coo else t for t in tensors]
+    result = scan_local(values, names, fp16_range)
+    implicit = [t.layout == torch.sparse_coo and v.numel() < t.numel() for t, v in zip(tensors, values, strict=True)]
+    if not any(implicit):
+        return result
+    zeros = torch.tensor(implicit, dtype=torch.bool, device=result.min.device)  # host data: no sync
+    return dataclasses.replace(
+        result,
+        min=torch.where(zeros, result.min.clamp(max=0.0), result.min),
+        max=torch.where(zeros, result.max.clamp(min=0.0), result.max),
+    )
 
 
 def _gather_devices(

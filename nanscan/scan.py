@@ -60,4 +60,4 @@ def scan(
             "that hold different ones (pipeline stages). Scan without process_group to compare replicas"
         )
     layout = layouts.of_tensors(tensors, names, process_group)
-    return layouts.scan(layout, names, fp16_range, checksum)
+    return layouts.scan(layout, names, fp16_range, checksum, sparse=True)

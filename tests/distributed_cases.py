@@ -169,6 +169,30 @@ def fsdp_nan_in_one_rank_shard_is_named_everywhere(world: int) -> None:
 
 
 @case
+def fsdp_grad_scaler_overflow_on_one_rank_skips_on_every_rank(world: int) -> None:
+    """nanscan's GradScaler with FSDP2's DTensor gradients: an Inf in one rank's shard only, and every
+    rank skips and lowers the scale together, its report naming the rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([16, 24, 6]), mesh)
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    torch.manual_seed(1)
+    scaler.scale(model(torch.randn(8, 16)).square().mean()).backward()
+    bad = world - 1
+    if dist.get_rank() == bad:
+        model[0].weight.grad.to_local()[0, 0] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    after = [p.detach().full_tensor().clone() for p in model.parameters()]
+    skipped, scale = scaler.skipped, scaler.get_scale()
+    ranks = scaler.last_report.nonfinite_ranks if scaler.last_report is not None else None
+    assert skipped and scale == 2.0**7, (skipped, scale)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "a skipped step changed weights"
+    assert ranks == {"group0.param0": [bad]}, ranks
+
+
+@case
 def nan_on_several_ranks(world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     model = fsdp(mlp([16, 24, 6]), mesh)

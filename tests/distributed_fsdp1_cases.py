@@ -446,6 +446,17 @@ def fsdp1_recorder_advisor_and_replicas(world: int) -> None:
         FSDP.fsdp_modules(shared)[1]._handle.flat_param.grad[3] += 1.0
     drifted = nanscan.verify_replicas(shared, gradients=True)
     divergent = drifted.divergent
+    hybrid = wrap(net(), ShardingStrategy.HYBRID_SHARD, True, world)
+    backward(hybrid)
+    copies = 2 if world >= 4 else 1  # two replicas of the sharded model on 4 ranks, one on 2
+    if dist.get_rank() == bad:
+        FSDP.fsdp_modules(hybrid)[1]._handle.flat_param.grad[0] += 1.0
+    with counted_all_reduces() as calls:
+        hybrid_divergent = nanscan.verify_replicas(hybrid, gradients=True).divergent
+    sharded = wrap(net(), ShardingStrategy.FULL_SHARD, False, world)
+    backward(sharded)
+    with counted_all_reduces() as sharded_calls:
+        sharded_check = nanscan.verify_replicas(sharded, gradients=True)
     names = [r.nonfinite_ranks for r in sink_records]
     assert [r.finite for r in sink_records] == [True, False, True], [r.finite for r in sink_records]
     assert names[1] == reports[1].nonfinite_ranks and list(names[1].values()) == [[bad]], names
@@ -456,6 +467,13 @@ def fsdp1_recorder_advisor_and_replicas(world: int) -> None:
     assert clean_ok, "NO_SHARD's copies agree after the all-reduce"
     want = [0, 1] if world == 2 else [bad]  # two copies: no majority, both named
     assert divergent == {"0.weight": want}, divergent
+    # HSDP on 4 ranks: rank 3's shard has its copy on rank 1 (the same position of the other replica).
+    if copies == 2:
+        assert hybrid_divergent == {"0.weight": [bad - world // 2, bad]}, hybrid_divergent
+    else:
+        assert hybrid_divergent == {}, hybrid_divergent  # one replica: no copies to differ
+    assert calls[0] == 2, f"{calls[0]} all-reduces for the hybrid replica check"
+    assert sharded_check.consistent and sharded_calls[0] == 0, "FULL_SHARD's parts have no copies to compare"
 
 
 @case

@@ -98,9 +98,16 @@ def planted_class(module: str, name: str, base: type = torch.nn.Module) -> type:
 ENGINES = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "engine.get_global_grad_norm()"),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine", "engine.get_global_grad_norm()"),
+    ("deepspeed.runtime.pipe.dualpipev", "DualPipeVEngine", "engine.get_global_grad_norm()"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel", "get_grad_norm"),
+    ("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallelV2", "get_grad_norm"),
+    ("megatron.model.distributed", "DistributedDataParallel", "get_grad_norm"),  # before Oct 2023
     ("megatron.core.transformer.module", "Float16Module", "get_grad_norm"),
     ("fairscale.nn.data_parallel.fully_sharded_data_parallel", "FullyShardedDataParallel", "clip_grad_norm_"),
+    ("fairscale.nn.data_parallel.sharded_ddp", "ShardedDataParallel", "OSS.clip_grad_norm"),
+    ("colossalai.interface.model", "ModelWrapper", "get_grad_norm"),
+    ("colossalai.zero.gemini.gemini_ddp", "GeminiDDP", "get_grad_norm"),
+    ("torchrec.distributed.model_parallel", "DistributedModelParallel", "dense part"),
 ]
 
 
@@ -139,8 +146,11 @@ def test_engines_that_shard_gradients_are_refused_before_anything_is_read(module
 
 MARKS = [
     ("deepspeed", "ds_id", 7, "partitioned by DeepSpeed ZeRO stage 3"),
+    ("deepspeed", "_hp_mapping", None, "DeepSpeed's ZeRO-1/2 or bf16 optimizer"),  # None on ranks without a fragment
     ("megatron", "main_grad", torch.zeros(4), r"\.main_grad"),
     ("transformer_engine", "main_grad", torch.zeros(4), r"\.main_grad"),
+    ("fairscale", "_is_sharded", True, "fairscale flat parameter"),
+    ("colossalai", "_gemini_reduced", False, "ColossalAI Gemini parameter"),
 ]
 
 
@@ -153,6 +163,8 @@ def test_parameters_an_engine_marked_are_refused(
     m = with_gradients(model())
     params = list(m.parameters())
     setattr(params[3], attribute, value)
+    for loaded in ("deepspeed", "megatron", "transformer_engine", "fairscale", "colossalai"):
+        monkeypatch.delitem(sys.modules, loaded, raising=False)  # (accelerate imports an installed deepspeed)
     assert nanscan.check(m).names == WANT  # the package is not loaded: no engine could have marked it
     monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
     calls = {

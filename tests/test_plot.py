@@ -418,13 +418,19 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["plot", str(tmp_path / "absent.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert main(["nope"]) == 2
+    assert main([]) == 2
+    assert "python -m nanscan plot RUN.jsonl" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_run_without_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # the plot asks for matplotlib before it reads the run
+    from nanscan.__main__ import main
+
     layout_only = tmp_path / "layout_only.jsonl"
     layout_only.write_text('{"kind": "layout", "schema": 1, "names": ["w"]}\n')
     assert main(["plot", str(layout_only)]) == 1
     assert "has no step records to plot" in capsys.readouterr().err
-    assert main(["nope"]) == 2
-    assert main([]) == 2
-    assert "python -m nanscan plot RUN.jsonl" in capsys.readouterr().out
 
 
 def test_missing_matplotlib_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

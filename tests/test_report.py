@@ -188,8 +188,9 @@ def test_bad_inputs_are_named() -> None:
         nanscan.check([p], norm_type="fro")
     q = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
     q.grad = torch.ones(2, dtype=torch.float64).to_sparse()
+    assert nanscan.check([("dense", p), ("sparse", q)]).names == ["dense", "sparse"]  # read exactly
     with pytest.raises(TypeError, match=r"'sparse' \(entry 1\) is a torch.sparse_coo tensor"):
-        nanscan.check([("dense", p), ("sparse", q)])
+        nanscan.check([("dense", p), ("sparse", q)], verify_replicas=True)  # no exact checksum of sparse
 
 
 def test_nonfinite_ranks_of_a_single_process() -> None:

@@ -174,3 +174,41 @@ def test_reference_helper_can_fail() -> None:
     with pytest.raises(AssertionError):
         assert_matches_reference(wrong, [t])
     assert reference_stats(t)["norm"] == math.sqrt(5)
+
+
+def test_sparse_coo_is_scanned_exactly_as_its_dense_values() -> None:
+    """A sparse COO tensor (nn.Embedding(sparse=True)'s gradient) gives the statistics of its dense
+    values, no dense copy made: duplicates summed (a NaN, or +Inf and -Inf at one element, make it
+    NaN as to_dense() does), min and max taking in the elements not stored (0), a tensor with every
+    element stored not, hybrid tensors (dense trailing dims), fp16-range counts."""
+    inf, nan = math.inf, math.nan
+    cases = {
+        "duplicates": torch.sparse_coo_tensor([[0, 2, 2, 5]], [1.5, 2.0, 3.0, -0.5], (7,)),
+        "positive values and unstored zeros": torch.sparse_coo_tensor([[1, 3]], [2.0, 4.0], (6,)),
+        "a NaN and opposite Infs": torch.sparse_coo_tensor([[0, 1, 1, 4]], [nan, inf, -inf, 7.0], (5,)),
+        "every element stored": torch.sparse_coo_tensor([[0, 1, 2]], [3.0, -1.0, 2.0], (3,)),
+        "hybrid": torch.sparse_coo_tensor([[0, 3]], [[1.0, -2.0], [70000.0, 1e-9]], (4, 2)),
+        "empty": torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), torch.zeros(0), (4,)),
+        "bf16, 2-d": torch.randn(5, 6).masked_fill(torch.rand(5, 6) < 0.7, 0).to(torch.bfloat16).to_sparse(),
+    }
+    dense = torch.randn(4)
+    for what, t in cases.items():
+        for fp16_range in (False, True):
+            got = nanscan.scan([dense, t], fp16_range=fp16_range)
+            want = nanscan.scan([dense, t.to_dense()], fp16_range=fp16_range)
+            for field in ("nan_count", "inf_count", "min", "max", "fp16_overflow", "fp16_underflow"):
+                a, b = getattr(got, field), getattr(want, field)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: {field} {a} != {b}"
+            torch.testing.assert_close(got.norm, want.norm, rtol=1e-12, atol=0, equal_nan=True, msg=what)
+            assert bool(got.finite) == bool(want.finite), what
+            torch.testing.assert_close(got.total_norm, want.total_norm, rtol=1e-12, atol=0, equal_nan=True)
+    report = nanscan.check([torch.nn.Parameter(torch.zeros(7))], max_norm=1.0)  # no gradient: nothing
+    assert report.names == []
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    embedding(torch.tensor([1, 2, 2])).sum().backward()
+    before = embedding.weight.grad.to_dense().clone()
+    report = nanscan.check(embedding, max_norm=0.5)
+    assert report.names == ["weight"] and report.total_norm == pytest.approx(before.norm().item(), rel=1e-6)
+    torch.testing.assert_close(embedding.weight.grad.to_dense(), before * report.clip_coef)
+    with pytest.raises(TypeError, match="sparse_coo"):  # a checksum is of dense bits: no exact sparse one
+        nanscan.scan([cases["duplicates"]], checksum=True)

@@ -222,15 +222,20 @@ def local_parts(layout: Layout) -> list[torch.Tensor]:
 
 
 def scan(
-    layout: Layout, names: Sequence[str] | None = None, fp16_range: bool = False, checksum: bool = False
+    layout: Layout,
+    names: Sequence[str] | None = None,
+    fp16_range: bool = False,
+    checksum: bool = False,
+    sparse: bool = False,
 ) -> ScanResult:
     """The statistics of the layout's tensors: one fused pass per device over this rank's parts, then
     the layout's reduction (none in a single process). ``names`` name entries in error messages
-    (default: the layout's)."""
+    (default: the layout's). ``sparse``: sparse COO tensors scanned exactly (fused.scan_sparse), not
+    refused (the drop-ins leave them to torch's own code)."""
     names = layout.names if names is None else names
     if not layout.distributed:
         try:
-            local = scan_local(layout.parts, names, fp16_range, checksum)
+            local = scan_local(layout.parts, names, fp16_range, checksum, sparse)
         except (RuntimeError, TypeError):
             # A DTensor has no kernel of its own (its dispatch refuses the op): a list that holds one
             # past its first entry is scanned by its shards.

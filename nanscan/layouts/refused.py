@@ -35,21 +35,46 @@ class _Engine:
 _ENGINES = (
     _Engine(
         "deepspeed",
-        ("DeepSpeedEngine", "PipelineEngine", "DeepSpeedHybridEngine"),
-        "a DeepSpeed engine, whose ZeRO stages partition the gradients over the ranks",
-        "use the engine's own norm (engine.get_global_grad_norm(), gradient_clipping in its config)",
+        ("DeepSpeedEngine", "PipelineEngine", "DeepSpeedHybridEngine", "DualPipeVEngine"),
+        "a DeepSpeed engine whose ZeRO stage (1-3) partitions the gradients over the ranks, or whose pipeline "
+        "gives each rank its own stage (after engine.backward() a parameter's .grad is None, or this rank's "
+        "unreduced one)",
+        "use the engine's own norm (engine.get_global_grad_norm() after engine.step(); gradient_clipping in "
+        "its config; deepspeed.utils.safe_get_full_grad(p) for one parameter)",
     ),
     _Engine(
         "megatron",
-        ("DistributedDataParallel", "Float16Module"),
-        "a Megatron model, whose gradients live in .main_grad buffers (sharded by its distributed optimizer)",
-        "use Megatron's own norm (optimizer.get_grad_norm(), clip_grad in its config)",
+        (
+            "DistributedDataParallel",
+            "_BaseDataParallel",
+            "FullyShardedDataParallelV1",
+            "FullyShardedDataParallelV2",
+            "TorchFullyShardedDataParallel",
+            "Float16Module",
+        ),
+        "a Megatron model, whose gradients live in .main_grad buffers (.grad is None), reduce-scattered to a "
+        "slice per rank by its distributed optimizer",
+        "use Megatron's own norm (optimizer.get_grad_norm(), or the grad_norm optimizer.step() returns; "
+        "DistributedDataParallelConfig(check_for_nan_in_grad=True) for NaNs)",
     ),
     _Engine(
         "fairscale",
         ("FullyShardedDataParallel", "ShardedDataParallel"),
-        "a fairscale sharded model, whose flat parameters nanscan cannot cut back into your parameters",
-        "use its own model.clip_grad_norm_(), or torch's FSDP, which nanscan reduces",
+        "a fairscale sharded model, whose gradients are flat shards (FSDP) or reduced to one owner rank "
+        "(ShardedDataParallel)",
+        "use its own clip (model.clip_grad_norm_(), OSS.clip_grad_norm()), or torch's FSDP, which nanscan reduces",
+    ),
+    _Engine(
+        "colossalai",
+        ("ModelWrapper", "GeminiDDP"),
+        "a ColossalAI model (ZeRO, Gemini, hybrid parallel), whose gradients live in its optimizer's stores",
+        "use its optimizer's own norm (optimizer.get_grad_norm())",
+    ),
+    _Engine(
+        "torchrec",
+        ("DistributedModelParallel", "DMPCollection", "ShardedModule"),
+        "a TorchRec model, whose embedding tables are sharded over the ranks (and fused with their optimizer)",
+        "check its dense part alone (a module of it that holds no sharded table), or use TorchRec's own tools",
     ),
 )
 
@@ -58,10 +83,17 @@ _ENGINES = (
 _MARKS = (
     ("ds_id", ("deepspeed",), "a parameter partitioned by DeepSpeed ZeRO stage 3 (its .data is a placeholder)"),
     (
+        "_hp_mapping",
+        ("deepspeed",),
+        "a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer (its .grad is None, or this rank's unreduced one)",
+    ),
+    (
         "main_grad",
         ("megatron", "transformer_engine"),
         "a parameter whose gradient lives in .main_grad (Megatron, TransformerEngine)",
     ),
+    ("_is_sharded", ("fairscale",), "a fairscale flat parameter, sharded over the ranks"),
+    ("_gemini_reduced", ("colossalai",), "a ColossalAI Gemini parameter, whose gradient lives in its chunks"),
 )
 
 _refused_class: dict[type, tuple[_Engine, type] | None] = {}
@@ -87,11 +119,25 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _deepspeed_without_sharding(model: object, cls: type) -> bool:
+    """Whether a DeepSpeed engine keeps DDP's layout: ZeRO stage 0 and no pipeline, so that every rank
+    holds its gradients whole and all-reduced, in ``.grad`` (nanscan then reads its ``.module`` as a
+    DDP model's; a bf16 optimizer that keeps them otherwise marks its parameters: ``_MARKS``)."""
+    if cls.__name__ != "DeepSpeedEngine":
+        return False  # a pipeline (each rank its own stage) or another engine
+    try:
+        return bool(model.zero_optimization_stage() == 0)  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
 def check_module(model: object) -> None:
     """Raises for a model whose class is a wrapper nanscan refuses (see the module notes)."""
     found = _engine_of(type(model))
     if found is not None:
         engine, cls = found
+        if engine.package == "deepspeed" and _deepspeed_without_sharding(model, cls):
+            return
         named = _qualified(cls) if cls is type(model) else f"{_qualified(type(model))} (a {_qualified(cls)})"
         raise ValueError(
             f"nanscan: {named} is {engine.what}: this rank holds only its part, so nanscan's statistics would "
@@ -113,9 +159,9 @@ def check_tensors(tensors: Sequence[object]) -> None:
         if not any(map(hasattr, tensors, itertools.repeat(attribute))):
             continue
         for i, t in enumerate(tensors):
-            if getattr(t, attribute, None) is not None:
+            if hasattr(t, attribute):  # set at all: DeepSpeed's _hp_mapping is None on ranks without a fragment
                 raise ValueError(
-                    f"nanscan: entry {i} is {what}: its .grad does not hold this rank's gradient, or holds only "
-                    f"a shard of it, so nanscan would report one rank's part, or nothing. Use the engine's own "
-                    f"norm. {_ADVICE_PROCESS_GROUP}"
+                    f"nanscan: entry {i} is {what}: what this rank holds is not the model's gradient, so "
+                    f"nanscan would report one rank's part, or nothing. Use the engine's own norm. "
+                    f"{_ADVICE_PROCESS_GROUP}"
                 )
