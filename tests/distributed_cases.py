@@ -128,14 +128,16 @@ def fsdp_mixed_dtypes(world: int) -> None:
     def make() -> torch.nn.Module:
         model = mlp([16, 24, 8])
         model[2].to(torch.bfloat16)  # a bf16 layer among fp32 ones
-        model.insert(2, _Cast(torch.bfloat16))
-        model.append(_Cast(torch.float32))
+        model.insert(2, Cast(torch.bfloat16))
+        model.append(Cast(torch.float32))
         return fsdp(model, mesh)
 
     compare_with_torch(make, 16, 0.05, "fsdp, mixed dtypes", rtol=1e-3)
 
 
-class _Cast(torch.nn.Module):
+class Cast(torch.nn.Module):
+    """A dtype cast as a module: a layer of another dtype among a model's."""
+
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from distributed_cases import assert_close, case, counted_all_reduces
+from distributed_cases import Cast, assert_close, case, counted_all_reduces
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
@@ -335,8 +335,8 @@ def fsdp1_mixed_precision_and_a_bf16_unit(world: int) -> None:
     def bf16_unit() -> torch.nn.Module:
         model = net((16, 24, 8, 5))
         model[2].to(torch.bfloat16)  # the second Linear: a bf16 unit among fp32 ones
-        model.insert(2, _Cast(torch.bfloat16))
-        model.insert(4, _Cast(torch.float32))
+        model.insert(2, Cast(torch.bfloat16))
+        model.insert(4, Cast(torch.float32))
         return wrap(model, ShardingStrategy.FULL_SHARD, True, world)
 
     ours, theirs = bf16_unit(), bf16_unit()
@@ -348,15 +348,6 @@ def fsdp1_mixed_precision_and_a_bf16_unit(world: int) -> None:
     assert report.names == ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"], report.names
     assert dtypes == {torch.float32}, dtypes
     assert_close(report.total_norm, want, "a bf16 unit: total against FSDP's clip", 1e-3)
-
-
-class _Cast(torch.nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype)
 
 
 @case

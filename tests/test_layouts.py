@@ -227,6 +227,8 @@ def test_fsdp1_parameters_are_refused_until_nanscan_knows_their_model(
     assert total.item() == pytest.approx(report.total_norm, rel=1e-6)
     assert nanscan.check(params).names == WANT
     assert nanscan.scan(params).names == tuple(WANT)  # the parameters' values, named
+    weights = nanscan.verify_replicas(wrapped)  # the parameters' values, by their parts
+    assert weights.consistent and list(weights.names) == WANT
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
