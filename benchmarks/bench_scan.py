@@ -3,14 +3,30 @@
     python benchmarks/bench_scan.py                      # full run: every zoo model, fp32 + bf16
     python benchmarks/bench_scan.py --quick              # smoke test (< 1 min on 2 CPU cores)
     python benchmarks/bench_scan.py --models gpt2-small --dtype bfloat16 --json benchmarks/out/x.json
+    python benchmarks/bench_scan.py --models gpt2-small --magnitudes ordinary,1e-17,tiny,all_nan
 
-Method (DESIGN.md section 5). For every case (a list of gradient shapes and a dtype) the gradients
-are filled once with ``torch.randn`` (never zeros) and every method below is timed in the same run on
-those same tensors: warm-up calls, then the median of the timed calls (at least ``--repeats``, more
+Method (DESIGN.md section 5). For every case (a list of gradient shapes, a dtype and a magnitude) the
+gradients are filled once and every method below is timed in the same run on those same tensors: warm-up calls, then the median of the timed calls (at least ``--repeats``, more
 for fast methods until about ``--min-time`` seconds were timed, at most ``--max-repeats``). The timed
 calls are interleaved: in rounds, each method's calls spread evenly over the rounds, so a slow spell
 of the machine (a shared VM's memory bandwidth drifts by tens of percent) hits every method alike
 instead of whichever method happened to run during it.
+
+Magnitudes (``--magnitudes``), the values training makes, not only ``randn``:
+
+* ``ordinary``: ``torch.randn`` (never zeros).
+* ``1e-12``, ``1e-17``, ``tiny`` (1e-20): ``torch.randn`` times that: vanishing gradients, whose fp32
+  squares round in the subnormal range or underflow (from about 1e-16 down).
+* ``vanishing``: real vanishing gradients. For the ``deep_mlp_75x256`` case, the gradients of that
+  MLP after one backward (benchmarks/models.py: 6e-6 in its last layer down to 5e-23 in its first);
+  for any other model, ``torch.randn`` times, per tensor, the root mean square of the MLP's gradient
+  at the same relative depth (the first tensor the MLP's first layer's, the last its last's).
+* ``overflow``: an AMP overflow step: ``torch.randn`` with an Inf at one element in 1,000 (every
+  4,096-element run of the CPU kernel holds some).
+* ``all_nan``: every element NaN.
+
+By default each case is timed at ordinary, tiny, vanishing and overflow (``--quick``: ordinary and
+tiny); a scan at any magnitude should cost about what it costs on ordinary values.
 
 * ``ceiling_sum``: ``torch.sum`` of one flat buffer of the same dtype and element count, i.e. one
   read of the gradient bytes. Every other time is also given as a ratio to it ("x ceiling").
@@ -84,13 +100,27 @@ import torch
 
 import nanscan
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import models  # benchmarks/models.py, beside this file
+
 # The parameter shapes of public models (facts about them, shipped with the benchmarks, so a fresh
 # clone runs every benchmark as it is).
 _REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ZOO = _REPO / "benchmarks" / "zoo.json"
 MANY_SMALL = "many_small_2000x512"
 TEN_THOUSAND = "many_small_10000x1024"
-SYNTHETIC: dict[str, list[list[int]]] = {MANY_SMALL: [[512]] * 2000, TEN_THOUSAND: [[1024]] * 10_000}
+DEEP_MLP = "deep_mlp_75x256"
+SYNTHETIC: dict[str, list[list[int]]] = {
+    MANY_SMALL: [[512]] * 2000,
+    TEN_THOUSAND: [[1024]] * 10_000,
+    DEEP_MLP: models.deep_mlp_shapes(),
+}
+# What --magnitudes takes (see the module docstring): a scale for randn, or a fill of its own.
+SCALED_MAGNITUDES = {"ordinary": 1.0, "1e-12": 1e-12, "1e-17": 1e-17, "tiny": 1e-20}
+MAGNITUDES = (*SCALED_MAGNITUDES, "vanishing", "overflow", "all_nan")
+DEFAULT_MAGNITUDES = ("ordinary", "tiny", "vanishing", "overflow")
+QUICK_MAGNITUDES = ("ordinary", "tiny")
+OVERFLOW_EVERY = 1000  # "overflow": an Inf at one element in this many
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -141,10 +171,36 @@ def fresh_scaler(device: torch.device, kind: type[torch.amp.GradScaler]) -> torc
     return scaler
 
 
-def build_inputs(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> Inputs:
-    """Random normal gradients of ``shapes``, each its own allocation, plus the flat buffer of their values."""
+@functools.cache
+def vanishing_profile() -> tuple[list[torch.Tensor], list[float]]:
+    """The deep MLP's real gradients, and each one's root mean square (in parameter order)."""
+    grads = models.deep_mlp_gradients()
+    return grads, [float(g.double().square().mean().sqrt()) for g in grads]
+
+
+def fill_values(shapes: Sequence[Sequence[int]], magnitude: str) -> torch.Tensor:
+    """The flat float32 values of gradients of ``shapes`` at ``magnitude`` (module docstring), on the CPU."""
     numels = [math.prod(shape) for shape in shapes]
-    flat = torch.randn(sum(numels), dtype=dtype, device=device)
+    if magnitude == "all_nan":
+        return torch.full((sum(numels),), math.nan)
+    if magnitude == "vanishing":
+        grads, rms = vanishing_profile()
+        if [list(s) for s in shapes] == [list(g.shape) for g in grads]:
+            return torch.cat([g.reshape(-1) for g in grads])
+        last = max(1, len(shapes) - 1)
+        depth = [rms[round(i / last * (len(rms) - 1))] for i in range(len(shapes))]
+        return torch.cat([torch.randn(n) * scale for n, scale in zip(numels, depth, strict=True)])
+    values = torch.randn(sum(numels))
+    if magnitude == "overflow":
+        values[torch.randperm(values.numel())[: max(1, values.numel() // OVERFLOW_EVERY)]] = math.inf
+        return values
+    return values * SCALED_MAGNITUDES[magnitude]
+
+
+def build_inputs(shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device, magnitude: str) -> Inputs:
+    """Gradients of ``shapes`` at ``magnitude``, each its own allocation, plus the flat buffer of their values."""
+    numels = [math.prod(shape) for shape in shapes]
+    flat = fill_values(shapes, magnitude).to(device=device, dtype=dtype)
     sources = [chunk.view(shape) for chunk, shape in zip(flat.split(numels), shapes, strict=True)]
     grads = [source.clone() for source in sources]
     params = [torch.nn.Parameter(grad, requires_grad=True) for grad in grads]  # shares the grad's storage
@@ -415,11 +471,12 @@ def gpu_and_host_times(
 
 @dataclass
 class Case:
-    """One model's gradient shapes in one dtype, and what was measured on it."""
+    """One model's gradient shapes in one dtype at one magnitude, and what was measured on it."""
 
     model: str
     dtype: str
     shapes: list[list[int]]
+    magnitude: str = "ordinary"
     copies: int = 1
     skipped: str | None = None
     times: dict[str, list[float]] = field(default_factory=dict)
@@ -432,13 +489,17 @@ class Case:
         return sum(math.prod(shape) for shape in self.shapes)
 
     @property
+    def label(self) -> str:
+        return f"{self.model} {self.dtype} {self.magnitude}"
+
+    @property
     def nbytes(self) -> int:
         return self.numel * DTYPES[self.dtype].itemsize
 
     @property
     def title(self) -> str:
         return (
-            f"{self.model}  {self.dtype}  {len(self.shapes)} tensors, {self.numel / 1e6:.1f}M elements, "
+            f"{self.model}  {self.dtype}  {self.magnitude}  {len(self.shapes)} tensors, {self.numel / 1e6:.1f}M elements, "
             f"{self.nbytes / 1e6:.1f} MB, {self.copies} rotated cop{'y' if self.copies == 1 else 'ies'}"
         )
 
@@ -464,6 +525,7 @@ class Case:
         out: dict[str, Any] = {
             "model": self.model,
             "dtype": self.dtype,
+            "magnitude": self.magnitude,
             "tensors": len(self.shapes),
             "numel": self.numel,
             "bytes": self.nbytes,
@@ -527,18 +589,26 @@ def needed_memory(case: Case) -> int:
 
 
 def check_agreement(inputs: Inputs) -> None:
-    """Refuses to time a scan whose total norm is wrong: a fast wrong answer is no result.
+    """Refuses to time a scan whose answer is wrong: a fast wrong answer is no result.
 
-    The reference is the fp64 norm of the flat buffer, taken in chunks to bound the temporary (torch's
-    own fp32 norm is no reference: on llama-1b's 1.5e9 elements it is about 1% low).
+    The reference is taken from the flat buffer in chunks (bounding the temporaries): NaN and Inf
+    counts, and the fp64 norm of the finite values (torch's own fp32 norm is no reference: on
+    llama-1b's 1.5e9 elements it is about 1% low).
     """
     stats = nanscan.scan(inputs.grads)
-    ours = stats.total_norm.item()
-    chunks = inputs.flat.split(1 << 24)
-    reference = math.sqrt(sum(torch.linalg.vector_norm(c, dtype=torch.float64).item() ** 2 for c in chunks))
-    if not stats.finite.item() or not math.isclose(ours, reference, rel_tol=1e-6):
-        finite = stats.finite.item()
-        raise RuntimeError(f"nanscan.scan: total norm {ours} (finite={finite}), fp64 reference {reference}")
+    nans = infs = 0
+    sumsq = 0.0
+    for chunk in inputs.flat.split(1 << 24):
+        wide = chunk.double()
+        nans += int(torch.isnan(wide).sum())
+        infs += int(torch.isinf(wide).sum())
+        sumsq += torch.linalg.vector_norm(wide.nan_to_num(0.0, 0.0, 0.0), dtype=torch.float64).item() ** 2
+    got_nans, got_infs = int(stats.nan_count.sum()), int(stats.inf_count.sum())
+    finite = stats.finite.item()
+    if (got_nans, got_infs) != (nans, infs) or finite != (nans == infs == 0):
+        raise RuntimeError(f"nanscan.scan: {got_nans} NaN, {got_infs} Inf (finite={finite}); reference {nans}, {infs}")
+    if nans == infs == 0 and not math.isclose(stats.total_norm.item(), math.sqrt(sumsq), rel_tol=1e-6):
+        raise RuntimeError(f"nanscan.scan: total norm {stats.total_norm.item()}, fp64 reference {math.sqrt(sumsq)}")
 
 
 def run_case(case: Case, device: torch.device, args: argparse.Namespace, progress: str) -> None:
@@ -547,11 +617,11 @@ def run_case(case: Case, device: torch.device, args: argparse.Namespace, progres
     need, have = needed_memory(case), available_memory(device)
     if need > MEMORY_FRACTION * have:
         case.skipped = f"needs {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available"
-        log(f"{progress} {case.model} {case.dtype}: skipped ({case.skipped})")
+        log(f"{progress} {case.label}: skipped ({case.skipped})")
         return
     size = f"{case.copies} x {len(case.shapes)} tensors ({case.nbytes / 1e6:.1f} MB)"
-    log(f"{progress} {case.model} {case.dtype}: building {size}")
-    copies = [build_inputs(case.shapes, DTYPES[case.dtype], device) for _ in range(case.copies)]
+    log(f"{progress} {case.label}: building {size}")
+    copies = [build_inputs(case.shapes, DTYPES[case.dtype], device, case.magnitude) for _ in range(case.copies)]
     check_agreement(copies[0])
     sync = synchronizer(device)
     if device.type == "cuda":
@@ -588,7 +658,7 @@ def load_zoo(path: Path) -> dict[str, list[list[int]]]:
 
 
 def select_cases(args: argparse.Namespace, zoo: dict[str, list[list[int]]]) -> list[Case]:
-    """The (model, dtype) cases to run, in zoo order with the synthetic case last."""
+    """The (model, dtype, magnitude) cases to run, in zoo order with the synthetic cases last."""
     shapes = zoo | SYNTHETIC
     if args.models:
         names = [name.strip() for name in args.models.split(",") if name.strip()]
@@ -603,10 +673,15 @@ def select_cases(args: argparse.Namespace, zoo: dict[str, list[list[int]]]) -> l
     for dtype in dtypes or []:
         if dtype not in DTYPES:
             sys.exit(f"bench_scan: unknown dtype {dtype}; known: {', '.join(DTYPES)}")
+    magnitudes = [m.strip() for m in args.magnitudes.split(",")] if args.magnitudes else None
+    for magnitude in magnitudes or []:
+        if magnitude not in MAGNITUDES:
+            sys.exit(f"bench_scan: unknown magnitude {magnitude}; known: {', '.join(MAGNITUDES)}")
     return [
-        Case(name, dtype, shapes[name])
+        Case(name, dtype, shapes[name], magnitude)
         for name in names
         for dtype in dtypes or (SYNTHETIC_DTYPES if name in SYNTHETIC else ZOO_DTYPES)
+        for magnitude in magnitudes or (QUICK_MAGNITUDES if args.quick else DEFAULT_MAGNITUDES)
     ]
 
 
@@ -672,12 +747,12 @@ def summary_table(cases: Sequence[Case]) -> str:
     rows = []
     for case in cases:
         if case.skipped:
-            rows.append([f"{case.model} {case.dtype}", "skipped", "", "", "", "", "", ""])
+            rows.append([case.label, "skipped", "", "", "", "", "", ""])
             continue
         m = functools.partial(median_or_nan, case)
         rows.append(
             [
-                f"{case.model} {case.dtype}",
+                case.label,
                 ratio(m(SCAN) / m(CEILING)),
                 ratio(m("per_param_loop") / m(SCAN)),
                 ratio(m("foreach_norm+stack") / m(SCAN)),
@@ -744,7 +819,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, of {', '.join(DTYPES)} (default: {','.join(ZOO_DTYPES)} for the zoo, "
         f"{','.join(SYNTHETIC_DTYPES)} for {MANY_SMALL}; --quick: float32)",
     )
-    parser.add_argument("--models", help=f"comma-separated zoo names and/or {MANY_SMALL} (default: all)")
+    parser.add_argument("--models", help=f"comma-separated zoo names and/or {', '.join(SYNTHETIC)} (default: all)")
+    parser.add_argument(
+        "--magnitudes",
+        help=f"comma-separated, of {', '.join(MAGNITUDES)} (default: {','.join(DEFAULT_MAGNITUDES)}; "
+        f"--quick: {','.join(QUICK_MAGNITUDES)})",
+    )
     parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO, help=f"parameter shapes (default: {DEFAULT_ZOO})")
     parser.add_argument(
         "--methods", help="comma-separated method names to time (default: all; the ceiling and the scan always)"

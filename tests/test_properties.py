@@ -6,9 +6,10 @@ What the suite checks:
   float8_e5m2 tensors of random shapes (empty and 0-dim included), layouts (contiguous, misaligned
   storage offsets, transposed, stepped slices, padded rows, stride-0 expands) and sizes (small ones,
   and ones straddling the CPU kernel's 32-lane groups, 4096-element fast runs and 256 KiB chunks),
-  with NaN/Inf, subnormals, signed zeros and extreme finite values planted as raw bit patterns
-  (every NaN encoding a format has: quiet and signalling, random payloads, either sign) at the
-  first/last element and at those boundaries. Against a plain-torch float64 reference it must give
+  with values at ordinary, wide, subnormal, vanishing (1e-12 to 1e-20) and huge magnitudes or a third
+  of them NaN/Inf (an overflow step; FILLS), and NaN/Inf, subnormals, signed zeros and extreme finite
+  values planted as raw bit patterns (every NaN encoding a format has: quiet and signalling, random
+  payloads, either sign) at the first/last element and at those boundaries. Against a plain-torch float64 reference it must give
   exact NaN/Inf counts, exact finite min/max, the exact finite flag, norms within 1e-6 relative, and
   the fp16-range counts; it must not write its inputs, and must be bit-identical run to run and for
   1 and 2 threads.
@@ -88,6 +89,12 @@ HUGE = {
 # fp32 above it, fp16's smallest subnormal 2^-24, and values just below it.
 FP16_EDGES = (65504.0, 65504.00390625, 2.0**-24, 2.0**-24 * (1 - 2.0**-24), 2.0**-25)
 
+# How a tensor's values are drawn (fill_values): "vanishing" is what a deep network's gradients look
+# like (1e-12 to 1e-20: fp32 squares round in the subnormal range or underflow, the CPU and CUDA
+# kernels' scaled re-read), "nonfinite" an overflow step (a third of the elements NaN or Inf, the
+# finite ones at every magnitude down to 1e-20: the unscaled checked re-read, then the scaled one).
+FILLS = ["normal", "wide", "tiny", "vanishing", "huge", "zeros", "nonfinite"]
+
 PLANT_KINDS = ["qnan", "snan", "inf", "subnormal", "zero", "max", "huge", "min_normal", "fp16_edge"]
 
 
@@ -119,7 +126,7 @@ class TensorSpec:
     layout: str  # one of LAYOUTS
     offset: int  # storage offset of the first element: a misaligned start when not 0
     step: int  # the stride of "strided", the row padding of "padded"
-    fill: str  # "normal" | "wide" | "tiny" | "huge" | "zeros"
+    fill: str  # one of FILLS
     plants: tuple[Plant, ...]
     seed: int
 
@@ -231,7 +238,7 @@ def tensor_specs(
     layout = draw(st.sampled_from(fitting))
     step = draw(st.integers(2, 3)) if layout in ("strided", "padded") else 1
     offset = draw(st.integers(0, 3))  # base[k:]: the first element not aligned to a vector
-    fill = draw(st.sampled_from(["normal", "wide", "tiny", "huge", "zeros"]))
+    fill = draw(st.sampled_from(FILLS))
     count = draw(st.integers(0, max_plants)) if n else 0
     planted = tuple(draw(plants(plant_kinds)) for _ in range(count))
     return TensorSpec(dtype, shape, layout, offset, step, fill, planted, draw(st.integers(0, 2**31 - 1)))
@@ -326,7 +333,8 @@ def plant_position(plant: Plant, n: int, dtype: torch.dtype) -> int:
 
 
 def fill_values(spec: TensorSpec, count: int) -> torch.Tensor:
-    """``count`` random finite values of ``spec.dtype`` (as float64), from the spec's seed."""
+    """``count`` random values of ``spec.dtype`` (as float64), from the spec's seed: finite unless the
+    fill is "nonfinite"."""
     gen = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(count, dtype=torch.float64, generator=gen)
     finfo = torch.finfo(spec.dtype)
@@ -335,11 +343,18 @@ def fill_values(spec: TensorSpec, count: int) -> torch.Tensor:
         x = x * torch.pow(10.0, (torch.rand(count, dtype=torch.float64, generator=gen) * 2 - 1) * span)
     elif spec.fill == "tiny":  # subnormals and the smallest normals: fp32 squares underflow
         x = x * finfo.tiny * 4
+    elif spec.fill in ("vanishing", "nonfinite"):
+        lowest = 12 if spec.fill == "vanishing" else 0
+        x = x * torch.pow(10.0, -lowest - (20 - lowest) * torch.rand(count, dtype=torch.float64, generator=gen))
     elif spec.fill == "huge":
         x = x * HUGE[spec.dtype][0]
     elif spec.fill == "zeros":
         x = torch.zeros_like(x)
-    return x.clamp(-finfo.max, finfo.max)
+    x = x.clamp(-finfo.max, finfo.max)
+    if spec.fill == "nonfinite":
+        kind = torch.randint(0, 6, (count,), generator=gen)
+        x = torch.where(kind == 0, math.nan, torch.where(kind == 1, math.inf, torch.where(kind == 2, -math.inf, x)))
+    return x
 
 
 def materialize(spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@
 #                                          # gpt2-small and 10,000 x 1K fp32), bench_train_step
 #                                          # (batch 64), bench_list_layout and bench_locate
 #                                          # (decoder and gpt2, bf16 autocast)
+#   tools/gpu_session.sh magnitudes        # build, then bench_scan at tiny, vanishing, overflow-step
+#                                          # and all-NaN values beside ordinary ones (issue 27)
 #   tools/gpu_session.sh scan-variants [NAME=VALUE...]  # bench_scan's scan and checksum rows and an
 #                                          # ncu profile, for the kernels as built and for each -DNAME=VALUE
 #                                          # build (default: NANSCAN_SCAN_MIN_BLOCKS=0 and =4),
@@ -39,7 +41,7 @@
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|magnitudes|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -114,7 +116,7 @@ sanitize() {
 bench() {
   echo "== benchmarks"
   local args=("$@")
-  [ ${#args[@]} -gt 0 ] || args=(--models gpt2-small,many_small_10000x1024 --dtype float32)
+  [ ${#args[@]} -gt 0 ] || args=(--models gpt2-small,many_small_10000x1024 --dtype float32 --magnitudes ordinary)
   "$PY" benchmarks/bench_scan.py --device cuda --max-repeats 20 --min-time 0.2 "${args[@]}" \
       --json "$out/bench_scan_cuda.json" 2>"$out/bench_scan_cuda.err" | tee "$out/bench_scan_cuda.txt" | tail -12
   # Batch 64: the largest of 32, 48, 64 and 96 that fit GPT-2-small's step on an H100's 80 GB.
@@ -126,6 +128,17 @@ bench() {
     "$PY" benchmarks/bench_locate.py --device cuda --model "$model" --autocast --rounds 15 \
         --json "$out/locate_cuda_$model.json" 2>&1 | tee "$out/locate_cuda_$model.txt" | tail -9
   done
+}
+
+# The scan at the magnitudes training makes (issue 27): GPT-2-small's shapes and the deep MLP's real
+# gradients, fp32 and bf16, at ordinary, tiny (1e-20), vanishing and overflow-step values and all
+# NaN, with torch's clip beside nanscan's (~4 minutes on the H100 machine).
+magnitudes() {
+  echo "== magnitudes"
+  "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,deep_mlp_75x256 --dtype float32,bfloat16 \
+      --magnitudes ordinary,1e-17,tiny,vanishing,overflow,all_nan --max-repeats 20 --min-time 0.2 \
+      --methods 'nanscan.scan,nanscan.clip(no-clip),torch.clip(no-clip),nanscan.clip(clip),torch.clip(clip)' \
+      --json "$out/magnitudes_cuda.json" 2>"$out/magnitudes_cuda.err" | tee "$out/magnitudes_cuda.txt" | tail -30
 }
 
 # Nsight Compute's command line: on PATH, in the toolkit, or where its installer puts it (empty if none).
@@ -201,6 +214,7 @@ case "$stage" in
   test) build; tests ;;
   sanitize) build; sanitize "$@" ;;
   bench) build; bench "$@" ;;
+  magnitudes) build; magnitudes ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -9,7 +9,8 @@ Paths covered: lists in the small and the large parameter capacity and in device
 then found in the cache), empty tensors, every dtype including fp8, tensors starting at every offset
 within a 16-byte vector (the kernels' head path), the replica checksum, a tensor of over 1024
 chunks (met by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf
-planted, the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
+planted, chunks of tiny, huge, all-NaN, all-Inf and mixed NaN/Inf values (every re-read of
+scan_rules.h), the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
 the clip multiply with a coefficient of 1 (no write) and below 1. With ``--part graph``: a CUDA graph
 of a scan of a list in device memory, replayed (the blob's upload kernels run at every replay).
 
@@ -178,6 +179,28 @@ def main() -> None:
     big = Views.random([1025 * per_chunk + 3, 0, 5], [torch.float32, torch.float32, torch.bfloat16], gen)
     big.plant(0, per_chunk * 700, math.nan)
     agree(big.to(device), big)
+
+    # The chunks the fast rule cannot take (scan_rules.h): tiny values (the scaled re-read of the sum),
+    # values whose fp32 squares overflow (scaled down), a chunk all NaN and one all +Inf (told by the
+    # fast result), one of mixed NaN and +-Inf (the checked re-read); each dtype, with the fp16 range.
+    kinds = [FLOATS[i % 4] for i in range(12)]
+    magnitudes = Views.random([4 * (32 * 1024 // d.itemsize) + 5 for d in kinds], kinds, gen)
+    for dtype, flat in magnitudes.flats.items():
+        flat.mul_(1e-20 if dtype in (torch.float32, torch.bfloat16) else 1e-7)
+    for i, (dtype, offset, n) in enumerate(magnitudes.layout):
+        chunk = 32 * 1024 // dtype.itemsize
+        # The views start mid-buffer, so a kernel chunk (which starts at the view's start) is [k * chunk,
+        # (k + 1) * chunk) of the view: chunk 0 stays tiny, 1 all NaN, 2 all +Inf, 3 mixed, the tail huge.
+        values = magnitudes.flats[dtype][offset : offset + n]
+        if i >= 4:
+            values[chunk : 2 * chunk].fill_(math.nan)
+            values[2 * chunk : 3 * chunk].fill_(math.inf)
+            values[3 * chunk : 4 * chunk : 3] = -math.inf
+            values[3 * chunk + 1 : 4 * chunk : 5] = math.nan
+        if i >= 8 and dtype != torch.float16:
+            values[4 * chunk :].fill_(1e25)
+    agree(magnitudes.to(device), magnitudes)
+    agree(magnitudes.to(device), magnitudes, fp16_range=True)
 
     # The fused unscale against torch's, bit for bit: views into flat buffers, and one strided gradient
     # (the two-step path: multiply, then scan).

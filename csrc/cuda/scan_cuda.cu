@@ -2,8 +2,8 @@
 //
 // Work is cut into chunks of at most kChunkBytes of one tensor (list_plan.h); a warp scans a chunk
 // with 16-byte loads (kUnroll in flight per lane) into a FastRun per lane, reduces across the warp in
-// a fixed butterfly order and applies the shared exactness rule (re-reading the chunk with the exact
-// rule if needed). Each warp of a persistent grid owns one contiguous share of the list, balanced by
+// a fixed butterfly order and applies the shared exactness rule (re-reading the chunk with the checked
+// rule if needed: scan_rules.h). Each warp of a persistent grid owns one contiguous share of the list, balanced by
 // cost (bytes plus a fixed cost per chunk; see Shares), so 10,000 tiny tensors are a few tensors per
 // warp, not 10,000 blocks, and a share of a large tensor is one run of memory.
 //
@@ -178,7 +178,8 @@ struct NoVectorHook {
   __device__ void operator()(const uint4&, int64_t) const {}
 };
 
-template <Access kAccess, class Raw, class Fn, class AfterGroup = NoGroupHook, class OnVector = NoVectorHook>
+template <Access kAccess, int kVectorsInFlight = kUnroll, class Raw, class Fn, class AfterGroup = NoGroupHook,
+          class OnVector = NoVectorHook>
 __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn,
                                                       AfterGroup&& after_group = AfterGroup{},
                                                       OnVector&& on_vector = OnVector{}) {
@@ -194,16 +195,16 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
   const int64_t head = spans.head, num_vectors = spans.num_vectors;
   if (lane < head) visit(lane);  // the head: fewer than kPerVector (<= 16) elements, one step of the warp
   uint4* vectors = reinterpret_cast<uint4*>(p + head);
-  for (int64_t i = lane; i < num_vectors; i += kWarpSize * kUnroll) {
-    uint4 v[kUnroll];
+  for (int64_t i = lane; i < num_vectors; i += kWarpSize * kVectorsInFlight) {
+    uint4 v[kVectorsInFlight];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
+    for (int k = 0; k < kVectorsInFlight; ++k) {
       if (i + k * kWarpSize < num_vectors) {
         v[k] = kAccess == Access::ReadOnly ? __ldg(vectors + i + k * kWarpSize) : vectors[i + k * kWarpSize];
       }
     }
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
+    for (int k = 0; k < kVectorsInFlight; ++k) {
       if (i + k * kWarpSize < num_vectors) {
         Raw r[kPerVector];
         memcpy(r, &v[k], sizeof r);
@@ -286,6 +287,62 @@ __device__ uint32_t element_words(const Raw* p, int64_t begin, int64_t from, int
   return sum;
 }
 
+// A lane's walk over elements [0, n) of p for a re-read (from L1/L2: the chunk's first pass just read
+// it): after a rewrite (`rewritten`), with plain loads, since the read-only path does not promise to
+// see this kernel's writes.
+template <class Raw, class Fn, class AfterGroup>
+__device__ __forceinline__ void reread_lane_elements(Raw* p, int64_t n, int lane, bool rewritten, Fn&& fn,
+                                                     AfterGroup&& after_group) {
+  if (rewritten) {
+    for_each_lane_element<Access::Reread, 1>(p, n, lane, fn, after_group);
+  } else {
+    for_each_lane_element<Access::ReadOnly, 1>(p, n, lane, fn, after_group);
+  }
+}
+
+// The sum of squares of elements [0, n) of p, all finite, through the scaled rule (scan_rules.h) with
+// `scale`; undone to the values' own scale, valid in every lane.
+template <class Codec>
+__device__ double scaled_chunk_sumsq(typename Codec::Raw* p, int64_t n, int lane, const RunScale<Codec>& scale,
+                                     bool rewritten) {
+  using Wide = typename Codec::Wide;
+  Wide sumsq = Wide(0);
+  double lane_sumsq = 0.0;
+  reread_lane_elements(
+      p, n, lane, rewritten, [&](typename Codec::Raw r) { accumulate_scaled<Codec>(sumsq, r, scale); },
+      [&] {  // as the fast pass folds: at most 65 fp32 squares per lane
+        lane_sumsq += static_cast<double>(sumsq);
+        sumsq = Wide(0);
+      });
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) lane_sumsq += shfl_xor(lane_sumsq, offset);
+  return scale.undo(lane_sumsq);
+}
+
+// One warp reads elements [0, n) of p with the checked rule (scan_rules.h): NaN/Inf counts, min/max of
+// the finite values and their fp16-range counts, no sum of squares; valid in every lane.
+template <class Codec, bool kHalfRange>
+__device__ TensorStats checked_chunk(typename Codec::Raw* p, int64_t n, int lane, bool rewritten) {
+  using Raw = typename Codec::Raw;
+  using Wide = typename Codec::Wide;
+  FastRun<Codec> run = empty_run<Codec>();
+  int nonfinite = 0, nan = 0, over = 0, under = 0;  // a lane's: at most 1,024 elements (see scan_chunk)
+  reread_lane_elements(
+      p, n, lane, rewritten,
+      [&](Raw r) {
+        const Wide v = accumulate_checked<Codec>(run.min, run.max, nonfinite, nan, r);
+        if constexpr (kHalfRange) count_half_range(over, under, v);
+      },
+      NoGroupHook{});
+  TensorStats s = empty_stats();
+  checked_counts(s, nonfinite, nan);
+  s.min = static_cast<double>(run.min);
+  s.max = static_cast<double>(run.max);
+  s.half_overflow = over;
+  s.half_underflow = under;
+  return warp_combine(s);
+}
+
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
 // kMultiply (GradScaler's unscale), each element is first replaced by round(x * factor), torch's
 // arithmetic, in the same pass; a factor of exactly 1 writes nothing, as in torch. With kChecksum,
@@ -301,7 +358,10 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   const int64_t n = end - begin;
 
   FastRun<Codec> run = empty_run<Codec>();
-  long long over = 0, under = 0;
+  // A lane sees at most 1,024 elements of a chunk (32 KiB of fp8): int counts, which took the kernels
+  // with the fp16-range option from 80 registers and a spill to 80 without one.
+  static_assert(kChunkBytes / kWarpSize <= 1024, "a lane's counts must fit an int");
+  int over = 0, under = 0;
   auto observe = [&](Raw r) {
     accumulate_fast<Codec>(run.min, run.max, run.sumsq, r);
     if constexpr (kHalfRange) count_half_range(over, under, Codec::decode(r));
@@ -358,7 +418,15 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     run_sumsq += shfl_xor(run_sumsq, offset);
   }
   TensorStats s = empty_stats();
-  if (run_is_exact<Codec>(run_min, run_max, run_sumsq)) {
+  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
+  bool finite = exact || fast_run_was_finite(run_sumsq);
+  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
+    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
+    // (scan_rules.h), from L1/L2; finite, it proves every element was.
+    run_sumsq = scaled_chunk_sumsq<Codec>(p, n, lane, scale_for_run<Codec>(run_min, run_max), rewritten);
+    finite = fast_run_was_finite(run_sumsq);
+  }
+  if (finite) {
     s.checksum = checksum;
     if constexpr (kHalfRange) {
 #pragma unroll
@@ -372,15 +440,13 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     merge_run(s, run_min, run_max, run_sumsq);
     return s;
   }
-  // The exact rule re-reads what the first pass left (the products, when it rewrote): with plain
-  // loads after a rewrite, through the read-only cache otherwise.
-  auto exact = [&](Raw r) { accumulate_exact<Codec>(s, r, kHalfRange); };
-  if (rewritten) {
-    for_each_lane_element<Access::Reread>(p, n, lane, exact);
-  } else {
-    for_each_lane_element<Access::ReadOnly>(p, n, lane, exact);
+  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
+  // all one Inf), or classified by re-reading what the first pass left (the products, when it
+  // rewrote).
+  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
+    s = checked_chunk<Codec, kHalfRange>(p, n, lane, rewritten);
+    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
   }
-  s = warp_combine(s);
   s.checksum = checksum;
   return s;
 }

@@ -1,10 +1,11 @@
 // Runs the CUDA kernels of csrc/cuda/scan_cuda.cu on CPU threads (see include/cuda_runtime.h) and
 // checks every result against the exact rule applied element by element in fp64. CI has no GPU; this
 // executes the kernels' own code: the warps' shares, 16-byte vector loads and tails, the fast rule
-// with its exact re-read, warp reductions, the fold tree, the last-block totals, the three list
-// placements (small and large parameter blobs, a device blob written by the upload kernel), the
-// fp16-range counts, the fused unscale and the clip multiply; and that the bits do not depend on the
-// order in which blocks run. Built and run by tests/test_cuda_emulated.py.
+// with its checked re-read (unscaled, and scaled for tiny values), warp reductions, the fold tree,
+// the last-block totals, the three list placements (small and large parameter blobs, a device blob
+// written by the upload kernel), the fp16-range counts, the fused unscale and the clip multiply; and
+// that the bits do not depend on the order in which blocks run. Built and run by
+// tests/test_cuda_emulated.py.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -496,6 +497,57 @@ double check_accuracy_on_constant_tensors(std::mt19937_64& rng) {
   return worst;
 }
 
+// Vanishing gradients and overflow steps, the values whose chunks the fast rule cannot take: every
+// dtype at magnitudes whose fp32 squares round in the subnormal range or underflow (1e-17 to fp32's
+// subnormals), and at 1e25 and 3e37 (squares overflow fp32; the scaled sum is read before the checked
+// rule); each tensor clean, with one NaN, a third NaN/Inf, or every element NaN or Inf, over several
+// chunks and a ragged tail. Then constant tiny tensors (the
+// worst case for running sums) through the scaled re-read: the norm as accurate as at ordinary
+// magnitudes.
+void check_magnitudes(std::mt19937_64& rng) {
+  const DType dtypes[] = {DType::Float32, DType::BFloat16,     DType::Float16,
+                          DType::Float64, DType::Float8E4M3FN, DType::Float8E5M2};
+  const double magnitudes[] = {1e-12, 1e-17, 1e-20, 1e-30, 1e-40, 1e-44, 1e25, 3e37};
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const DType d : dtypes) {
+    std::vector<HostTensor> list;
+    const int64_t per_chunk = kChunkBytes / element_size(d);
+    for (const double magnitude : magnitudes) {
+      for (int variant = 0; variant < 4; ++variant) {
+        HostTensor t = make_tensor(rng, d, 2 * per_chunk + 37, (variant % 2) * element_size(d));
+        for (int64_t k = 0; k < t.numel; ++k) {
+          if (d == DType::Float8E4M3FN || d == DType::Float8E5M2) {
+            t.data()[k] = static_cast<uint8_t>((rng() % 8) | (rng() % 2 ? 0x80 : 0));  // zero and subnormals
+          } else {
+            store(t, k, normal(rng) * magnitude);
+          }
+        }
+        if (variant == 1) plant(t, per_chunk + 5, true);
+        for (int64_t k = 0; k < t.numel && variant >= 2; ++k) {
+          if (variant == 3 || rng() % 3 == 0) plant(t, k, rng() % 2 == 0);
+        }
+        list.push_back(std::move(t));
+      }
+    }
+    check_scan("magnitudes", list, 3);
+  }
+  for (const DType d : {DType::Float32, DType::BFloat16}) {
+    std::vector<HostTensor> list;
+    for (const double v : {3e-20, 7.7e-38, 2e-39}) {
+      HostTensor t = make_tensor(rng, d, 3 * kChunkBytes / element_size(d) + 17, 0);
+      for (int64_t k = 0; k < t.numel; ++k) store(t, k, v);
+      list.push_back(std::move(t));
+    }
+    const ScanOutput out = run_scan(list, ScanKind::Plain, 3);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const double want = l2_norm(reference(list[i], false));
+      const double error = std::fabs(out.stats[2 * list.size() + i] - want) / want;
+      CHECK(error <= 5e-7, "constant tiny tensor %zu of dtype %d: norm off by %.3g relative", i, static_cast<int>(d),
+            error);
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -528,6 +580,7 @@ int main() {
     check_scan("fold tree", list, num_sms);
   }
   check_misaligned_starts(rng);
+  check_magnitudes(rng);
   const double worst = check_accuracy_on_constant_tensors(rng);
   check_workspace_guard(rng);
   check_unscale(rng, 3);
