@@ -24,6 +24,7 @@ import argparse
 import io
 import math
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,13 +273,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanscan: no such file: {args.run}", file=sys.stderr)
         return 2
     output = args.output if args.output is not None else args.run.with_suffix(".png")
+    caught: list[warnings.WarningMessage] = []
     try:
-        path = plot_run(args.run, output, title=args.title)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)  # the reader's (a line cut short): said plainly
+            path = plot_run(args.run, output, title=args.title)
     except (ValueError, ImportError) as error:
+        _say_warnings(caught)
         print(error, file=sys.stderr)
         return 1
+    _say_warnings(caught)
     print(f"nanscan: wrote {path}")
     return 0
+
+
+def _say_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
 
 
 def _matplotlib_figure() -> type[Figure]:

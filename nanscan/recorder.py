@@ -46,6 +46,30 @@ Under CUDA graph capture the append is captured like any other kernel; replays a
 counter without Python, so the recorder cannot count them: call ``flush()`` at least every
 ``capacity`` replays (a record overwritten before it was read is counted in ``lost`` and warned
 about, never silently dropped).
+
+How the records survive the end of a job. Records reach the sinks at a read: every ``every``
+records, at ``flush()`` and ``close()``, at interpreter exit, on leaving a ``with`` block by an
+exception (Ctrl-C's KeyboardInterrupt included), and on SIGTERM, the signal a scheduler's time limit
+or preemption, Kubernetes and torchrun send. While a recorder is open, nanscan's SIGTERM handler
+(installed from the main thread only, where Python runs signal handlers) reads out every open
+recorder of the process once, then does what the handler it replaced would have done: calls it (a
+user's, Lightning's), or, where that was the default, terminates the process by the same signal, so
+the exit status is unchanged. A SIGTERM that was ignored stays ignored (nothing is installed), as
+does one whose handler was installed outside Python (which Python could not call back). A SIGTERM
+that lands in the middle of a recorder's own append or read is acted on as soon as that returns.
+Closing the last open recorder puts the previous handler back. Forked processes (DataLoader
+workers) inherit the handler but read out nothing: their copies of the buffers are not theirs.
+
+What no handler can save: on SIGKILL (a scheduler's kill after its grace period, the OOM killer),
+an abort (NCCL's watchdog ends the process from C++, where no Python runs) or a CUDA error that
+poisons the context (the copy off the device fails), the records since the last read are lost: at
+most ``capacity``, usually ``every``. ``flush_on_nonfinite`` (on by default) narrows that for the
+step that matters: a step whose gradients held a NaN or an Inf has the buffer read out, so the
+first bad step and the history before it are on disk at once on the CPU (at that step's append),
+and on a GPU as soon as the process lives a few more steps (the host learns of the step through
+an asynchronous copy of a count, and the read is asynchronous: no sync). A line cut by a kill is
+dropped with a warning when the file is read (``nanscan.records.iter_jsonl``) or appended to
+(nanscan.sinks).
 """
 
 from __future__ import annotations
@@ -54,15 +78,17 @@ import atexit
 import functools
 import math
 import os
+import signal
 import struct
 import sys
+import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, cast
+from types import FrameType, TracebackType
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -83,6 +109,32 @@ _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "lo
 # Per parameter, in the float64 attribution row: nanscan.layouts.reduce.Attribution's rows, then its
 # per-rank row (``world`` values).
 _ATTRIBUTION_ROWS = ("count", "rank_sum", "rank_square_sum")
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _guarded(method: _Method) -> _Method:
+    """Marks a Recorder method during which a SIGTERM handler must not read the recorder out: the
+    call holds the recorder's lock and marks it busy in this thread, and a SIGTERM that landed
+    meanwhile (its handler runs between two bytecodes, perhaps this method's) is acted on when the
+    outermost such call returns (``_SigtermReadOut``)."""
+
+    @functools.wraps(method)
+    def guarded(self: Recorder, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            outermost = self._busy_in is None
+            if outermost:
+                self._busy_in = threading.get_ident()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                if outermost:
+                    self._busy_in = None
+                    if _sigterm.deferred is not None:
+                        _sigterm.read_out_and_chain(*_sigterm.deferred)
+
+    return cast(_Method, guarded)
 
 
 @dataclass(frozen=True)
@@ -118,6 +170,30 @@ class FirstNonfinite:
             norms = " ".join(f"{v:.3g}" for v in self.norm_history[name][-8:])
             lines.append(f"  {name}: norms before: {norms or '(no history)'}")
         return "\n".join(lines)
+
+
+class _NonfiniteSteps:
+    """The count of non-finite steps appended on one GPU, on the device and in pinned host memory
+    (``Recorder.flush_on_nonfinite``): per append two small kernels and a 4-byte asynchronous copy,
+    in stream order after the append."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_device = torch.zeros((), dtype=torch.int32, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.on_host = torch.zeros((), dtype=torch.int32, pin_memory=True)
+        self.seen = 0  # the largest count the host has read
+
+    def count(self, finite: torch.Tensor) -> bool:
+        """Adds this step's flag; whether the host now reads a count above the one it last read."""
+        landed = int(self.on_host)  # pinned memory: a host read, whatever copy has landed
+        torch.logical_not(finite, out=self.nonfinite)
+        self.on_device.add_(self.nonfinite)
+        self.on_host.copy_(self.on_device, non_blocking=True)
+        if landed > self.seen:
+            self.seen = landed
+            return True
+        return False
 
 
 class _Ring:
@@ -204,6 +280,13 @@ class Recorder:
         history: records kept on the host, for ``records`` and for the history of the first
             non-finite step.
         warn: warn (RuntimeWarning) about spikes and the first non-finite step when they are read.
+        flush_on_nonfinite: read the buffer out after a step whose gradients held a NaN or an Inf
+            (on the CPU at that step's append; on a GPU a few appends later, seen through a 4-byte
+            asynchronous copy and read asynchronously: no sync), so that a job killed soon after
+            still has it on disk (module notes).
+
+    While a recorder is open, a SIGTERM reads out its records before the process ends as it would
+    have without nanscan (module notes: what survives which end of a job).
 
     Example:
         >>> recorder = nanscan.Recorder([nanscan.sinks.JSONLSink("run.jsonl")], every=100)
@@ -226,6 +309,7 @@ class Recorder:
         spike_min_history: int = 8,
         history: int = 64,
         warn: bool = True,
+        flush_on_nonfinite: bool = True,
     ) -> None:
         for name, value in (("every", every), ("spike_window", spike_window), ("history", history)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -268,10 +352,25 @@ class Recorder:
         self._pending: tuple[_Ring, torch.Tensor, torch.cuda.Event | None] | None = None
         self._closed = False
         self._last_total: float | None = None
+        self.flush_on_nonfinite = bool(flush_on_nonfinite)
+        # On a GPU: the count of non-finite steps appended, kept on the device and copied to pinned
+        # memory after each append. It only grows, so the host reads whatever copy has landed with no
+        # event and misses nothing (a copy not yet landed is seen at a later append), and a read it
+        # asks for is asynchronous like any other: no sync.
+        self._nonfinite_steps: _NonfiniteSteps | None = None
+        self._read_soon = False  # a non-finite step was seen: read as soon as no read is pending
+        # A SIGTERM handler may run between any two bytecodes of the main thread: one that lands in
+        # the middle of this recorder's own work waits for it (_guarded), and another thread's
+        # recorder is read out under its lock.
+        self._lock = threading.RLock()
+        self._busy_in: int | None = None  # the thread in an append/flush/close, if any
+        self._pid = os.getpid()  # a forked child's copy is not this recorder: it reads out nothing
         _open_recorders.add(self)
+        _sigterm.install()
 
     # ------------------------------------------------------------------------------------ appending
 
+    @_guarded
     def append(
         self,
         report: Report,
@@ -334,8 +433,25 @@ class Recorder:
         if capturing:
             return
         self._appended += 1
-        if self._appended >= self.every:
+        if self.flush_on_nonfinite and self._saw_nonfinite(stats.finite, ring):
+            self._read_soon = True
+        # A read asked for by a non-finite step waits for a pending one to land (a second read
+        # would wait for the first: a sync); on the CPU a read is never pending.
+        if self._appended >= self.every or (self._read_soon and self._pending is None):
+            self._read_soon = False
             self.flush(wait=False)
+
+    def _saw_nonfinite(self, finite: torch.Tensor, ring: _Ring) -> bool:
+        """Whether a step not yet seen held a NaN/Inf, as far as the host can tell without a sync: on
+        the CPU this step's flag; on a GPU the count the earlier appends' copies have landed, after
+        enqueuing this step's (other devices: never)."""
+        if ring.device.type == "cpu":
+            return not bool(finite)
+        if ring.device.type != "cuda":
+            return False
+        if self._nonfinite_steps is None or self._nonfinite_steps.device != ring.device:
+            self._nonfinite_steps = _NonfiniteSteps(ring.device)
+        return self._nonfinite_steps.count(finite)
 
     def _refresh_median(self, ring: _Ring) -> None:
         """Each parameter's median norm over the ``spike_window`` records before the next one, NaN
@@ -361,6 +477,7 @@ class Recorder:
 
     # ------------------------------------------------------------------------------------- reading
 
+    @_guarded
     def flush(self, wait: bool = True) -> None:
         """Sends every record not yet read to the sinks: one copy of the buffer to the host. With
         ``wait=False`` on a GPU the copy is only enqueued, and read at a later append once landed."""
@@ -483,8 +600,10 @@ class Recorder:
         """Device memory the buffer holds now (0 before the first append)."""
         return 0 if self._ring is None else self._ring.nbytes
 
+    @_guarded
     def close(self) -> None:
-        """Reads out every record, flushes and closes the sinks. Idempotent; runs at interpreter exit."""
+        """Reads out every record, flushes and closes the sinks. Idempotent; runs at interpreter exit.
+        The last open recorder's close puts back the SIGTERM handler nanscan replaced."""
         if self._closed:
             return
         try:
@@ -494,6 +613,8 @@ class Recorder:
             _open_recorders.discard(self)
             for sink in self.sinks:
                 _call_optional(sink, "close")
+            if not any(recorder._pid == os.getpid() for recorder in _open_recorders):
+                _sigterm.restore()
 
     def __enter__(self) -> Recorder:
         return self
@@ -677,3 +798,93 @@ def _close_at_exit(recorder: Recorder) -> None:
 def _close_open_recorders() -> None:
     for recorder in list(_open_recorders):
         _close_at_exit(recorder)
+
+
+class _SigtermReadOut:
+    """nanscan's SIGTERM handler while recorders are open: reads out every open recorder of this
+    process once, then hands the signal to the handler it replaced (module notes)."""
+
+    # How long the handler waits for a recorder busy in another thread before leaving it unread.
+    LOCK_TIMEOUT_S = 5.0
+
+    def __init__(self) -> None:
+        self.previous: Any = signal.SIG_DFL  # the handler replaced (kept after a restore: see restore)
+        self.installed = False
+        self.deferred: tuple[int, FrameType | None] | None = None  # a SIGTERM that waits for a recorder
+
+    def install(self) -> None:
+        """Puts the handler in place, from the main thread only (the one Python lets set handlers
+        and runs them in); not over an ignored SIGTERM, nor over a handler set outside Python."""
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN or previous is None:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        self.previous, self.installed = previous, True
+
+    def restore(self) -> None:
+        """Puts the replaced handler back, if nanscan's is still the one installed. If something
+        installed its own over nanscan's since, that one stays; should it hand a SIGTERM on to
+        nanscan's, nanscan's hands it on to ``previous`` in turn."""
+        if not self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, self.previous)
+        self.installed = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        """The handler: deferred while a recorder of this thread is in the middle of its own work."""
+        me = threading.get_ident()
+        if any(recorder._busy_in == me for recorder in _recorders_of_this_process()):
+            self.deferred = (signum, frame)
+            return
+        self.read_out_and_chain(signum, frame)
+
+    def read_out_and_chain(self, signum: int, frame: FrameType | None) -> None:
+        """Reads out every open recorder, then hands the signal on. A handler of the job's is called.
+        The default (the process ends by the signal, its exit status as without nanscan: 143 in a
+        shell, -15 to subprocess) applies only while nanscan's handler is the process's: a handler
+        installed over it that calls it in turn (Lightning composes the handlers it finds, to stop
+        gracefully) would not have called the default, so the ending stays that handler's."""
+        self.deferred = None
+        for recorder in _recorders_of_this_process():
+            self._read_out(recorder)
+        previous = self.previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL and signal.getsignal(signum) is _on_sigterm:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _read_out(self, recorder: Recorder) -> None:
+        if not recorder._lock.acquire(timeout=self.LOCK_TIMEOUT_S):
+            warnings.warn(
+                f"nanscan.Recorder: SIGTERM: a recorder busy in another thread for {self.LOCK_TIMEOUT_S:g} s "
+                "was not read out",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+            return
+        try:
+            if not recorder._closed:
+                recorder.flush(wait=True)
+        except Exception as error:  # one recorder's failure must not keep the others, or the signal, back
+            warnings.warn(f"nanscan.Recorder: reading out on SIGTERM failed: {error}", RuntimeWarning, stacklevel=1)
+        finally:
+            recorder._lock.release()
+
+
+def _recorders_of_this_process() -> list[Recorder]:
+    """The open recorders, less the copies a forked child inherited (their buffers, and their files'
+    buffers, are the parent's)."""
+    pid = os.getpid()
+    return [recorder for recorder in list(_open_recorders) if recorder._pid == pid]
+
+
+_sigterm = _SigtermReadOut()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """The function installed (one object, so that ``signal.getsignal`` tells it is nanscan's)."""
+    _sigterm.handle(signum, frame)

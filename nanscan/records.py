@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,35 +128,35 @@ class StepRecord:
 
     @classmethod
     def from_json(cls, line: dict[str, Any], names: Sequence[str]) -> StepRecord:
-        """A step line of the JSONL schema, with the names of the layout line before it."""
-        schema = line.get("schema")
-        if schema not in READABLE_SCHEMAS:
-            raise ValueError(
-                f"nanscan: JSONL schema {schema!r}, this nanscan reads schemas {', '.join(map(str, READABLE_SCHEMAS))}"
+        """A step line of the JSONL schema, with the names of the layout line before it. A line this
+        version cannot read (another schema, a field missing or of the wrong type, arrays of another
+        length than the layout's) raises ValueError saying what is wrong (``iter_jsonl`` adds where)."""
+        _check_schema(line, "step")
+        try:
+            columns = {key: _decode_list(line[key], key) for key in PER_PARAMETER}
+            if any(len(values) != len(names) for values in columns.values()):
+                lengths = sorted({len(values) for values in columns.values()})
+                raise ValueError(f"arrays of {lengths} values where its layout has {len(names)} names")
+            return cls(
+                step=_decode_int(line["step"], "step"),
+                names=names,
+                nan_count=[int(v) for v in columns["nan_count"]],
+                inf_count=[int(v) for v in columns["inf_count"]],
+                min=columns["min"],
+                max=columns["max"],
+                norm=columns["norm"],
+                spike_ratio=columns["spike_ratio"],
+                total_norm=_decode(line["total_norm"], "total_norm"),
+                finite=_decode_bool(line["finite"], "finite"),
+                clip_coef=_decode_optional(line["clip_coef"], "clip_coef"),
+                max_norm=_decode_optional(line["max_norm"], "max_norm"),
+                skipped=_decode_bool(line["skipped"], "skipped"),
+                loss_scale=_decode_optional(line["loss_scale"], "loss_scale"),
+                spike_factor=_decode(line.get("spike_factor", math.inf), "spike_factor"),
+                nonfinite_ranks=_decode_ranks(line.get("nonfinite_ranks"), names),
             )
-        columns = {key: _decode_list(line[key]) for key in PER_PARAMETER}
-        if any(len(values) != len(names) for values in columns.values()):
-            raise ValueError(
-                f"nanscan: step {line['step']} has arrays that do not match its layout's {len(names)} names"
-            )
-        return cls(
-            step=int(line["step"]),
-            names=names,
-            nan_count=[int(v) for v in columns["nan_count"]],
-            inf_count=[int(v) for v in columns["inf_count"]],
-            min=columns["min"],
-            max=columns["max"],
-            norm=columns["norm"],
-            spike_ratio=columns["spike_ratio"],
-            total_norm=_decode(line["total_norm"]),
-            finite=bool(line["finite"]),
-            clip_coef=_decode_optional(line["clip_coef"]),
-            max_norm=_decode_optional(line["max_norm"]),
-            skipped=bool(line["skipped"]),
-            loss_scale=_decode_optional(line["loss_scale"]),
-            spike_factor=float(line.get("spike_factor", math.inf)),
-            nonfinite_ranks=_decode_ranks(line.get("nonfinite_ranks"), names),
-        )
+        except KeyError as missing:
+            raise ValueError(f"a step line without its field {missing}") from None
 
 
 class _PerParameterField:
@@ -192,32 +193,76 @@ def _encode(value: float | None) -> float | str | None:
     return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
 
 
-def _decode(value: float | int | str | None) -> float:
-    if value is None:
-        raise ValueError("nanscan: a required number is null in the JSONL file")
-    return float(value)  # float("nan"), float("inf"), float("-inf") read the strings back
+_NUMBER_TYPES = frozenset((int, float))  # exact types: a bool is not a number here
+_NONFINITE_STRINGS = frozenset(("nan", "inf", "-inf"))
 
 
-def _decode_list(values: list[float | int | str]) -> list[float]:
-    """A per-parameter array: numbers as they are (the common case, no call per value), the
-    non-finite strings converted."""
-    if any(type(v) is str for v in values):
-        return [float(v) for v in values]
-    return values  # type: ignore[return-value]  # ints (the counts) are read as numbers either way
+def _decode(value: object, field: str) -> float:
+    """A number of a step line: a JSON number, or one of the strings strict JSON writes for NaN and
+    Inf (module notes); anything else is an error that names the field."""
+    if type(value) in _NUMBER_TYPES:
+        return float(value)  # type: ignore[arg-type]
+    if type(value) is str and value in _NONFINITE_STRINGS:
+        return float(value)
+    raise ValueError(f"{field} is {value!r}, not a number")
 
 
-def _decode_ranks(value: dict[str, list[int]] | None, names: Sequence[str]) -> dict[str, list[int]] | None:
+def _decode_int(value: object, field: str) -> int:
+    if type(value) is not int:
+        raise ValueError(f"{field} is {value!r}, not an integer")
+    return value
+
+
+def _decode_bool(value: object, field: str) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{field} is {value!r}, not true or false")
+    return value
+
+
+def _decode_list(values: object, field: str) -> list[float]:
+    """A per-parameter array: numbers as they are (the common case: one type test per value, no
+    call), the non-finite strings converted; anything else an error naming the field and index."""
+    if type(values) is not list:
+        raise ValueError(f"{field} is {values!r:.60}, not an array")
+    if all(type(v) in _NUMBER_TYPES for v in values):
+        return values  # ints (the counts) are read as numbers either way
+    return [_decode(v, f"{field}[{i}]") for i, v in enumerate(values)]
+
+
+def _decode_ranks(value: object, names: Sequence[str]) -> dict[str, list[int]] | None:
     """A step line's ``nonfinite_ranks`` (absent in schema 1, null when not recorded)."""
-    if value is None or not value:  # not recorded; a finite step (most lines): no names to check
-        return value
+    if value is None:  # not recorded
+        return None
+    if type(value) is not dict:
+        raise ValueError(f"nonfinite_ranks is {value!r:.60}, not an object")
+    if not value:  # a finite step (most lines): no names to check
+        return {}
     known = set(names)
     if not all(name in known for name in value):
-        raise ValueError(f"nanscan: nonfinite_ranks names a parameter outside its layout: {sorted(set(value) - known)}")
-    return {name: [int(r) for r in ranks] for name, ranks in value.items()}
+        raise ValueError(f"nonfinite_ranks names a parameter outside its layout: {sorted(set(value) - known)}")
+    return {
+        name: [_decode_int(r, f"nonfinite_ranks[{name!r}]") for r in _as_list(ranks, f"nonfinite_ranks[{name!r}]")]
+        for name, ranks in value.items()
+    }
 
 
-def _decode_optional(value: float | int | str | None) -> float | None:
-    return None if value is None else float(value)
+def _as_list(value: object, field: str) -> list[Any]:
+    if type(value) is not list:
+        raise ValueError(f"{field} is {value!r:.60}, not an array")
+    return value
+
+
+def _decode_optional(value: object, field: str) -> float | None:
+    return None if value is None else _decode(value, field)
+
+
+def _check_schema(line: dict[str, Any], kind: str) -> None:
+    schema = line.get("schema")
+    if schema not in READABLE_SCHEMAS:
+        raise ValueError(
+            f"a {kind} line of schema {schema!r}: this nanscan reads schemas "
+            f"{', '.join(map(str, READABLE_SCHEMAS))} (a file written by a newer nanscan: upgrade to read it)"
+        )
 
 
 def layout_line(names: Sequence[str]) -> dict[str, Any]:
@@ -226,7 +271,11 @@ def layout_line(names: Sequence[str]) -> dict[str, Any]:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
-    """The step records of a JSONL file written by ``JSONLSink``, in file order."""
+    """The step records of a JSONL file written by ``JSONLSink``, in file order.
+
+    A last line cut short (no newline after it, not JSON: a process killed while writing) is
+    dropped with a RuntimeWarning that names it; every complete record before it is read. Anything
+    else that is not a line of the schema, anywhere, raises ValueError naming the file and line."""
     names: Sequence[str] | None = None
     with Path(path).open() as f:
         for number, text in enumerate(f, 1):
@@ -235,16 +284,35 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
             try:
                 line = json.loads(text)
             except json.JSONDecodeError as error:
-                raise ValueError(f"nanscan: {path}:{number} is not JSON ({error.msg})") from None
-            kind = line.get("kind")
-            if kind == "layout":
-                names = tuple(line["names"])
-            elif kind == "step":
-                if names is None:
-                    raise ValueError(f"nanscan: {path}:{number}: a step before any layout line")
-                yield StepRecord.from_json(line, names)
-            else:
-                raise ValueError(f"nanscan: {path}:{number}: unknown line kind {kind!r}")
+                if not text.endswith("\n") and not f.read(1):  # the last line, cut mid-write
+                    warnings.warn(
+                        f"nanscan: {path}:{number} was cut short ({len(text)} characters, no end of line: a "
+                        "process killed while writing it?); dropped it, read the records before it",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    return
+                raise ValueError(
+                    f"nanscan: {path}:{number} is not JSON ({error.msg}, column {error.colno}); only a last line "
+                    "cut short is skipped, a damaged line before other lines is an error"
+                ) from None
+            try:
+                if type(line) is not dict:
+                    raise ValueError(f"a JSON {type(line).__name__}, not an object")
+                kind = line.get("kind")
+                if kind == "layout":
+                    _check_schema(line, "layout")
+                    names = tuple(str(name) for name in _as_list(line.get("names"), "names"))
+                elif kind == "step":
+                    if names is None:
+                        raise ValueError("a step before any layout line")
+                    record = StepRecord.from_json(line, names)
+                else:
+                    raise ValueError(f"unknown line kind {kind!r}")
+            except ValueError as error:
+                raise ValueError(f"nanscan: {path}:{number}: {error}") from None
+            if kind == "step":
+                yield record
 
 
 def read_jsonl(path: str | Path) -> list[StepRecord]:

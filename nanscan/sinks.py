@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -24,13 +26,51 @@ class Sink(Protocol):
     def __call__(self, record: StepRecord, /) -> None: ...
 
 
+def _cut_incomplete_last_line(path: Path, sink: str) -> None:
+    """Before appending to ``path``: a last line without its end of line (a process killed while
+    writing it) is cut off, with a RuntimeWarning naming it, so that the records appended next do
+    not run on from it into a damaged line in the middle of the file."""
+    if not path.is_file():
+        return
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        keep, end, block = 0, size, 1 << 16
+        while end > 0:  # back to the last end of line
+            start = max(0, end - block)
+            f.seek(start)
+            found = f.read(end - start).rfind(b"\n")
+            if found >= 0:
+                keep = start + found + 1
+                break
+            end = start
+        f.seek(0)
+        line, left = 1, keep
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            line, left = line + chunk.count(b"\n"), left - len(chunk)
+        f.truncate(keep)
+    warnings.warn(
+        f"nanscan.{sink}: {path}:{line} was cut short ({size - keep} bytes, no end of line: a process killed "
+        "while writing it?); removed it before appending",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class _FileSink:
     """A sink that appends to a file it owns: opened at construction, flushed after each batch of
-    records, closed with the recorder."""
+    records, closed with the recorder. An incomplete last line left by a killed process is cut off
+    first (with a warning)."""
 
     def __init__(self, path: str | Path, newline: str | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_incomplete_last_line(self.path, type(self).__name__)
         self._file: IO[str] | None = self.path.open("a", newline=newline)
 
     def _open_file(self) -> IO[str]:
@@ -72,7 +112,10 @@ class CSVSink(_FileSink):
     the record has no ranks). Non-finite values are written as Python writes them (``nan``, ``inf``).
 
     Appends to an existing file only if its header is this one: a file begun by a nanscan with other
-    columns is refused, rather than given rows that do not match its header."""
+    columns is refused, rather than given rows that do not match its header. A step's rows are
+    written together; a process killed while writing them leaves the rows before the cut (the last
+    one cut short, which the next CSVSink on the file removes), so a step of a file that ends
+    abruptly may lack some of its parameters."""
 
     COLUMNS = (
         "step",
@@ -93,6 +136,7 @@ class CSVSink(_FileSink):
     )
 
     def __init__(self, path: str | Path) -> None:
+        _cut_incomplete_last_line(Path(path), type(self).__name__)  # a header cut short goes too
         new = not Path(path).exists() or Path(path).stat().st_size == 0
         if not new:
             with Path(path).open(newline="") as existing:

@@ -7,6 +7,7 @@ kernel's index arithmetic on the CPU."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -534,6 +535,35 @@ def test_recorder_appends_and_reads_without_a_sync() -> None:
         want = total.item()
         assert record.total_norm == want or (math.isnan(want) and math.isnan(record.total_norm))
     assert [r.finite for r in sink[1:]] == [step != 7 for step in range(12)]
+
+
+def test_recorder_reads_a_nonfinite_step_out_soon_without_a_sync() -> None:
+    """flush_on_nonfinite on a GPU: a NaN step (every=100, so no periodic read) reaches the sink a
+    few appends later, through the count's asynchronous copy and an asynchronous read: no sync."""
+    model = make_model()
+    sink: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder([sink.append], every=100, warn=False)
+    x = torch.randn(8, 64, device="cuda")
+    model(x).sum().backward()
+    nanscan.check(model, recorder=recorder)  # the first append allocates the buffers
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(40):
+            model.zero_grad()
+            model(x).sum().backward()
+            if step == 3:
+                model[0].weight.grad[0, 0].fill_(math.nan)
+            nanscan.check(model, recorder=recorder)
+            if step >= 8 and len(sink) >= 5:
+                break
+            time.sleep(0.005)  # a training step's time: the copies land
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert [r.step for r in sink][:5] == list(range(5)) and not sink[4].finite
+    recorder.close()
+    assert [r.finite for r in sink] == [step != 4 for step in range(len(sink))]
 
 
 def test_recorder_inside_a_captured_graph() -> None:
