@@ -367,6 +367,8 @@ class Recorder:
         self._pid = os.getpid()  # a forked child's copy is not this recorder: it reads out nothing
         _open_recorders.add(self)
         _sigterm.install()
+        # Dropped without close(), the last recorder still puts the handler back when collected.
+        weakref.finalize(self, _restore_if_none_open)
 
     # ------------------------------------------------------------------------------------ appending
 
@@ -613,8 +615,7 @@ class Recorder:
             _open_recorders.discard(self)
             for sink in self.sinks:
                 _call_optional(sink, "close")
-            if not any(recorder._pid == os.getpid() for recorder in _open_recorders):
-                _sigterm.restore()
+            _restore_if_none_open()
 
     def __enter__(self) -> Recorder:
         return self
@@ -883,6 +884,13 @@ def _recorders_of_this_process() -> list[Recorder]:
 
 
 _sigterm = _SigtermReadOut()
+
+
+def _restore_if_none_open() -> None:
+    """Puts the replaced SIGTERM handler back once no recorder of this process is open (from the main
+    thread: elsewhere the next close there does it)."""
+    if not _recorders_of_this_process():
+        _sigterm.restore()
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -64,7 +64,9 @@ def main() -> int:
     if args.user_handler != "none":
 
         def handler(signum: int, frame: object) -> None:
-            print(f"user handler {signum}", flush=True)
+            # os.write, not print: the signal may land inside the main thread's print (of "ready"),
+            # and a print inside it would be a reentrant call on stdout's buffer (a RuntimeError).
+            os.write(1, f"user handler {signum}\n".encode())
             if args.user_handler == "exit":
                 sys.exit(7)
             signalled.append(signum)

@@ -179,7 +179,8 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
     model = tiny_gpt2()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     records: list[nanscan.records.StepRecord] = []
-    # Read every 2 steps: each log merges two records, the NaN step's (2) with the finite one after it.
+    # Read every 2 steps, and at once after the NaN step (flush_on_nonfinite): logs after records 1,
+    # 2 (the NaN step's own) and 4.
     recorder = nanscan.Recorder(sinks=[records.append], every=2, warn=False)
     callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
     trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[Poison(), callback])
@@ -187,7 +188,7 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
 
     assert records[NAN_STEP].nonfinite_ranks == {"transformer.h.1.mlp.c_fc.weight": [0]}
     logged = [entry for entry in trainer.state.log_history if "nanscan/total_norm" in entry]
-    assert [int(e["nanscan/step"]) for e in logged] == [1, 3, 5]
+    assert [int(e["nanscan/step"]) for e in logged] == [1, 2, 4]
     # The one rank's shard held the NaN, in one parameter; the logs of finite records name no rank.
     ranks = [{k: v for k, v in e.items() if k.startswith("nanscan/nonfinite_rank")} for e in logged]
     assert ranks == [{}, {"nanscan/nonfinite_rank/0": 1.0}, {}]

@@ -172,8 +172,8 @@ def test_a_forked_child_reads_out_nothing(tmp_path: Path) -> None:
 
 
 def close_open_recorders() -> None:
-    """Closes the recorders other tests left open (or to the garbage collector): the handler is back
-    to what it was before the first of them."""
+    """Closes the recorders other tests left open (those left to the garbage collector put the handler
+    back when collected)."""
     gc.collect()
     for recorder in list(_open_recorders):
         recorder.close()
@@ -188,6 +188,12 @@ def test_the_previous_handler_is_back_after_the_last_close() -> None:
     first.close()
     assert signal.getsignal(signal.SIGTERM) is not previous  # the second is still open
     second.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    # A recorder dropped without close(): collected, it puts the handler back too.
+    dropped = nanscan.Recorder(warn=False)
+    assert signal.getsignal(signal.SIGTERM) is not previous
+    del dropped
+    gc.collect()
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
