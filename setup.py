@@ -2,14 +2,20 @@
 
 Install with `pip install --no-build-isolation -e .`: an isolated build would fetch another torch.
 The CUDA backend is built when the installed torch was built with CUDA; whether a GPU is visible is
-irrelevant (build machines often have none). The toolkit is $CUDA_HOME or $CUDA_PATH, else the one
-torch finds (nvcc on PATH, /usr/local/cuda). A CUDA torch with no toolkit found is an error, not a
-silent CPU-only build: set CUDA_HOME, or NANSCAN_CPU_ONLY=1 to build the CPU backend on purpose.
+irrelevant (build machines often have none). The toolkit is found by tools/cuda_toolkit.py:
+$CUDA_HOME or $CUDA_PATH, nvcc on PATH (resolved to its real toolkit), NVIDIA's pip packages in this
+environment, /usr/local/cuda; its CUDA major must be torch's. A CUDA torch with no toolkit found is
+an error that names the pip command installing one, not a silent CPU-only build: NANSCAN_CPU_ONLY=1
+builds the CPU backend on purpose. Without TORCH_CUDA_ARCH_LIST, the kernels are built for every GPU
+architecture the installed torch was built for, from sm_75 on, with PTX for the newest.
 """
 
 import glob
 import os
+import site
 import sys
+import sysconfig
+from pathlib import Path
 
 import torch
 from setuptools import setup
@@ -18,6 +24,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import cuda_toolkit  # noqa: E402  (tools/, beside this file: the search is tested on its own)
 
 # No flag that lets the compiler assume finite math may reach this code (never -ffast-math / -Ofast /
 # -ffinite-math-only). -fno-trapping-math only lets it compute both sides of a select, which the
@@ -37,37 +45,64 @@ def log(message: str) -> None:
     print(f"nanscan setup: {message}", file=sys.stderr)
 
 
-def cuda_build_reason() -> tuple[bool, str]:
-    """Whether to build the CUDA backend, and why, from the installed torch and the toolkit found.
+def site_dirs() -> list:
+    """The active environment's site-packages directories, where NVIDIA's pip toolkit would be."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [Path(d) for d in dict.fromkeys(dirs)]
 
-    Raises SystemExit when torch has CUDA but no toolkit is found: a CPU-only build there would fail
-    only later, at the first CUDA call."""
+
+def cuda_toolkit_for_build():
+    """The toolkit to build the CUDA backend with, or None for a CPU-only build, and why.
+
+    Raises SystemExit when torch has CUDA but no toolkit of its CUDA major is found: a CPU-only build
+    there would fail only later, at the first CUDA call."""
     if os.environ.get("NANSCAN_CPU_ONLY") == "1":
-        return False, "NANSCAN_CPU_ONLY=1"
+        return None, "NANSCAN_CPU_ONLY=1"
     if torch.version.cuda is None:
-        return False, f"torch {torch.__version__} has no CUDA support"
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or cpp_extension.CUDA_HOME
-    if not cuda_home or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
-        raise SystemExit(
-            f"nanscan setup: torch {torch.__version__} has CUDA {torch.version.cuda}, but no CUDA toolkit was "
-            f"found (looked at $CUDA_HOME, $CUDA_PATH, nvcc on PATH and /usr/local/cuda; got {cuda_home!r}). "
-            "Set CUDA_HOME to the toolkit (the directory holding bin/nvcc), or set NANSCAN_CPU_ONLY=1 to "
-            "build the CPU backend only."
-        )
-    return True, f"torch has CUDA {torch.version.cuda}, toolkit at {cuda_home}"
+        return None, f"torch {torch.__version__} has no CUDA support"
+    try:
+        toolkit = cuda_toolkit.find_toolkit(torch.version.cuda, os.environ, site_dirs())
+    except cuda_toolkit.ToolkitNotFound as error:
+        raise SystemExit(f"nanscan setup: {error}") from None
+    return toolkit, (
+        f"torch has CUDA {torch.version.cuda}, toolkit CUDA {toolkit.version[0]}.{toolkit.version[1]} at "
+        f"{toolkit.home} ({toolkit.found_by})"
+    )
+
+
+def cudart_link_dir(toolkit) -> list:
+    """A directory holding ``libcudart.so`` for ``-lcudart``, where the toolkit ships only
+    ``libcudart.so.N`` (NVIDIA's pip runtime): a link to it in the build tree. The library then needs
+    ``libcudart.so.N``, the one torch itself loads."""
+    if toolkit.cudart is None:
+        return []
+    directory = os.path.join(ROOT, "build", "cudart-link")
+    os.makedirs(directory, exist_ok=True)
+    link = os.path.join(directory, "libcudart.so")
+    if os.path.islink(link) or os.path.exists(link):
+        os.remove(link)
+    os.symlink(toolkit.cudart, link)
+    return [directory]
 
 
 def extension():
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-    with_cuda, reason = cuda_build_reason()
-    if not with_cuda:
+    toolkit, reason = cuda_toolkit_for_build()
+    if toolkit is None:
         sources = [s for s in sources if not s.endswith("cuda_binding.cpp")]
         log(f"building CPU backend only ({reason})")
         log(f"sources: {', '.join(sources)}")
         return CppExtension("nanscan._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS)
 
-    # Without an explicit list, torch probes the local GPU, which fails on a build machine without one.
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # torch's build helpers read the toolkit from this module attribute and the variable.
+    cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = str(toolkit.home)
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+        # Left unset, torch would probe the local GPU (none on most build machines) and build for it only.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_toolkit.arch_list(
+            torch._C._cuda_getArchFlags(), cuda_toolkit.nvcc_gpu_archs(toolkit)
+        )
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     log(f"building CPU + CUDA backends ({reason}; arch list {os.environ['TORCH_CUDA_ARCH_LIST']})")
     log(f"sources: {', '.join(sources)}")
@@ -75,6 +110,8 @@ def extension():
         "nanscan._C",
         sources,
         define_macros=[("NANSCAN_WITH_CUDA", "1")],
+        include_dirs=[str(d) for d in toolkit.include_dirs],
+        library_dirs=[str(d) for d in toolkit.library_dirs] + cudart_link_dir(toolkit),
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
         extra_link_args=LINK_FLAGS,
     )

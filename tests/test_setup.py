@@ -4,6 +4,7 @@ silent CPU-only build (whose first CUDA call would fail far from the cause)."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,10 @@ import torch
 
 from conftest import ROOT
 
+sys.path.insert(0, str(ROOT / "tools"))
+import cuda_toolkit
+from cuda_toolkit import ToolkitNotFound, arch_list, find_toolkit
+
 
 def setup_functions() -> dict[str, Any]:
     """setup.py's imports, constants and functions, without its call to setup()."""
@@ -25,57 +30,174 @@ def setup_functions() -> dict[str, Any]:
     return namespace
 
 
+def fake_nvcc(
+    path: Path, release: str, top: Path | None = None, archs: str = "compute_75 compute_80 compute_90"
+) -> Path:
+    """An executable that answers as nvcc does: ``--version``, ``--dryrun`` (the toolkit's TOP, on
+    stderr) and ``--list-gpu-arch``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    top_line = f'echo "#\\$ TOP={top}/bin/.." >&2' if top is not None else "true"
+    path.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        f'  --version) echo "Cuda compilation tools, release {release}, V{release}.1";;\n'
+        f"  --dryrun) {top_line};;\n"
+        f'  --list-gpu-arch) echo "{archs}";;\n'
+        "esac\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def toolkit_dir(root: Path, release: str) -> Path:
+    """A system-style toolkit: bin/nvcc (which names its own TOP), include, lib64."""
+    fake_nvcc(root / "bin" / "nvcc", release, top=root)
+    (root / "include").mkdir()
+    return root
+
+
+def nothing_here(tmp_path: Path) -> dict[str, Any]:
+    """find_toolkit's arguments for a machine with no toolkit anywhere."""
+    return {"environ": {"PATH": str(tmp_path / "empty")}, "site_dirs": [], "default_home": tmp_path / "no-cuda"}
+
+
+def test_cuda_home_or_cuda_path_first_and_a_wrong_one_is_an_error(tmp_path: Path) -> None:
+    where = nothing_here(tmp_path)
+    explicit = toolkit_dir(tmp_path / "explicit", "13.0")
+    toolkit = find_toolkit("13.0", **where | {"environ": {"CUDA_PATH": str(explicit)}})
+    assert toolkit.home == explicit and toolkit.version == (13, 0) and toolkit.found_by == "$CUDA_PATH"
+    with pytest.raises(ToolkitNotFound, match=r"\$CUDA_HOME=.* holds no bin/nvcc"):
+        find_toolkit("13.0", **where | {"environ": {"CUDA_HOME": str(tmp_path)}})
+    old = toolkit_dir(tmp_path / "old", "12.4")
+    with pytest.raises(ToolkitNotFound, match=r"is CUDA 12.4, but torch was built with CUDA 13.0.*pip install"):
+        find_toolkit("13.0", **where | {"environ": {"CUDA_HOME": str(old)}})
+
+
+def test_an_nvcc_wrapper_on_path_resolves_to_its_real_toolkit(tmp_path: Path) -> None:
+    """A wrapper script in a directory that is no toolkit: nvcc's --dryrun names the real one."""
+    real = toolkit_dir(tmp_path / "cuda-13.0", "13.0")
+    wrapper = tmp_path / "usr-local" / "bin" / "nvcc"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
+    wrapper.chmod(0o755)
+    where = nothing_here(tmp_path) | {"environ": {"PATH": str(wrapper.parent)}}
+    toolkit = find_toolkit("13.0", **where)
+    assert toolkit.home == real and toolkit.found_by.startswith("nvcc on PATH")
+
+
+def test_nvidias_pip_toolkit_of_cuda_13_and_of_cuda_12(tmp_path: Path) -> None:
+    """CUDA 13's one directory (CCCL under include/cccl) and CUDA 12's components; their runtime has
+    only libcudart.so.N, which the build links through a directory of its own."""
+    site = tmp_path / "site-packages"
+    cu13 = site / "nvidia" / "cu13"
+    fake_nvcc(cu13 / "bin" / "nvcc", "13.0")
+    (cu13 / "include" / "cccl").mkdir(parents=True)
+    (cu13 / "lib").mkdir()
+    (cu13 / "lib" / "libcudart.so.13").write_bytes(b"")
+    where = nothing_here(tmp_path) | {"site_dirs": [site]}
+    toolkit = find_toolkit("13.0", **where)
+    assert toolkit.home == cu13 and toolkit.found_by.startswith("NVIDIA's pip packages")
+    assert toolkit.include_dirs == (cu13 / "include" / "cccl",) and toolkit.library_dirs == (cu13 / "lib",)
+    assert toolkit.cudart == cu13 / "lib" / "libcudart.so.13"
+    nvidia = site / "nvidia"
+    fake_nvcc(nvidia / "cuda_nvcc" / "bin" / "nvcc", "12.8")
+    for component in ("cuda_runtime/include", "cuda_runtime/lib", "cuda_cccl/include"):
+        (nvidia / component).mkdir(parents=True)
+    (nvidia / "cuda_runtime" / "lib" / "libcudart.so.12").write_bytes(b"")
+    toolkit = find_toolkit("12.8", **where)
+    assert toolkit.home == nvidia / "cuda_nvcc" and toolkit.version == (12, 8)
+    assert toolkit.include_dirs == (nvidia / "cuda_runtime" / "include", nvidia / "cuda_cccl" / "include")
+    assert toolkit.cudart == nvidia / "cuda_runtime" / "lib" / "libcudart.so.12"
+
+
+def test_the_search_order_skips_toolkits_of_another_cuda_major(tmp_path: Path) -> None:
+    """nvcc on PATH before pip before /usr/local/cuda; one of another major is passed over, and named
+    if nothing else is found, with the pip command that installs the right one."""
+    on_path = toolkit_dir(tmp_path / "cuda-13.0", "13.0")
+    site = tmp_path / "site-packages"
+    fake_nvcc(site / "nvidia" / "cuda_nvcc" / "bin" / "nvcc", "12.6")
+    default = toolkit_dir(tmp_path / "usr-local-cuda", "12.6")
+    where = {"environ": {"PATH": str(on_path / "bin")}, "site_dirs": [site], "default_home": default}
+    assert find_toolkit("13.0", **where).home == on_path
+    assert find_toolkit("12.6", **where).home == site / "nvidia" / "cuda_nvcc"
+    assert find_toolkit("12.6", **where | {"site_dirs": []}).home == default
+    with pytest.raises(ToolkitNotFound) as error:
+        find_toolkit("11.8", **where)
+    message = str(error.value)
+    assert "no CUDA 11 toolkit was found" in message and f"{on_path} (CUDA 13.0" in message
+    assert 'pip install "nvidia-cuda-nvcc-cu11==11.8.*"' in message and "NANSCAN_CPU_ONLY=1" in message
+    with pytest.raises(ToolkitNotFound, match=r'pip install "nvidia-cuda-nvcc==13.2.\*" "nvidia-cuda-cccl==13.2.\*"'):
+        find_toolkit("13.2", **nothing_here(tmp_path))
+
+
+def test_the_arch_list_is_torchs_from_sm_75_with_ptx_for_the_newest() -> None:
+    torch_flags = "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+    nvcc_13 = [
+        "compute_75",
+        "compute_80",
+        "compute_86",
+        "compute_87",
+        "compute_89",
+        "compute_90",
+        "compute_100",
+        "compute_110",
+        "compute_120",
+    ]
+    assert arch_list(torch_flags, nvcc_13) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"
+    assert arch_list(torch_flags, nvcc_13[:6]) == "7.5;8.0;8.6;9.0+PTX"  # an nvcc that stops at sm_90
+    with pytest.raises(ToolkitNotFound, match="set TORCH_CUDA_ARCH_LIST"):
+        arch_list("sm_50 sm_60", nvcc_13)
+
+
 @pytest.fixture
-def cuda_torch(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """setup.py's functions, seeing a torch built with CUDA and no toolkit anywhere."""
+def cuda_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    """setup.py's functions, seeing a torch built with CUDA 13.0 and no toolkit anywhere."""
     setup = setup_functions()
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(setup["cpp_extension"], "CUDA_HOME", None)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(cuda_toolkit, "DEFAULT_HOME", tmp_path / "no-cuda")
+    monkeypatch.setattr(cuda_toolkit.find_toolkit, "__defaults__", (tmp_path / "no-cuda",))
+    setup["site_dirs"] = list
     for name in ("CUDA_HOME", "CUDA_PATH", "NANSCAN_CPU_ONLY"):
         monkeypatch.delenv(name, raising=False)
     return setup
 
 
-def test_cuda_torch_without_a_toolkit_fails_loudly(cuda_torch: dict[str, Any]) -> None:
-    with pytest.raises(SystemExit, match=r"no CUDA toolkit was found.*Set CUDA_HOME.*NANSCAN_CPU_ONLY=1"):
-        cuda_torch["cuda_build_reason"]()
+def test_cuda_torch_without_a_toolkit_fails_loudly_with_the_pip_command(cuda_torch: dict[str, Any]) -> None:
+    with pytest.raises(SystemExit, match=r"no CUDA 13 toolkit was found.*pip install .*NANSCAN_CPU_ONLY=1"):
+        cuda_torch["cuda_toolkit_for_build"]()
 
 
 def test_opt_out_builds_the_cpu_backend(cuda_torch: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NANSCAN_CPU_ONLY", "1")
-    assert cuda_torch["cuda_build_reason"]() == (False, "NANSCAN_CPU_ONLY=1")
+    assert cuda_torch["cuda_toolkit_for_build"]() == (None, "NANSCAN_CPU_ONLY=1")
 
 
-def fake_toolkit(root: Path) -> Path:
-    (root / "bin").mkdir(parents=True)
-    (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
-    return root
-
-
-def test_toolkit_from_the_environment_or_from_torch(
+def test_a_toolkit_found_says_where(
     cuda_torch: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # torch's own detection (nvcc on PATH, /usr/local/cuda) when no variable is set.
-    found_by_torch = fake_toolkit(tmp_path / "found")
-    monkeypatch.setattr(cuda_torch["cpp_extension"], "CUDA_HOME", str(found_by_torch))
-    with_cuda, reason = cuda_torch["cuda_build_reason"]()
-    assert with_cuda and str(found_by_torch) in reason
-    # CUDA_HOME wins over it.
-    explicit = fake_toolkit(tmp_path / "explicit")
-    monkeypatch.setenv("CUDA_HOME", str(explicit))
-    with_cuda, reason = cuda_torch["cuda_build_reason"]()
-    assert with_cuda and str(explicit) in reason
-    # A CUDA_HOME without bin/nvcc is no toolkit.
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    with pytest.raises(SystemExit, match="no CUDA toolkit was found"):
-        cuda_torch["cuda_build_reason"]()
+    home = toolkit_dir(tmp_path / "cuda", "13.0")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    toolkit, reason = cuda_torch["cuda_toolkit_for_build"]()
+    assert toolkit.home == home and f"toolkit CUDA 13.0 at {home} ($CUDA_HOME)" in reason
+
+
+def test_pips_runtime_is_linked_through_a_directory_of_its_own(cuda_torch: dict[str, Any], tmp_path: Path) -> None:
+    cudart = tmp_path / "lib" / "libcudart.so.13"
+    cudart.parent.mkdir()
+    cudart.write_bytes(b"")
+    cuda_torch["ROOT"] = str(tmp_path)
+    toolkit = cuda_toolkit.Toolkit(home=tmp_path, version=(13, 0), found_by="test", cudart=cudart)
+    [directory] = cuda_torch["cudart_link_dir"](toolkit)
+    assert os.readlink(Path(directory) / "libcudart.so") == str(cudart)
+    assert cuda_torch["cudart_link_dir"](cuda_toolkit.Toolkit(home=tmp_path, version=(13, 0), found_by="test")) == []
 
 
 def test_cpu_torch_builds_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     setup = setup_functions()
     monkeypatch.setattr(torch.version, "cuda", None)
-    with_cuda, reason = setup["cuda_build_reason"]()
-    assert not with_cuda and "has no CUDA support" in reason
+    toolkit, reason = setup["cuda_toolkit_for_build"]()
+    assert toolkit is None and "has no CUDA support" in reason
 
 
 @pytest.mark.skipif(
