@@ -1,6 +1,8 @@
 """Build nanscan's compiled library, nanscan._C, against the torch that is already installed.
 
-Install with `pip install --no-build-isolation -e .`: an isolated build would fetch another torch.
+Install with `pip install --no-build-isolation -e .`: the build compiles against the torch installed
+in this environment, which pip's default isolated build cannot see; there, the build stops at once
+and says so (pyproject.toml does not ask for torch in the build environment: it would be another one).
 The CUDA backend is built when the installed torch was built with CUDA; whether a GPU is visible is
 irrelevant (build machines often have none). The toolkit is found by tools/cuda_toolkit.py:
 $CUDA_HOME or $CUDA_PATH, nvcc on PATH (resolved to its real toolkit), NVIDIA's pip packages in this
@@ -17,8 +19,16 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import torch
 from setuptools import setup
+
+try:
+    import torch
+except ImportError:
+    raise SystemExit(
+        "nanscan setup: no torch in the build environment. nanscan compiles against the torch installed where "
+        "it will run, which an isolated build (pip's default) cannot see: install torch, then run pip with "
+        "--no-build-isolation (pip install --no-build-isolation .)"
+    ) from None
 from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 

@@ -24,7 +24,7 @@ from cuda_toolkit import ToolkitNotFound, arch_list, find_toolkit
 def setup_functions() -> dict[str, Any]:
     """setup.py's imports, constants and functions, without its call to setup()."""
     tree = ast.parse((ROOT / "setup.py").read_text())
-    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assign))]
+    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.Try, ast.FunctionDef, ast.Assign))]
     namespace: dict[str, Any] = {"__file__": str(ROOT / "setup.py")}
     exec(compile(ast.Module(body=kept, type_ignores=[]), "setup.py", "exec"), namespace)
     return namespace
@@ -191,6 +191,18 @@ def test_pips_runtime_is_linked_through_a_directory_of_its_own(cuda_torch: dict[
     [directory] = cuda_torch["cudart_link_dir"](toolkit)
     assert os.readlink(Path(directory) / "libcudart.so") == str(cudart)
     assert cuda_torch["cudart_link_dir"](cuda_toolkit.Toolkit(home=tmp_path, version=(13, 0), found_by="test")) == []
+
+
+def test_a_build_environment_without_torch_stops_at_once_and_says_why() -> None:
+    """pip's default isolated build has no torch (pyproject.toml does not fetch one: it would be
+    another torch than the user's): setup.py stops before anything else, naming the flag to use."""
+    blocked = "import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; " + (
+        "runpy.run_path('setup.py', run_name='__main__')"
+    )
+    run = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert run.returncode == 1
+    assert "no torch in the build environment" in run.stderr and "--no-build-isolation" in run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def test_cpu_torch_builds_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
