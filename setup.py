@@ -97,6 +97,17 @@ def cudart_link_dir(toolkit) -> list:
     return [directory]
 
 
+def write_arch_header(arch_list: str) -> str:
+    """A header in the build tree naming the architectures built for, which the CUDA binding's error for
+    a GPU without a kernel quotes; returns its directory."""
+    directory = os.path.join(ROOT, "build", "generated")
+    os.makedirs(directory, exist_ok=True)
+    quoted = arch_list.replace("\\", "").replace('"', "")
+    with open(os.path.join(directory, "nanscan_cuda_archs.h"), "w") as header:
+        header.write(f'// Written by setup.py.\n#pragma once\n#define NANSCAN_CUDA_ARCHS "{quoted}"\n')
+    return directory
+
+
 def extension():
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
     toolkit, reason = cuda_toolkit_for_build()
@@ -114,13 +125,14 @@ def extension():
             torch._C._cuda_getArchFlags(), cuda_toolkit.nvcc_gpu_archs(toolkit)
         )
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+    arch_header_dir = write_arch_header(os.environ["TORCH_CUDA_ARCH_LIST"])
     log(f"building CPU + CUDA backends ({reason}; arch list {os.environ['TORCH_CUDA_ARCH_LIST']})")
     log(f"sources: {', '.join(sources)}")
     return CUDAExtension(
         "nanscan._C",
         sources,
         define_macros=[("NANSCAN_WITH_CUDA", "1")],
-        include_dirs=[str(d) for d in toolkit.include_dirs],
+        include_dirs=[arch_header_dir, *(str(d) for d in toolkit.include_dirs)],
         library_dirs=[str(d) for d in toolkit.library_dirs] + cudart_link_dir(toolkit),
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
         extra_link_args=LINK_FLAGS,

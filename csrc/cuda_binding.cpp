@@ -38,6 +38,33 @@ std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vect
   return args;
 }
 
+// The GPU architectures this build holds kernels for, for the error below: setup.py writes them into a
+// header in the build tree (TORCH_CUDA_ARCH_LIST as it built); a build without it says so.
+#if __has_include("nanscan_cuda_archs.h")
+#include "nanscan_cuda_archs.h"
+#else
+#define NANSCAN_CUDA_ARCHS "unknown (a build outside setup.py)"
+#endif
+
+// A launch's error; a GPU this build holds no kernel for is named, with what the build holds and how
+// to build for it, where CUDA alone says "no kernel image is available for execution on the device".
+void check_launch(cudaError_t err) {
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    (void)cudaGetLastError();  // not left pending for the next launch's check
+    const int device = c10::cuda::current_device();
+    cudaDeviceProp prop{};
+    const bool known = cudaGetDeviceProperties(&prop, device) == cudaSuccess;
+    TORCH_CHECK(false, "nanscan: no CUDA kernel for this GPU: cuda:", device, " is ", known ? prop.name : "a GPU",
+                " (compute capability ", prop.major, ".", prop.minor,
+                "), and this build of nanscan holds kernels for TORCH_CUDA_ARCH_LIST=", NANSCAN_CUDA_ARCHS,
+                " (+PTX: also GPUs newer than that one). Rebuild nanscan where it runs: pip install "
+                "--no-build-isolation . builds for every architecture the installed torch supports, or set "
+                "TORCH_CUDA_ARCH_LIST to include ",
+                prop.major, ".", prop.minor);
+  }
+  C10_CUDA_CHECK(err);
+}
+
 // Multiprocessor count of the current device, queried once per device (no CUDA call on later steps).
 int sm_count() {
   static std::array<int, 64> cached{};  // racing writers store the same value
@@ -134,7 +161,7 @@ class DeviceListCache {
     }
     auto device = OwnedDeviceBlob::allocate(plan.bytes(), stream.stream());
     if (device == nullptr) return nullptr;
-    C10_CUDA_CHECK(cuda::upload_list(plan, device->get(), stream.stream()));
+    check_launch(cuda::upload_list(plan, device->get(), stream.stream()));
     if (entries_.size() == kMaxEntries) {
       entries_.erase(std::min_element(entries_.begin(), entries_.end(),
                                       [](const Entry& a, const Entry& b) { return a.last_use < b.last_use; }));
@@ -187,7 +214,7 @@ DeviceList device_list(const cuda::ListPlan& plan, const at::Device& device) {
   }
   list.for_this_call =
       at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::upload_list(plan, list.for_this_call.data_ptr(), stream.stream()));
+  check_launch(cuda::upload_list(plan, list.for_this_call.data_ptr(), stream.stream()));
   list.blob = list.for_this_call.const_data_ptr();
   return list;
 }
@@ -228,8 +255,8 @@ void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, c
   if (dense.empty()) return;
   const cuda::ListPlan& plan = plan_of(dense);
   const DeviceList list = device_list(plan, tensors[0].device());
-  C10_CUDA_CHECK(cuda::scale(plan, list.blob, coef.const_data_ptr(), coef_tag, rounding, sm_count(),
-                             c10::cuda::getCurrentCUDAStream()));
+  check_launch(cuda::scale(plan, list.blob, coef.const_data_ptr(), coef_tag, rounding, sm_count(),
+                           c10::cuda::getCurrentCUDAStream()));
   // Whether the kernel writes is decided on the device (coef == 1 writes nothing); the host cannot
   // know without a sync, so it assumes a write.
   bump_versions_of_dense(tensors);
@@ -252,9 +279,9 @@ ScanResultTuple scan_and_maybe_multiply(at::TensorList tensors, ScanOptions opti
   const int num_sms = sm_count();
   at::Tensor workspace =
       at::empty({static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms))}, device.dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data_ptr(),
-                            static_cast<size_t>(workspace.numel()), num_sms, c10::cuda::getCurrentCUDAStream(),
-                            multiply_by));
+  check_launch(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data_ptr(),
+                          static_cast<size_t>(workspace.numel()), num_sms, c10::cuda::getCurrentCUDAStream(),
+                          multiply_by));
   return as_tuple(out);
 }
 

@@ -22,6 +22,9 @@
 #                                          # source counters and instruction mix of tools/ncu_scan.py's
 #                                          # launches: where the 10,000 x 1K scan's 963 instructions per
 #                                          # tensor go (NOTES.md entry 28); the report file to $out (~2 min)
+#   tools/gpu_session.sh no-kernel         # a copy built for sm_80 only (no PTX), in a temporary
+#                                          # folder: its first scan on this sm_90 GPU must fail naming
+#                                          # the GPU and the architectures held (issue 34, ~2 minutes)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
@@ -41,7 +44,7 @@
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|magnitudes|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|magnitudes|no-kernel|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -74,6 +77,27 @@ tests() {
   "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 14)
   "$PY" -m pytest -q -rfE "${parallel[@]}" --durations=20 tests --deselect tests/test_cuda_emulated.py 2>&1 |
     tee "$out/pytest.log" | tail -15
+}
+
+no_kernel() {
+  echo "== a build without a kernel for this GPU"
+  local copy
+  copy="$(mktemp -d)"
+  git ls-files -z | xargs -0 cp --parents -t "$copy"
+  (cd "$copy" && TORCH_CUDA_ARCH_LIST=8.0 "$PY" setup.py build_ext --inplace >"$out/no_kernel_build.log" 2>&1) ||
+    { tail -30 "$out/no_kernel_build.log"; return 1; }
+  PYTHONPATH="$copy" "$PY" - <<'PY' 2>&1 | tee "$out/no_kernel.log"
+import torch, nanscan
+try:
+    nanscan.scan([torch.ones(3, device="cuda")])
+except RuntimeError as error:
+    message = str(error)
+    assert "no CUDA kernel for this GPU" in message and "TORCH_CUDA_ARCH_LIST=8.0" in message, message
+    print("no-kernel: ok:", message.splitlines()[0][:400])
+else:
+    raise SystemExit("no-kernel: FAILED: a build for sm_80 only ran on this GPU")
+PY
+  rm -rf "$copy"
 }
 
 sanitize() {
@@ -215,6 +239,7 @@ case "$stage" in
   sanitize) build; sanitize "$@" ;;
   bench) build; bench "$@" ;;
   magnitudes) build; magnitudes ;;
+  no-kernel) no_kernel ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
