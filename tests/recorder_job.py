@@ -112,11 +112,15 @@ def main() -> int:
         _, status = os.waitpid(child, 0)
         print(f"child ended by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else "child exited", flush=True)
     print("ready", flush=True)
-    if args.then == "close" or signalled:
+
+    def close() -> int:
         for recorder in recorders:
             recorder.close()
-        print(f"closed after {signalled or 'no'} signal", flush=True)
+        print(f"closed after {f'signal {signalled[0]}' if signalled else 'no signal'}", flush=True)
         return 0
+
+    if args.then == "close" or signalled:  # signalled already: the signal came with "ready"
+        return close()
     if args.then == "train":
         step = args.steps
         while True:
@@ -126,10 +130,7 @@ def main() -> int:
     while time.monotonic() < deadline:
         time.sleep(0.01)
         if signalled:  # a handler that lets the job go on: it closes its recorders and ends
-            for recorder in recorders:
-                recorder.close()
-            print(f"closed after signal {signalled[0]}", flush=True)
-            return 0
+            return close()
     return 4  # never signalled
 
 
