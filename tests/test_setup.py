@@ -205,6 +205,34 @@ def test_a_build_environment_without_torch_stops_at_once_and_says_why() -> None:
     assert "Traceback" not in run.stderr
 
 
+def test_the_source_distribution_holds_what_the_build_reads(tmp_path: Path) -> None:
+    """pip install from an sdist builds from it alone: every file under csrc/ (headers too) and the
+    toolkit search setup.py imports (MANIFEST.in)."""
+    import tarfile
+
+    # In a copy without build products: an egg-info left by an earlier build lists files of its own.
+    tree = tmp_path / "tree"
+    ignored = shutil.ignore_patterns(
+        ".git", "*.egg-info", "build", "*.so", "__pycache__", "out", "nanscan-demo", "shared"
+    )
+    shutil.copytree(ROOT, tree, ignore=ignored)
+    run = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path), "--formats", "gztar"],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env={**os.environ, "NANSCAN_CPU_ONLY": "1"},
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    [archive] = tmp_path.glob("nanscan-*.tar.gz")
+    with tarfile.open(archive) as sdist:
+        held = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    wanted = {str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.is_file()}
+    assert wanted <= held, sorted(wanted - held)
+    assert {"tools/cuda_toolkit.py", "setup.py", "pyproject.toml"} <= held
+
+
 def test_cpu_torch_builds_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     setup = setup_functions()
     monkeypatch.setattr(torch.version, "cuda", None)
