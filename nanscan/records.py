@@ -222,11 +222,10 @@ def _decode_bool(value: object, field: str) -> bool:
 def _decode_list(values: object, field: str) -> list[float]:
     """A per-parameter array: numbers as they are (the common case: one type test per value, no
     call), the non-finite strings converted; anything else an error naming the field and index."""
-    if type(values) is not list:
-        raise ValueError(f"{field} is {values!r:.60}, not an array")
-    if all(type(v) in _NUMBER_TYPES for v in values):
-        return values  # ints (the counts) are read as numbers either way
-    return [_decode(v, f"{field}[{i}]") for i, v in enumerate(values)]
+    array = _as_list(values, field)
+    if all(type(v) in _NUMBER_TYPES for v in array):
+        return array  # ints (the counts) are read as numbers either way
+    return [_decode(v, f"{field}[{i}]") for i, v in enumerate(array)]
 
 
 def _decode_ranks(value: object, names: Sequence[str]) -> dict[str, list[int]] | None:
@@ -247,6 +246,7 @@ def _decode_ranks(value: object, names: Sequence[str]) -> dict[str, list[int]] |
 
 
 def _as_list(value: object, field: str) -> list[Any]:
+    """A JSON array of a line, or an error naming its field."""
     if type(value) is not list:
         raise ValueError(f"{field} is {value!r:.60}, not an array")
     return value
