@@ -25,6 +25,16 @@
 #   tools/gpu_session.sh no-kernel         # a copy built for sm_80 only (no PTX), in a temporary
 #                                          # folder: its first scan on this sm_90 GPU must fail naming
 #                                          # the GPU and the architectures held (issue 34, ~2 minutes)
+#   tools/gpu_session.sh nccl              # build, then tools/nccl_one_rank.py: check, clip, the
+#                                          # GradScaler, the recorder and verify_replicas under a
+#                                          # one-rank NCCL group, FSDP2, DDP + attach and FSDP1, no sync
+#   tools/gpu_session.sh host              # build, then bench_host.py on the GPU: host ns per tensor of
+#                                          # check(params), the clips and the scalers, 10,000 tensors
+#   tools/gpu_session.sh lend              # one 15-minute lend's worth, most needed first, each stage
+#                                          # bounded in time: build (the no-kernel copy built beside
+#                                          # it), nccl, host, test_cuda.py, sanitize, magnitudes (GPT-2
+#                                          # small), no-kernel; the whole suite is the next command's
+#                                          # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`), ~7 minutes
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
@@ -43,8 +53,9 @@
 # sanitizer needs a Firecracker machine (nvidia-h100-x1 so far):
 # on gVisor it refuses the device (the device tool's KINDS.md).
 set -euo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|sanitize [TOOL...]|bench|magnitudes|no-kernel|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -79,13 +90,41 @@ tests() {
     tee "$out/pytest.log" | tail -15
 }
 
+suite() {
+  echo "== the whole suite but test_cuda.py"
+  local parallel=()
+  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 14)
+  "$PY" -m pytest -q -rfE "${parallel[@]}" --durations=20 tests --deselect tests/test_cuda_emulated.py \
+      --deselect tests/test_cuda.py 2>&1 | tee "$out/pytest.log" | tail -15
+}
+
+nccl() {
+  echo "== one-rank NCCL"
+  "$PY" tools/nccl_one_rank.py --json "$out/nccl.json" 2>"$out/nccl.err" | tee "$out/nccl.txt"
+}
+
+host() {
+  echo "== host time per tensor"
+  "$PY" benchmarks/bench_host.py --device cuda 2>&1 | tee "$out/host_cuda.txt"
+}
+
+# A copy of the checkout built for sm_80 alone, in folder $1 (no GPU needed: it can build while
+# another stage runs).
+no_kernel_build() {
+  # The checkout as it is (the device machine's copy has no .git), without what a build left.
+  tar --exclude=./.git --exclude=./.mypy_cache --exclude=./build --exclude='./nanscan/_C*.so' --exclude=./benchmarks/out -cf - . |
+    tar -xf - -C "$1"
+  (cd "$1" && TORCH_CUDA_ARCH_LIST=8.0 "$PY" setup.py build_ext --inplace >"$out/no_kernel_build.log" 2>&1) ||
+    { tail -30 "$out/no_kernel_build.log"; return 1; }
+}
+
 no_kernel() {
   echo "== a build without a kernel for this GPU"
-  local copy
-  copy="$(mktemp -d)"
-  git ls-files -z | xargs -0 cp --parents -t "$copy"
-  (cd "$copy" && TORCH_CUDA_ARCH_LIST=8.0 "$PY" setup.py build_ext --inplace >"$out/no_kernel_build.log" 2>&1) ||
-    { tail -30 "$out/no_kernel_build.log"; return 1; }
+  local copy="${1:-}"
+  if [ -z "$copy" ]; then
+    copy="$(mktemp -d)"
+    no_kernel_build "$copy" || return 1
+  fi
   PYTHONPATH="$copy" "$PY" - <<'PY' 2>&1 | tee "$out/no_kernel.log"
 import torch, nanscan
 try:
@@ -159,10 +198,30 @@ bench() {
 # NaN, with torch's clip beside nanscan's (~4 minutes on the H100 machine).
 magnitudes() {
   echo "== magnitudes"
-  "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,deep_mlp_75x256 --dtype float32,bfloat16 \
+  local models="${1:-gpt2-small,deep_mlp_75x256}"
+  local methods="${2:-nanscan.scan,nanscan.clip(no-clip),torch.clip(no-clip),nanscan.clip(clip),torch.clip(clip)}"
+  "$PY" benchmarks/bench_scan.py --device cuda --models "$models" --dtype float32,bfloat16 \
       --magnitudes ordinary,1e-17,tiny,vanishing,overflow,all_nan --max-repeats 20 --min-time 0.2 \
-      --methods 'nanscan.scan,nanscan.clip(no-clip),torch.clip(no-clip),nanscan.clip(clip),torch.clip(clip)' \
-      --json "$out/magnitudes_cuda.json" 2>"$out/magnitudes_cuda.err" | tee "$out/magnitudes_cuda.txt" | tail -30
+      --methods "$methods" \
+      --json "$out/magnitudes_cuda.json" 2>"$out/magnitudes_cuda.err" | tee "$out/magnitudes_cuda.txt" | tail -40
+}
+
+# One lend: the stages in the order of their need, each bounded (seconds), so that a slow one leaves
+# time to the next; the built library stays for the next command on the same warm machine.
+lend() {
+  local copy
+  copy="$(mktemp -d)"
+  no_kernel_build "$copy" >"$out/no_kernel_bg.log" 2>&1 &
+  local background=$!
+  build || return 1
+  export NANSCAN_PREBUILT=1
+  timeout 90 "$self" nccl || echo "nccl: exit $?"
+  timeout 60 "$self" host || echo "host: exit $?"
+  timeout 80 "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
+  timeout 120 "$self" sanitize || echo "sanitize: exit $?"
+  timeout 130 "$self" magnitudes gpt2-small 'nanscan.scan,nanscan.clip(no-clip),torch.clip(no-clip)' ||
+    echo "magnitudes: exit $?"
+  wait "$background" && no_kernel "$copy" || { echo "no-kernel build failed:"; tail -20 "$out/no_kernel_build.log"; }
 }
 
 # Nsight Compute's command line: on PATH, in the toolkit, or where its installer puts it (empty if none).
@@ -238,8 +297,12 @@ case "$stage" in
   test) build; tests ;;
   sanitize) build; sanitize "$@" ;;
   bench) build; bench "$@" ;;
-  magnitudes) build; magnitudes ;;
+  magnitudes) build; magnitudes "$@" ;;
   no-kernel) no_kernel ;;
+  nccl) build; nccl ;;
+  host) build; host ;;
+  suite) build; suite ;;
+  lend) lend ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
