@@ -24,6 +24,16 @@ SUPPORTED_DTYPES = frozenset(
 MAX_DIMS = 64  # the kernels' limit (kMaxDims in csrc/cpu/scan_cpu.h), which is also torch's
 
 
+def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``, with no host sync: ``torch.tensor(values, device=cuda)``
+    copies from pageable memory, which waits for the GPU (``set_sync_debug_mode("error")`` raises);
+    from pinned memory the copy is queued on the stream. torch's pinned allocator keeps the block
+    until that copy has run, so the host tensor may go out of scope at once."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 _SUBSETS_SEARCHED = 200_000  # rank subsets tried when attributing a NaN held by three ranks or more
 
 
@@ -294,7 +304,7 @@ def scan_sparse(tensors: list[torch.Tensor], names: Sequence[str] | None, fp16_r
     implicit = [t.layout == torch.sparse_coo and v.numel() < t.numel() for t, v in zip(tensors, values, strict=True)]
     if not any(implicit):
         return result
-    zeros = torch.tensor(implicit, dtype=torch.bool, device=result.min.device)  # host data: no sync
+    zeros = upload(implicit, torch.bool, result.min.device)
     return dataclasses.replace(
         result,
         min=torch.where(zeros, result.min.clamp(max=0.0), result.min),
@@ -315,7 +325,7 @@ def _gather_devices(
     for indices in groups.values():
         c, s, total, fin, cast = scan_op([tensors[i] for i in indices], fp16_range, checksum)
         dtypes.append(cast.dtype)
-        index = torch.tensor(indices, device=first)
+        index = upload(indices, torch.int64, first)
         counts[:, index] = c.to(first)
         stats[:, index] = s.to(first)
         # NaN and Inf propagate through the square exactly as the norm rule requires.

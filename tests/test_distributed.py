@@ -17,9 +17,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from distributed_norm_cases import CASES
 
-from conftest import ROOT
+from conftest import ROOT, needs_cuda
 
 WORLDS = [2, 4]
 LAUNCH_TIMEOUT_S = 400  # every case of a world size, on 2 shared cores
@@ -64,3 +65,27 @@ def test_distributed(case: str, world: int) -> None:
     assert len(errors) == world, f"{len(errors)} of {world} ranks reported"
     failed = {rank: error for rank, error in enumerate(errors) if error}
     assert not failed, "\n".join(f"rank {rank}:\n{error}" for rank, error in failed.items())
+
+
+NCCL = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_nccl_available()), reason="torch without NCCL"
+)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"), [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=[pytest.mark.cuda, needs_cuda, NCCL])]
+)
+def test_a_one_rank_group_gives_what_no_group_gives_on_every_stack(backend: str, device: str) -> None:
+    """tools/nccl_one_rank.py: check, clip, the recorder, verify_replicas and the GradScaler on FSDP2,
+    DDP with nanscan's hook and FSDP1 under a one-rank group equal the plain model's; on CUDA (NCCL,
+    the collectives on a stream) inside set_sync_debug_mode("error"), so a host sync fails it."""
+    script = str(ROOT / "tools" / "nccl_one_rank.py")
+    done = subprocess.run(
+        [sys.executable, script, "--backend", backend, "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "8 of 8 passed" in done.stdout, done.stdout

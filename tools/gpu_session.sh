@@ -125,8 +125,11 @@ no_kernel() {
     copy="$(mktemp -d)"
     no_kernel_build "$copy" || return 1
   fi
-  PYTHONPATH="$copy" "$PY" - <<'PY' 2>&1 | tee "$out/no_kernel.log"
+  # From inside the copy: `python -` puts the working folder first on sys.path, ahead of PYTHONPATH,
+  # and the checkout's own (sm_90) build would be imported instead.
+  (cd "$copy" && "$PY" - <<'PY') 2>&1 | tee "$out/no_kernel.log"
 import torch, nanscan
+print("no-kernel: imported", nanscan.__file__)
 try:
     nanscan.scan([torch.ones(3, device="cuda")])
 except RuntimeError as error:

@@ -190,8 +190,12 @@ def whole(model: torch.nn.Module, grads: bool) -> list[torch.Tensor]:
         values = (flat.grad if grads else flat).detach()
         for info, piece in zip(flat._param_infos, values[: sum(flat._numels)].split(list(flat._numels)), strict=True):
             pieces[(id(info.module), info.param_name)] = piece.clone()
-    return [pieces[(id(m), n)] for m in model.module.modules() for n, _ in m.named_parameters(recurse=False)
-            if (id(m), n) in pieces] or [pieces[k] for k in pieces]
+    return [
+        pieces[(id(m), n)]
+        for m in model.module.modules()
+        for n, _ in m.named_parameters(recurse=False)
+        if (id(m), n) in pieces
+    ] or [pieces[k] for k in pieces]
 
 
 def backward(model: torch.nn.Module, step: int, device: torch.device) -> None:
@@ -221,17 +225,25 @@ def check_and_record(stack: str, wrap: Wrap, device: torch.device) -> Outcome:
             checked = nanscan.check(wrapped, verify_replicas=True)
         theirs = nanscan.check(twin, max_norm=MAX_NORM, recorder=recorders[1])
         what = f"step {step}"
-        outcome.expect(same(ours.total_norm, theirs.total_norm), f"{what}: total {ours.total_norm} != {theirs.total_norm}")
+        outcome.expect(
+            same(ours.total_norm, theirs.total_norm), f"{what}: total {ours.total_norm} != {theirs.total_norm}"
+        )
         outcome.expect(ours.nonfinite == theirs.nonfinite, f"{what}: nonfinite {ours.nonfinite} != {theirs.nonfinite}")
         outcome.expect(ours.finite == (step != NAN_STEP), f"{what}: finite {ours.finite}")
-        outcome.expect(ours.nonfinite_ranks == ({} if ours.finite else {n: [0] for n in ours.nonfinite}),
-                       f"{what}: nonfinite_ranks {ours.nonfinite_ranks}")
-        for (name, a), b in zip(ours.to_dict()["parameters"].items(), theirs.to_dict()["parameters"].values(), strict=True):
+        outcome.expect(
+            ours.nonfinite_ranks == ({} if ours.finite else {n: [0] for n in ours.nonfinite}),
+            f"{what}: nonfinite_ranks {ours.nonfinite_ranks}",
+        )
+        for (name, a), b in zip(
+            ours.to_dict()["parameters"].items(), theirs.to_dict()["parameters"].values(), strict=True
+        ):
             for key in ("norm", "min", "max", "nan_count", "inf_count"):
                 outcome.expect(same(float(a[key]), float(b[key])), f"{what}: {name}.{key} {a[key]} != {b[key]}")
         if step != NAN_STEP:  # a NaN step's clip leaves NaN gradients on both: nothing to compare
             for g, h in zip(whole(wrapped, True), whole(twin, True), strict=True):
-                outcome.expect(torch.allclose(g.view(h.shape), h, rtol=1e-5, atol=1e-7), f"{what}: clipped gradients differ")
+                outcome.expect(
+                    torch.allclose(g.view(h.shape), h, rtol=1e-5, atol=1e-7), f"{what}: clipped gradients differ"
+                )
         outcome.expect(replicas.consistent and checked.replicas_consistent, f"{what}: one rank's replicas differ")
         outcome.figures.setdefault("total_norm", []).append(ours.total_norm)
     for recorder in recorders:
@@ -254,7 +266,7 @@ def grad_scaler(stack: str, wrap: Wrap, device: torch.device) -> Outcome:
             optimizer.zero_grad(set_to_none=False)
             torch.manual_seed(100 + step)
             loss = model(torch.randn(16, DIMS[0], device=device)).float().square().mean()
-            plant_nan(model, step, lambda: scaler.scale(loss).backward())
+            plant_nan(model, step, scaler.scale(loss).backward)
             guard = no_sync_allowed(device) if step > 0 and i == 0 else contextlib.nullcontext()
             with guard:
                 scaler.clip_grad_norm_(optimizer, MAX_NORM)
@@ -290,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(args.backend, rank=0, world_size=1)
-    print(f"torch {torch.__version__}, {args.backend} world size {dist.get_world_size()}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""), flush=True)
+    print(
+        f"torch {torch.__version__}, {args.backend} world size {dist.get_world_size()}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        flush=True,
+    )
     outcomes: list[Outcome] = []
     for stack, wrap in STACKS.items():
         for part, run in (("check+clip+recorder+replicas", check_and_record), ("GradScaler", grad_scaler)):
@@ -308,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump([vars(o) for o in outcomes], f, indent=1)
     failed = sum(bool(o.failures) for o in outcomes)
-    print(f"{len(outcomes) - failed} of {len(outcomes)} passed" + (" (no host sync inside nanscan's calls)"
-          if device.type == "cuda" else ""))
+    print(
+        f"{len(outcomes) - failed} of {len(outcomes)} passed"
+        + (" (no host sync inside nanscan's calls)" if device.type == "cuda" else "")
+    )
     return 1 if failed else 0
 
 

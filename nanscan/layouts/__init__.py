@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import walk
-from ..fused import ScanResult, empty_result, scan_local
+from ..fused import ScanResult, empty_result, scan_local, upload
 from . import ddp, dtensor, fsdp1, refused, single
 from .reduce import (
     Plan,
@@ -299,7 +299,7 @@ def total_norm(layout: Layout, norm_type: float) -> torch.Tensor:
     filled = [i for i, t in enumerate(parts) if t.numel() > 0]
     if filled:
         values = [torch.linalg.vector_norm(parts[i], norm_type, dtype=torch.float64) for i in filled]
-        norms[torch.tensor(filled, device=device)] = torch.stack(values).to(device)
+        norms[upload(filled, torch.int64, device)] = torch.stack(values).to(device)
     terms = torch_norm_terms(norms, norm_type)
     return torch_norm_total(reduce_norm_terms(terms, norm_type, plan, layout.process_group), norm_type)
 

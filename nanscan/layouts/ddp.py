@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .._ops import scan_op
-from ..fused import ScanResult
+from ..fused import ScanResult, upload
 from .reduce import Attribution
 
 GradBucket = Any  # torch.distributed.GradBucket, which torch does not expose to type checkers
@@ -111,7 +111,7 @@ class BucketScanner:
                 position = {pid: i for i, pid in enumerate(ids)}
                 found = [position.get(pid) for pid in self._buckets[index].params]
                 # A bucket with a parameter check did not scan (no gradient now) is left out.
-                places[index] = None if None in found else torch.tensor(found, device=device)
+                places[index] = None if None in found else upload(found, torch.int64, device)
             where = places[index]
             if where is not None:
                 bad.index_copy_(0, where, flags.to(device, torch.float64))

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..fused import Attribution, ScanResult
+from ..fused import Attribution, ScanResult, upload
 
 __all__ = ["Attribution"]  # where the reductions make it; defined beside the ScanResult that holds it
 
@@ -97,10 +97,10 @@ class Group:
 
     def _made_on(self, device: torch.device) -> None:
         if self.device != device:
-            self.index = torch.tensor(self.indices, device=device)
-            self.fingerprints = torch.tensor([self.fingerprint, -self.fingerprint], dtype=torch.float64, device=device)
+            self.index = upload(self.indices, torch.int64, device)
+            self.fingerprints = upload([self.fingerprint, -self.fingerprint], torch.float64, device)
             every = all(self.counted)
-            self.counted_mask = None if every else torch.tensor(self.counted, dtype=torch.bool, device=device)
+            self.counted_mask = None if every else upload(self.counted, torch.bool, device)
             self.row_masks = {}
             self.device = device
 
@@ -166,7 +166,7 @@ class Copies:
     def index_on(self, device: torch.device) -> torch.Tensor:
         """The indices on ``device``, made once (a host-to-device copy per call would be a sync)."""
         if self.index is None or self.index.device != device:
-            self.index = torch.tensor(self.indices, dtype=torch.int64, device=device)
+            self.index = upload(self.indices, torch.int64, device)
         return self.index
 
 
@@ -187,7 +187,7 @@ class Plan:
 
     def own_on(self, device: torch.device) -> torch.Tensor:
         if self.own_index is None or self.own_index.device != device:
-            self.own_index = torch.tensor(self.own, dtype=torch.int64, device=device)
+            self.own_index = upload(self.own, torch.int64, device)
         return self.own_index
 
 
