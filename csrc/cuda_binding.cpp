@@ -57,7 +57,7 @@ void check_launch(cudaError_t err) {
     TORCH_CHECK(false, "nanscan: no CUDA kernel for this GPU: cuda:", device, " is ", known ? prop.name : "a GPU",
                 " (compute capability ", prop.major, ".", prop.minor,
                 "), and this build of nanscan holds kernels for TORCH_CUDA_ARCH_LIST=", NANSCAN_CUDA_ARCHS,
-                " (+PTX: also GPUs newer than that one). Rebuild nanscan where it runs: pip install "
+                " (an entry marked +PTX also runs on GPUs newer than it). Rebuild nanscan where it runs: pip install "
                 "--no-build-isolation . builds for every architecture the installed torch supports, or set "
                 "TORCH_CUDA_ARCH_LIST to include ",
                 prop.major, ".", prop.minor);
