@@ -42,7 +42,9 @@ import cuda_toolkit  # noqa: E402  (tools/, beside this file: the search is test
 # branch-free fp16/fp8 decoders need to vectorise; NaN/Inf classification is done on bits regardless.
 # -fopenmp: at::parallel_for runs on OpenMP in torch's CPU builds and is serial without it.
 CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
-NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno"]
+# --threads=0: nvcc compiles the architectures of a default build (six and PTX) side by side, one
+# thread per CPU, rather than one after another: the .cu file is the build's long pole.
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno", "--threads=0"]
 # libstdc++ by its soname, ahead of the -lstdc++ the compiler driver appends: where that finds only the
 # static archive (a toolchain without the libstdc++.so link, or -static-libstdc++ in LDFLAGS), nanscan
 # would carry a private copy of libstdc++ beside the shared one torch uses, and the two copies' locale

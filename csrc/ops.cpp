@@ -18,8 +18,16 @@
 #include "cpu/scan_cpu.h"
 #include "ops.h"
 
+#ifdef NANSCAN_WITH_CUDA
+#include "nanscan_cuda_archs.h"  // NANSCAN_CUDA_ARCHS, written by setup.py into the build tree
+#else
+#define NANSCAN_CUDA_ARCHS ""
+#endif
+
 // Importing nanscan._C loads this library, which runs the TORCH_LIBRARY registrations below. The
-// module's one attribute, with_cuda, says which backends were built.
+// module's attributes say which backends were built: with_cuda, and cuda_archs, the
+// TORCH_CUDA_ARCH_LIST the kernels were compiled for ("" without CUDA; tests/test_build.py compares it
+// with the fatbinary's contents).
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -29,7 +37,8 @@ extern "C" PyObject* PyInit__C(void) {
 #else
   constexpr long kWithCuda = 0;
 #endif
-  if (module != nullptr && PyModule_AddIntConstant(module, "with_cuda", kWithCuda) != 0) {
+  if (module != nullptr && (PyModule_AddIntConstant(module, "with_cuda", kWithCuda) != 0 ||
+                            PyModule_AddStringConstant(module, "cuda_archs", NANSCAN_CUDA_ARCHS) != 0)) {
     Py_DECREF(module);
     return nullptr;
   }

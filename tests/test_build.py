@@ -1,0 +1,124 @@
+"""What a build of nanscan holds, checked on the library itself (issue 34): on a CUDA torch, the real
+CUDA kernels registered for the CUDA dispatch key, one libcudart in the process, and a kernel image
+for every architecture of the build (cuobjdump, from NVIDIA's pip package or a toolkit).
+
+A CPU-only build skips these, except where ``NANSCAN_REQUIRE_CUDA_BUILD=1`` says a CUDA build was
+asked for (CI's build in the newest torch's venv): there a build that fell back to the CPU alone
+fails, rather than pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanscan import _C
+
+REQUIRED = os.environ.get("NANSCAN_REQUIRE_CUDA_BUILD") == "1"
+OLDEST_ARCH = (7, 5)  # setup.py's floor (tools/cuda_toolkit.py OLDEST_ARCH)
+
+needs_cuda_build = pytest.mark.skipif(
+    not _C.with_cuda and not REQUIRED, reason="a CPU-only build of nanscan (NANSCAN_REQUIRE_CUDA_BUILD unset)"
+)
+
+
+def built_archs() -> tuple[set[str], set[str]]:
+    """(the SASS architectures, the PTX ones) the build says it holds, from ``_C.cuda_archs``."""
+    sass, ptx = set(), set()
+    for entry in filter(None, _C.cuda_archs.split(";")):
+        number = entry.removesuffix("+PTX").replace(".", "")
+        sass.add(f"sm_{number}")
+        if entry.endswith("+PTX"):
+            ptx.add(f"sm_{number}")
+    return sass, ptx
+
+
+@needs_cuda_build
+def test_a_cuda_build_registers_its_kernels_for_the_cuda_key() -> None:
+    assert _C.with_cuda, "NANSCAN_REQUIRE_CUDA_BUILD=1, but this nanscan was built without its CUDA backend"
+    for op in ("scan", "scale_", "unscale_scan_"):
+        dump = torch._C._dispatch_dump(f"nanscan::{op}")
+        cuda = [line for line in dump.splitlines() if line.startswith("CUDA:")]
+        # The real kernels are registered by cuda_binding.cpp; a CPU-only build's stand-ins (which
+        # say "built without its CUDA backend") by ops.cpp.
+        assert len(cuda) == 1 and "cuda_binding.cpp" in cuda[0], dump
+
+
+@needs_cuda_build
+def test_one_libcudart_is_mapped() -> None:
+    """nanscan links the libcudart.so.N torch loads (the same soname), not a second runtime."""
+    assert torch.version.cuda is not None, "a CUDA build of nanscan on a CPU torch"
+    script = (
+        "import re, torch, nanscan\n"
+        "nanscan.scan([torch.ones(2)])\n"
+        "paths = {line.split()[-1] for line in open('/proc/self/maps') if re.search(r'libcudart[^/]*\\.so', line)}\n"
+        "print('\\n'.join(sorted(paths)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    mapped = done.stdout.split()
+    real = {os.path.realpath(path) for path in mapped}
+    assert len(real) == 1, f"libcudart mapped from {len(real)} files: {sorted(real)}"
+    major = torch.version.cuda.split(".")[0]
+    assert re.search(rf"libcudart\.so\.{major}(\.|$)", Path(mapped[0]).name), mapped
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump on PATH, in the toolkit, or from NVIDIA's pip package (nvidia-cuda-cuobjdump)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidates = [Path(home, "bin", "cuobjdump")]
+    for site in map(Path, sys.path):
+        candidates += sorted(site.glob("nvidia/cu*/bin/cuobjdump")) + sorted(
+            site.glob("nvidia/cuda_cuobjdump/bin/cuobjdump")
+        )
+    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+@needs_cuda_build
+def test_the_fatbinary_holds_every_architecture_of_the_build() -> None:
+    tool = cuobjdump()
+    if tool is None:
+        if REQUIRED:
+            pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump (the 'build-check' extra)")
+        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    library = _C.__file__
+
+    def listed(kind: str) -> set[str]:
+        out = subprocess.run([tool, f"--list-{kind}", library], capture_output=True, text=True, timeout=120, check=True)
+        return set(re.findall(r"\.(sm_\d+a?)\.(?:cubin|ptx)", out.stdout))
+
+    sass, ptx = built_archs()
+    assert sass, f"_C.cuda_archs is {_C.cuda_archs!r}"
+    assert listed("elf") == sass, (listed("elf"), _C.cuda_archs)
+    assert listed("ptx") == ptx, (listed("ptx"), _C.cuda_archs)
+    # PTX for the newest architecture: GPUs newer than the build still run (their driver compiles it).
+    newest = max(sass, key=lambda a: int(re.sub(r"\D", "", a)))
+    assert ptx == {newest}, (ptx, newest)
+
+
+@pytest.mark.skipif(
+    not REQUIRED, reason="the default architectures are CI's CUDA build's (NANSCAN_REQUIRE_CUDA_BUILD=1)"
+)
+def test_a_default_build_covers_every_architecture_torch_was_built_for() -> None:
+    """Built without TORCH_CUDA_ARCH_LIST (as CI builds): every architecture of the torch it was built
+    against, from sm_75 on (torch's list here: the newest toolkit's nvcc knows them all)."""
+    wanted = {
+        flag
+        for flag in torch._C._cuda_getArchFlags().split()
+        if flag.startswith("sm_") and tuple(divmod(int(flag[3:]), 10)) >= OLDEST_ARCH
+    }
+    sass, _ = built_archs()
+    assert wanted <= sass, f"torch {torch.__version__} holds {sorted(wanted)}; the build {_C.cuda_archs!r}"
+
+
+def test_a_cpu_build_says_it_holds_no_architecture() -> None:
+    assert (_C.cuda_archs == "") == (not _C.with_cuda), (_C.with_cuda, _C.cuda_archs)
