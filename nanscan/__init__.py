@@ -6,6 +6,7 @@ if not report.finite:
 """
 
 from . import amp, ddp, layouts, records, replicas, sinks
+from .activations import ActivationWatch, ModuleActivations, watch_activations
 from .check import check
 from .clip import clip_grad_norm_, get_total_norm
 from .fused import SUPPORTED_DTYPES, ScanResult
@@ -18,8 +19,10 @@ from .scan import scan
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "ActivationWatch",
     "Finding",
     "Locator",
+    "ModuleActivations",
     "NonFiniteGradientError",
     "Recorder",
     "ReplicaCheck",
@@ -38,5 +41,6 @@ __all__ = [
     "scan",
     "sinks",
     "verify_replicas",
+    "watch_activations",
 ]
 __version__ = "0.1.0"

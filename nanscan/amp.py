@@ -37,6 +37,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import layouts, walk
 from ._ops import scale_op, unscale_scan_op
+from .activations import ActivationWatch, ModuleActivations
 from .clip import (
     as_max_norm,
     as_norm_type,
@@ -367,6 +368,8 @@ class Advice:
             hand-written ``force_fp32`` does).
         reasons: the evidence, one sentence each.
         nonfinite: the parameters whose gradient held a NaN or an Inf in an observed step, in order.
+        activation_headroom: with an activation watch, the smallest headroom (65504 over the largest
+            |activation|) of the modules whose outputs stayed finite; None without a watch.
     """
 
     recommendation: str
@@ -374,12 +377,16 @@ class Advice:
     fp32_modules: list[str] = field(default_factory=list)
     suggested_init_scale: float | None = None
     nonfinite: list[str] = field(default_factory=list)
+    activation_headroom: float | None = None
 
     def __str__(self) -> str:
         return f"nanscan AMP advice: {self.recommendation}\n" + "\n".join(f"  - {r}" for r in self.reasons)
 
 
 _NAMED_AT_MOST = 8  # parameters named in a reason sentence; the rest are counted
+# Activation islands this many or more, and over module_share_threshold of the modules watched, make
+# the advice bf16: one or two modules of a small model are islands to keep in fp32, not a spread.
+_SPREAD_AT_LEAST = 3
 
 
 @dataclass(frozen=True)
@@ -420,17 +427,47 @@ class _Evidence:
 
 
 class Advisor:
-    """Watches gradients over steps and says whether fp16 (with a loss scale) can hold them.
+    """Watches gradients over steps, and optionally activations, and says whether fp16 (with a loss
+    scale) can hold them.
 
     ``observe(model)`` runs the fused scan with the fp16-range counts (one pass, no sync) and adds its
     counts to device-side totals; ``advise()`` reads them once. Observe unscaled gradients: those of
     bf16/fp32 training, or after ``scaler.unscale_`` on steps the scaler did not skip. Any observed
     NaN/Inf gradient makes the advice ``"nonfinite"``, naming the parameters.
+
+    With ``activations`` (a :func:`nanscan.watch_activations` watch on the model), the advice also
+    rests on each module's forward outputs, where fp16 overflow usually begins:
+
+    * a module whose outputs went NaN/Inf first while running in fp16, or whose finite outputs come
+      within ``activation_margin`` (2x) of 65504, is an fp32 island (``"fp32-modules"``: run it with
+      autocast disabled, what a hand-written ``force_fp32`` does), with its amax and headroom;
+    * when such modules are more than ``module_share_threshold`` of the modules watched (and three
+      or more), ``"bf16"``;
+    * when more than ``underflow_threshold`` of the activation values would flush to zero in fp16
+      (a loss scale acts on gradients only), ``"bf16"``;
+    * non-finite activations in a run without fp16 are no precision matter: ``"nonfinite"``;
+    * ``"keep"`` only when both the activations and the gradients fit, with the headroom stated.
+
+    The activation evidence decides before the gradients' (a NaN activation makes NaN gradients; its
+    module is the cause); either alone is enough: an evaluation-only run observes no gradient.
     """
 
-    def __init__(self, underflow_threshold: float = 1e-3, module_share_threshold: float = 0.25) -> None:
+    def __init__(
+        self,
+        underflow_threshold: float = 1e-3,
+        module_share_threshold: float = 0.25,
+        activations: ActivationWatch | None = None,
+        activation_margin: float = 2.0,
+    ) -> None:
+        if activations is not None and not isinstance(activations, ActivationWatch):
+            raise TypeError(
+                "nanscan.amp.Advisor: activations must be a nanscan.watch_activations(model) watch, got "
+                f"{type(activations).__name__}"
+            )
         self.underflow_threshold = underflow_threshold
         self.module_share_threshold = module_share_threshold
+        self.activations = activations
+        self.activation_margin = activation_margin
         self.names: Sequence[str] | None = None
         self.numels: list[int] = []
         self.steps = 0
@@ -459,10 +496,19 @@ class Advisor:
         return r
 
     def advise(self) -> Advice:
-        """The recommendation and its reasons, from everything observed so far (one sync)."""
-        names, evidence = self.names, self._evidence
-        if names is None or evidence is None:
+        """The recommendation and its reasons, from everything observed so far (one sync per
+        device, and one for the activation watch)."""
+        if (self.names is None or self._evidence is None) and self.activations is None:
             raise RuntimeError("nanscan.amp.Advisor: call observe() at least once before advise()")
+        gradients = self._gradient_advice() if self._evidence is not None else None
+        if self.activations is None:
+            assert gradients is not None
+            return gradients
+        return self._with_activations(gradients, self.activations)
+
+    def _gradient_advice(self) -> Advice:
+        names, evidence = self.names, self._evidence
+        assert names is not None and evidence is not None
         advice = self._range_advice(names, evidence)
         nan_steps, inf_steps = evidence.nan_steps.tolist(), evidence.inf_steps.tolist()
         bad = [i for i, (n, f) in enumerate(zip(nan_steps, inf_steps, strict=True)) if n or f]
@@ -487,6 +533,104 @@ class Advisor:
             *advice.reasons[1:],
         ]
         return Advice("nonfinite", reasons, advice.fp32_modules, advice.suggested_init_scale, nonfinite)
+
+    def _with_activations(self, gradients: Advice | None, watch: ActivationWatch) -> Advice:
+        """The gradient advice (None: no gradient observed) with the activation evidence; see the
+        class docstring for the order in which the evidence decides."""
+        counts, amax, code = watch._host()  # one sync
+        figures = [f for f in watch._figures(counts, amax) if f.calls > 0]
+        first = watch._first(code)
+        grad_reasons = [f"gradients: {r}" for r in gradients.reasons] if gradients is not None else []
+        if not figures:
+            reasons = ["activations: no forward pass of the watched model was scanned yet", *grad_reasons]
+            if gradients is None:
+                return Advice("keep", reasons)
+            return dataclasses.replace(gradients, reasons=reasons)
+        finite = [f for f in figures if f.finite]
+        headroom = min((f.headroom for f in finite), default=math.inf)
+
+        def cite(f: ModuleActivations) -> str:
+            room = "inf" if math.isinf(f.headroom) else f"{f.headroom:.3g}"
+            ranks = f", rank(s) {', '.join(map(str, f.ranks))}" if f.ranks else ""
+            return f"{f.name or '(model)'} ({f.op}: amax {f.amax:.4g}, headroom {room}{ranks})"
+
+        reasons = [
+            f"activations: {len(figures)} modules watched over {watch.sampled} forward pass(es); the smallest "
+            f"headroom of the finite ones is {'inf' if math.isinf(headroom) else f'{headroom:.3g}'} (65504 / amax)"
+        ]
+        maker = next((f for f in figures if first is not None and f.name == first[0]), None)
+        if maker is not None and maker.fp16_calls == 0:
+            reasons.append(
+                f"activations: {maker.name or '(model)'} ({maker.op}) output NaN/Inf first, in a run without fp16: "
+                "no precision matter; nanscan.locate(model) shows which of its inputs or ops made it"
+            )
+            return self._decided("nonfinite", reasons, grad_reasons, gradients, headroom)
+        near = [f for f in finite if f.headroom < self.activation_margin]
+        islands = ([maker] if maker is not None else []) + near
+        if maker is not None:
+            where = f" on rank(s) {', '.join(map(str, maker.ranks))}" if maker.ranks else ""
+            reasons.append(
+                f"activations: {maker.name or '(model)'} ({maker.op}) was the first module whose fp16 outputs held "
+                f"NaN/Inf ({maker.nan} NaN, {maker.inf} Inf{where}): fp16's range was exceeded inside it"
+            )
+        if near:
+            listed = ", ".join(cite(f) for f in near[:_NAMED_AT_MOST])
+            more = f" and {len(near) - _NAMED_AT_MOST} more" if len(near) > _NAMED_AT_MOST else ""
+            over = sum(f.overflow for f in near)
+            reasons.append(
+                f"activations: {len(near)} module(s) overflow fp16 or come within {self.activation_margin:g}x of "
+                f"65504 ({over} values above it): {listed}{more}"
+            )
+        if islands:
+            if len(islands) >= _SPREAD_AT_LEAST and len(islands) / len(figures) > self.module_share_threshold:
+                reasons.append(
+                    f"activations: the overflow is spread over {len(islands)} of {len(figures)} modules: bf16 has "
+                    "fp32's range"
+                )
+                return self._decided("bf16", reasons, grad_reasons, gradients, headroom)
+            modules = [f.name for f in islands]
+            reasons.append(
+                "activations: keep these modules in fp32 (autocast disabled inside them, what force_fp32 does): "
+                + ", ".join(m or "(model)" for m in modules)
+            )
+            if gradients is not None and gradients.recommendation == "fp32-modules":
+                modules += [m for m in gradients.fp32_modules if m not in modules]
+            return self._decided("fp32-modules", reasons, grad_reasons, gradients, headroom, modules)
+        elements = sum(f.elements for f in figures)
+        flushed = sum(f.underflow for f in figures) / max(1, elements)
+        if gradients is not None and gradients.recommendation != "keep":
+            return self._decided(gradients.recommendation, reasons, grad_reasons, gradients, headroom)
+        if flushed > self.underflow_threshold:
+            worst = sorted(figures, key=lambda f: -f.underflow / max(1, f.elements))[:3]
+            reasons.append(
+                f"activations: {flushed:.2%} of activation values are non-zero but below 2^-24 and would be zeros in "
+                f"fp16, most in {', '.join(f.name or '(model)' for f in worst)}; a loss scale acts on gradients only"
+            )
+            return self._decided("bf16", reasons, grad_reasons, gradients, headroom)
+        reasons.append(
+            f"activations fit fp16 with a headroom of {'inf' if math.isinf(headroom) else f'{headroom:.3g}'}x and "
+            f"{flushed:.2e} of values underflowing"
+            + ("" if gradients is not None else "; no gradient was observed (observe() them too in training)")
+        )
+        return self._decided("keep", reasons, grad_reasons, gradients, headroom)
+
+    @staticmethod
+    def _decided(
+        recommendation: str,
+        reasons: list[str],
+        grad_reasons: list[str],
+        gradients: Advice | None,
+        headroom: float,
+        modules: list[str] | None = None,
+    ) -> Advice:
+        return Advice(
+            recommendation,
+            reasons + grad_reasons,
+            modules if modules is not None else (gradients.fp32_modules if gradients is not None else []),
+            gradients.suggested_init_scale if gradients is not None else None,
+            gradients.nonfinite if gradients is not None else [],
+            headroom,
+        )
 
     def _range_advice(self, names: Sequence[str], evidence: _Evidence) -> Advice:
         """The advice that fp16's range alone gives, from the finite values observed."""

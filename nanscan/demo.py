@@ -165,7 +165,9 @@ def run_demo(
 
 def scenario_fp16_overflow(device: torch.device) -> bool:
     """fp16 training with a loss scale that is too large at first: GradScaler skips steps, nanscan's
-    scaler says which parameters overflowed, and the Advisor explains what fp16 can hold."""
+    scaler says which parameters overflowed, and the Advisor explains what fp16 can hold, from the
+    gradients of the steps that were not skipped and every module's activations."""
+    from .activations import watch_activations
     from .amp import Advisor, GradScaler
 
     print("\n[fp16 overflow with GradScaler] init_scale 2^27: the first steps overflow fp16 and are skipped")
@@ -173,7 +175,8 @@ def scenario_fp16_overflow(device: torch.device) -> bool:
     task = TeacherStudentTask(64, device, seed=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = GradScaler(device.type, init_scale=2.0**27).watch(model)
-    advisor = Advisor()
+    activations = watch_activations(model)
+    advisor = Advisor(activations=activations)
     skipped = []
     for step in range(12):
         x, y = task.batch(32)
@@ -195,8 +198,11 @@ def scenario_fp16_overflow(device: torch.device) -> bool:
         scaler.step(optimizer)
         scaler.update()
     print(f"  scale settled at {scaler.get_scale():.3g} after {len(skipped)} skipped steps")
-    print("  " + str(advisor.advise()).replace("\n", "\n  "))
-    return len(skipped) > 0
+    advice = advisor.advise()
+    activations.remove()
+    print("  " + str(advice).replace("\n", "\n  "))
+    # The skips came from the scale, not from the model: the activations fit fp16.
+    return len(skipped) > 0 and advice.recommendation in ("keep", "loss-scale")
 
 
 class LogFeatures(torch.nn.Module):
@@ -230,7 +236,10 @@ def scenario_log_zero(device: torch.device) -> bool:
 
 
 def scenario_eval_fp16(device: torch.device) -> bool:
-    """Fine in fp32 training, NaN at fp16 evaluation: a sum of squares that overflows fp16's 65504."""
+    """Fine in fp32 training, NaN at fp16 evaluation: a sum of squares that overflows fp16's 65504.
+    locate names the module; the activation watch and the Advisor say what to do about it."""
+    from .activations import watch_activations
+    from .amp import Advisor
     from .locate import locate
 
     print("\n[NaN only at fp16 evaluation] energies x^2 / sum(x^2): x^2 exceeds 65504 in fp16, inf / inf = NaN")
@@ -252,8 +261,14 @@ def scenario_eval_fp16(device: torch.device) -> bool:
         out = model(x.to(dtype))
     print(f"  fp16 evaluation finite: {bool(torch.isfinite(out).all())}; nanscan.locate says:")
     print("  " + str(trace).replace("\n", "\n  "))
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype), watch_activations(model) as activations:
+        model(x.to(dtype))
+    advice = Advisor(activations=activations).advise()
+    print("  nanscan.watch_activations and the Advisor say:")
+    print("  " + str(activations.table(limit=4)).replace("\n", "\n  "))
+    print("  " + str(advice).replace("\n", "\n  "))
     first = trace.first
-    return first is not None and first.module == "1"
+    return first is not None and first.module == "1" and advice.fp32_modules == ["1"]
 
 
 SCENARIOS = {"fp16-overflow": scenario_fp16_overflow, "log-zero": scenario_log_zero, "eval-fp16": scenario_eval_fp16}

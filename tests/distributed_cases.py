@@ -702,6 +702,66 @@ def fsdp_and_tensor_parallel_replicas_along_the_tp_dim(world: int) -> None:
     assert report.divergent == {"2.bias": [2, 3]}, report.divergent
 
 
+# ------------------------------------------------------------------ activations across ranks
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+@case
+def activation_watch_reduced_over_ranks_names_the_rank_that_overflowed(world: int) -> None:
+    """Each rank watches its own batch; the figures every rank reads are every rank's: counts and calls
+    summed, amax the largest, and the rank whose activations overflowed named. DDP and FSDP2 alike."""
+    rank, bad = dist.get_rank(), world - 1
+    results = {}
+    for stack in ("ddp", "fsdp2"):
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(4, 6), _Scale(1.0), torch.nn.Linear(6, 3))
+        if stack == "ddp":
+            model: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(inner)
+        else:
+            model = fsdp(inner, init_device_mesh("cpu", (world,)))
+        watch = nanscan.watch_activations(model)
+        torch.manual_seed(10 + rank)
+        x = torch.rand(2, 4) + 1.0
+        if rank == bad:
+            inner[1].factor = 1e6  # only this rank's activations pass fp16's 65504
+        model(x).sum().backward()
+        figures = {f.name: f for f in watch.figures()}
+        advice = nanscan.amp.Advisor(activations=watch).advise()
+        results[stack] = (figures, advice, watch.table())
+        watch.remove()
+    for stack, (figures, advice, table) in results.items():
+        scaled = figures["1"]
+        assert scaled.calls == world and figures["0"].calls == world, (stack, scaled)
+        assert scaled.overflow == 2 * 6 and scaled.ranks == (bad,), (stack, scaled)
+        assert figures["0"].ranks == () and figures["0"].overflow == 0, (stack, figures["0"])
+        assert scaled.amax > 1e6 and scaled.headroom < 1, (stack, scaled)
+        assert advice.recommendation == "fp32-modules" and "1" in advice.fp32_modules, (stack, advice)
+        assert f"rank(s) {bad}" in str(advice), (stack, str(advice))
+        assert f"ranks {bad}" in table, (stack, table)
+
+
+@case
+def activation_watches_of_different_models_are_refused(world: int) -> None:
+    width = 2 + dist.get_rank()  # rank r watches r + 2 modules: the reduction cannot line them up
+    model = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(width)])
+    watch = nanscan.watch_activations(model)
+    model(torch.ones(2))
+    try:
+        watch.figures()
+        error = ""
+    except ValueError as raised:
+        error = str(raised)
+    assert "the ranks watch different models" in error, error
+
+
 # ---------------------------------------------------------------------- the recorder's ranks
 
 

@@ -1,0 +1,499 @@
+"""``watch_activations(model)``: each module's fp16 headroom, watched every step without a host sync.
+
+    watch = nanscan.watch_activations(model, every=4)   # a scan on every 4th forward of the model
+    for batch in loader:
+        with torch.autocast("cuda", torch.float16):
+            loss = model(batch).loss
+        ...
+    print(watch.table())        # one sync: per module, the largest |activation| and fp16's headroom
+    watch.remove()              # or use it as a context manager
+
+Under fp16 the values that outgrow fp16's 65504 are mostly forward activations (attention scores,
+MLP outputs, the sums in a normalisation), not gradients. This watch gives, per module, the evidence
+of how close each comes: the largest finite |value| of its outputs (``amax``), how many values
+exceed 65504 (``overflow``), how many non-zero values fp16 would flush to zero (``underflow``: below
+its smallest subnormal, 2^-24), and the NaN and Inf counts. The headroom is 65504 over the amax: below
+1 the module overflows fp16, below 2 it is within a factor of two.
+
+How it works. A forward hook on every module scans the module's floating-point outputs (nested
+tuples, lists and dicts too) in one call of nanscan's fused op (``fp16_range``), which leaves its
+statistics on the device. A tensor already scanned in the same forward pass and unchanged since (the
+same object, the same version counter: a container returning its last child's output) is not scanned
+again; one changed in place (``ReLU(inplace=True)`` on a Linear's output) is, as the new values it
+holds. Under ``torch.inference_mode()`` tensors have no version counter, so every module's outputs
+are scanned (a container's output a second time). The per-call statistics wait on the device until the model's forward returns; then one
+concatenation and two indexed reductions fold the whole pass into per-module accumulators (an int64
+[modules, 4] table of counts and a float64 [modules] amax), so a step costs a scan per module call and
+a few launches, whatever the number of modules. Host-side, the watch counts the calls and the
+elements scanned (Python integers; no device value is read). The first figure read (``table()``,
+``str()``, ``figures()``) copies the accumulators to the host: one sync.
+
+Sampling: ``every=N`` scans on every N-th forward of the model (the first included), and nothing in
+between: the cost of the others is one Python check per module call. Only calls inside the model's
+own forward are scanned: a submodule called on its own, or re-run by activation checkpointing during
+backward, is not counted twice.
+
+torch.compile: the hooks run eagerly, as a graph break at each module's forward hook (they are marked
+``torch.compiler.disable``): their Python bookkeeping (the step counter, the sampling decision) would
+otherwise be guarded on and recompile the graph every step. The figures are the same; a compiled
+model with the watch attached runs as several graphs, one per module, so attach it for diagnosis and
+sample with ``every``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ._ops import scan_op
+from .fused import SUPPORTED_DTYPES, upload
+from .names import clean_module_names
+
+FP16_MAX = 65504.0
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+# torch.compiler.disable, typed (torch leaves it unannotated): the hooks run eagerly under compile.
+_eager = cast(Callable[[_Fn], _Fn], torch.compiler.disable)
+# Folded into the accumulators when this many module calls are pending (a submodule called many
+# times in one forward, a generation loop): bounds the device memory held between folds.
+_MAX_PENDING = 4096
+
+
+@dataclass(frozen=True)
+class ModuleActivations:
+    """One module's figures over the sampled forward passes so far.
+
+    Attributes:
+        name: the module's qualified name as the user wrote it (``""`` for the model itself).
+        op: its class name.
+        calls: sampled calls whose outputs held a floating tensor.
+        fp16_calls: of which calls with an fp16 output (autocast or a half model): the values fp16 held,
+            rather than values that fp16 would have to hold.
+        elements: values scanned over those calls.
+        nan, inf: non-finite values among them.
+        amax: the largest finite |value| (0 when none).
+        overflow: finite values above fp16's 65504.
+        underflow: non-zero finite values below fp16's smallest subnormal (2^-24): zeros in fp16.
+        ranks: in a distributed watch, the ranks whose outputs of this module overflowed fp16 or held
+            NaN/Inf (empty in a single process, and when the ranks are too many to list per module:
+            more than 2^20 modules x ranks).
+    """
+
+    name: str
+    op: str
+    calls: int
+    fp16_calls: int
+    elements: int
+    nan: int
+    inf: int
+    amax: float
+    overflow: int
+    underflow: int
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def headroom(self) -> float:
+        """65504 over the amax: how many times larger the values could grow before fp16 overflows
+        (below 1: they already do). 0 for a module whose outputs held a NaN or an Inf (nothing left:
+        fp16's range was already exceeded, here or upstream); infinite when its outputs were all zero."""
+        if not self.finite:
+            return 0.0
+        return FP16_MAX / self.amax if self.amax > 0 else math.inf
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.inf == 0
+
+
+def _scannable(t: object) -> bool:
+    """A dense floating tensor the fused op reads; tensor subclasses (DTensor, fakes) are left alone."""
+    return (
+        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
+        and t.dtype in SUPPORTED_DTYPES
+        and t.layout == torch.strided
+        and not t.is_meta
+    )
+
+
+def _outputs(obj: object, out: list[torch.Tensor]) -> None:
+    """Appends the scannable tensors in ``obj`` (nested tuples, lists, dict values), each object once."""
+    if isinstance(obj, torch.Tensor):
+        if _scannable(obj) and not any(obj is seen for seen in out):
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _outputs(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _outputs(item, out)
+
+
+_NONE = torch.iinfo(torch.int64).max  # no non-finite call yet
+
+
+class _DeviceTotals:
+    """The accumulators on one device: counts int64 [modules, 4] (NaN, Inf, overflow, underflow),
+    amax float64 [modules], and the first non-finite call (``first``: its call number times the
+    module count plus its module's slot, or _NONE), with the module calls scanned since the last fold."""
+
+    def __init__(self, modules: int, device: torch.device) -> None:
+        self.modules = modules
+        self.counts = torch.zeros((modules, 4), dtype=torch.int64, device=device)
+        self.amax = torch.zeros(modules, dtype=torch.float64, device=device)
+        self.first = torch.full((), _NONE, dtype=torch.int64, device=device)
+        # (call number, slot, counts [4, k], stats [3, k]) per scanned module call
+        self.pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+
+    def fold(self) -> None:
+        """Adds the pending calls into the accumulators: a handful of launches for the whole pass."""
+        if not self.pending:
+            return
+        slots, codes = [], []
+        for call, slot, counts, _ in self.pending:
+            slots += [slot] * counts.shape[1]
+            codes += [call * self.modules + slot] * counts.shape[1]
+        counts = torch.cat([counts for _, _, counts, _ in self.pending], dim=1)
+        stats = torch.cat([stats for _, _, _, stats in self.pending], dim=1)
+        self.pending.clear()
+        device = self.counts.device
+        index = upload(slots, torch.int64, device)
+        self.counts.index_add_(0, index, counts.t())
+        # min/max are of the finite values (+inf/-inf when a tensor has none): |largest| without NaN.
+        amax = torch.maximum(-stats[0], stats[1]).clamp_(min=0.0)
+        self.amax.scatter_reduce_(0, index, amax, reduce="amax")
+        nonfinite = (counts[0] + counts[1]) > 0
+        code = torch.where(nonfinite, upload(codes, torch.int64, device), _NONE).amin()
+        torch.minimum(self.first, code, out=self.first)
+
+
+class ActivationWatch:
+    """Hooks on every module of a model that scan each module's outputs; see the module docstring.
+
+    Made by :func:`watch_activations`. A context manager: leaving the block removes the hooks (the
+    figures stay readable)."""
+
+    def __init__(self, model: torch.nn.Module, every: int = 1, process_group: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"nanscan.watch_activations: expected a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"nanscan.watch_activations: every must be a positive int (1: every forward), got {every!r}"
+            )
+        self.model = model
+        self.every = every
+        # Each rank watches its own activations; the figures read are every rank's, reduced over this
+        # group (the default group when torch.distributed is initialized): never one rank's alone.
+        self.process_group = process_group
+        named = list(model.named_modules())
+        clean = clean_module_names(model)
+        self.names = [clean.get(name, name) if clean is not None else name for name, _ in named]
+        self.ops = [type(module).__name__ for _, module in named]
+        self._calls = [0] * len(named)
+        self._fp16_calls = [0] * len(named)
+        self._elements = [0] * len(named)
+        self._devices: dict[torch.device, _DeviceTotals] = {}
+        self._forwards = 0  # forwards of the model begun
+        self._sampled = 0  # of which sampled
+        self._depth = 0  # nesting of the model's own forward (a model that calls itself)
+        self._call_number = 0  # module calls scanned so far, in execution order
+        # Set by each read (_host): every rank's calls, fp16 calls and elements, and per module the
+        # ranks that overflowed (a distributed watch; else this process's, and no ranks).
+        self._totals: tuple[list[int], list[int], list[int]] = (self._calls, self._fp16_calls, self._elements)
+        self._ranks: list[tuple[int, ...]] = [()] * len(named)
+        self._sampling = False
+        # Tensors scanned in this forward: id -> (weak reference, version when scanned).
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._handles: list[RemovableHandle] = []
+        self._handles.append(model.register_forward_pre_hook(self._begin))
+        for slot, (_, module) in enumerate(named):
+            self._handles.append(module.register_forward_hook(self._hook(slot)))
+        # Registered last, so it runs after the model's own scan hook above; always_call: a forward that
+        # raises still closes the pass (else the next one would count as nested and never be scanned).
+        self._handles.append(model.register_forward_hook(self._end, always_call=True))
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    @_eager
+    def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._sampling = self._forwards % self.every == 0
+        self._forwards += 1
+        if self._sampling:
+            self._sampled += 1
+        self._seen.clear()
+
+    @_eager
+    def _end(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        if self._sampling:
+            for totals in self._devices.values():
+                totals.fold()
+        self._sampling = False
+        self._seen.clear()
+
+    def _hook(self, slot: int) -> Any:
+        @_eager
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if self._sampling:
+                self._scan(slot, output)
+
+        return hook
+
+    def _scan(self, slot: int, output: Any) -> None:
+        found: list[torch.Tensor] = []
+        _outputs(output, found)
+        fresh = []
+        for t in found:
+            if t.is_inference():  # no version counter to tell an in-place change by: scanned each time
+                fresh.append(t)
+                continue
+            seen = self._seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == t._version:
+                continue  # scanned in this pass and unchanged since: one scan per value
+            self._seen[id(t)] = (weakref.ref(t), t._version)
+            fresh.append(t)
+        if not fresh:
+            return
+        # The hook runs under the model's grad mode and autocast: the op is not differentiable (its
+        # outputs never require grad) and takes its inputs as they are.
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in fresh:
+            by_device.setdefault(t.device, []).append(t)
+        for device, tensors in by_device.items():
+            counts, stats, _, _, _ = scan_op(tensors, True, False)
+            totals = self._devices.get(device)
+            if totals is None:
+                totals = self._devices[device] = _DeviceTotals(len(self.names), device)
+            totals.pending.append((self._call_number, slot, counts, stats))  # counts [4, k] with fp16_range
+            if len(totals.pending) >= _MAX_PENDING:
+                totals.fold()
+        self._calls[slot] += 1
+        self._fp16_calls[slot] += any(t.dtype == torch.float16 for t in fresh)
+        self._call_number += 1
+        self._elements[slot] += sum(t.numel() for t in fresh)
+
+    # ----------------------------------------------------------------------------------- results
+
+    @property
+    def forwards(self) -> int:
+        """Forward passes of the model since the watch was attached."""
+        return self._forwards
+
+    @property
+    def sampled(self) -> int:
+        """Of which scanned (every ``every``-th, the first included)."""
+        return self._sampled
+
+    def _host(self) -> tuple[list[list[int]], list[float], int]:
+        """The accumulators of every device on the host, merged: per module [NaN, Inf, overflow,
+        underflow] and amax, and the first non-finite call's code (_NONE if none). One copy per device
+        (counts below 2^53 and codes are exact in float64). In a distributed watch, every rank's,
+        reduced (collectives: every rank must read)."""
+        m = len(self.names)
+        counts = [[0, 0, 0, 0] for _ in range(m)]
+        amax = [0.0] * m
+        first = _NONE
+        for totals in self._devices.values():
+            totals.fold()
+            code = torch.where(totals.first == _NONE, -1, totals.first)
+            packed = torch.cat([totals.counts.flatten().double(), totals.amax, code.double().view(1)]).tolist()
+            for i in range(m):
+                counts[i] = [a + int(b) for a, b in zip(counts[i], packed[4 * i : 4 * i + 4], strict=True)]
+                amax[i] = max(amax[i], packed[4 * m + i])
+            if packed[-1] >= 0:
+                first = min(first, int(packed[-1]))
+        self._ranks = [()] * m
+        self._totals = (list(self._calls), list(self._fp16_calls), list(self._elements))
+        group = self._group()
+        if group is not None:
+            counts, amax, first = self._reduce(group, counts, amax, first)
+        return counts, amax, first
+
+    def _group(self) -> Any:
+        """The group the figures are reduced over, or None in a single process."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            if self.process_group is not None:
+                raise ValueError(
+                    "nanscan.watch_activations: process_group given, but torch.distributed is not initialized"
+                )
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _reduce(
+        self, group: Any, counts: list[list[int]], amax: list[float], first: int
+    ) -> tuple[list[list[int]], list[float], int]:
+        """Every rank's figures: counts, calls and elements summed, amax the largest, the first
+        non-finite call the earliest; per module, the ranks that overflowed or went non-finite.
+        Three collectives (one to check that every rank watches the same modules)."""
+        import torch.distributed as dist
+
+        from .layouts.reduce import group_device
+
+        m, rank, world = len(self.names), dist.get_rank(group), dist.get_world_size(group)
+        device = group_device(group)
+        shape = torch.tensor([m, -m], dtype=torch.float64, device=device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+        if int(shape[0]) != m or int(-shape[1]) != m:
+            raise ValueError(
+                f"nanscan.watch_activations: the ranks watch different models ({int(-shape[1])} to {int(shape[0])} "
+                f"modules; this rank {m}): watch the same model on every rank of the process group"
+            )
+        bad = [float(c[2] > 0 or c[0] > 0 or c[1] > 0) for c in counts]
+        per_module = m * world <= 1 << 20
+        flags = torch.zeros((m, world) if per_module else (1, world), dtype=torch.float64)
+        flags[:, rank] = torch.tensor(bad if per_module else [float(any(bad))], dtype=torch.float64)
+        calls, fp16_calls, elements = self._totals
+        summed = torch.cat(
+            [
+                torch.tensor([x for c in counts for x in c], dtype=torch.float64),
+                torch.tensor(calls + fp16_calls + elements, dtype=torch.float64),
+                flags.flatten(),
+            ]
+        ).to(device)
+        largest = torch.tensor([*amax, -float(first if first != _NONE else 2.0**62)], dtype=torch.float64).to(device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        s, big = summed.tolist(), largest.tolist()
+        counts = [[int(x) for x in s[4 * i : 4 * i + 4]] for i in range(m)]
+        rest = s[4 * m :]
+        self._totals = (
+            [int(x) for x in rest[:m]],
+            [int(x) for x in rest[m : 2 * m]],
+            [int(x) for x in rest[2 * m : 3 * m]],
+        )
+        flat = rest[3 * m :]
+        if per_module:
+            self._ranks = [tuple(r for r in range(world) if flat[i * world + r]) for i in range(m)]
+        code = -big[m]
+        return counts, big[:m], _NONE if code >= 2.0**62 else int(code)
+
+    def figures(self) -> list[ModuleActivations]:
+        """Every module's figures, in the model's module order (one sync, per device)."""
+        counts, amax, _ = self._host()
+        return self._figures(counts, amax)
+
+    def _figures(self, counts: list[list[int]], amax: list[float]) -> list[ModuleActivations]:
+        """The figures of the last ``_host()`` read (its calls, elements and ranks: every rank's in a
+        distributed watch)."""
+        calls, fp16_calls, elements = self._totals
+        return [
+            ModuleActivations(name, op, n, fp16, e, c[0], c[1], a, c[2], c[3], ranks)
+            for name, op, n, fp16, e, c, a, ranks in zip(
+                self.names, self.ops, calls, fp16_calls, elements, counts, amax, self._ranks, strict=True
+            )
+        ]
+
+    @property
+    def first_nonfinite(self) -> tuple[str, str, int] | None:
+        """The module whose outputs were the first to hold a NaN or an Inf, in execution order over
+        every sampled pass: (name, class name, its call number among the scanned calls), or None (one
+        sync). With finite inputs to the model, this module made the non-finite values."""
+        return self._first(self._host()[2])
+
+    def _first(self, code: int) -> tuple[str, str, int] | None:
+        if code == _NONE:
+            return None
+        call, slot = divmod(code, len(self.names))
+        return self.names[slot], self.ops[slot], call
+
+    def worst(self) -> list[ModuleActivations]:
+        """The modules that were scanned, worst first: the first to go non-finite, the other
+        non-finite ones, then by headroom, smallest first (one sync)."""
+        counts, amax, first = self._host()
+        return self._worst(self._figures(counts, amax), self._first(first))
+
+    @staticmethod
+    def _worst(figures: list[ModuleActivations], first: tuple[str, str, int] | None) -> list[ModuleActivations]:
+        observed = [f for f in figures if f.calls > 0]
+        first_name = first[0] if first is not None else None
+        return sorted(observed, key=lambda f: (f.name != first_name, f.finite, f.headroom))
+
+    def table(self, limit: int | None = 20) -> str:
+        """A text table of the scanned modules, worst headroom first (one sync)."""
+        counts, amax, code = self._host()
+        first = self._first(code)
+        rows = self._worst(self._figures(counts, amax), first)
+        head = (
+            f"activations of {len(rows)} modules over {self._sampled} sampled forward(s) of {self._forwards} "
+            f"(every {self.every}); headroom = 65504 / amax, 0 where a NaN/Inf was seen"
+        )
+        if first is not None:
+            head += f"\nfirst non-finite output: `{first[0] or '(model)'}` ({first[1]}), scanned call {first[2]}"
+        if not rows:
+            return head + "\n(nothing scanned yet)"
+        shown = rows if limit is None else rows[:limit]
+        width = max(len(f.name or "(model)") for f in shown)
+        lines = [
+            head,
+            f"{'module':<{width}}  {'op':<16} {'amax':>10} {'headroom':>9} {'overflow':>9} {'underflow':>10} "
+            f"{'nan':>6} {'inf':>6} {'calls':>6}",
+        ]
+        for f in shown:
+            headroom = "inf" if math.isinf(f.headroom) else f"{f.headroom:.3g}"
+            ranks = f"  ranks {','.join(map(str, f.ranks))}" if f.ranks else ""
+            lines.append(
+                f"{f.name or '(model)':<{width}}  {f.op[:16]:<16} {f.amax:>10.4g} {headroom:>9} {f.overflow:>9} "
+                f"{f.underflow:>10} {f.nan:>6} {f.inf:>6} {f.calls:>6}{ranks}"
+            )
+        if len(rows) > len(shown):
+            lines.append(f"... {len(rows) - len(shown)} more (table(limit=None) shows all)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"ActivationWatch({len(self.names)} modules, every={self.every}, {self._sampled} sampled forwards)"
+
+    # ----------------------------------------------------------------------------------- lifetime
+
+    def remove(self) -> None:
+        """Removes every hook; the figures so far stay readable."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._sampling = False
+        self._seen.clear()
+
+    def __enter__(self) -> ActivationWatch:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.remove()
+
+    def __iter__(self) -> Iterator[ModuleActivations]:
+        return iter(self.figures())
+
+
+def watch_activations(model: torch.nn.Module, *, every: int = 1, process_group: Any = None) -> ActivationWatch:
+    """Watches each module's outputs for fp16 headroom, NaN and Inf, every ``every``-th forward.
+
+    Args:
+        model: the module whose submodules (itself included) are watched.
+        every: scan on every ``every``-th forward of ``model`` (the first included); 1 scans every
+            forward.
+        process_group: under torch.distributed, the ranks whose figures are reduced together when
+            read (default: every rank). Each rank watches its own activations (DDP, FSDP: its own
+            batch); reading the figures (``table()``, ``figures()``, the Advisor) is then a
+            collective, made by every rank of the group, and says which ranks overflowed.
+
+    Returns:
+        An :class:`ActivationWatch`: ``table()``/``str()`` for the figures (one sync), ``figures()``
+        for them as values, ``remove()`` (or a ``with`` block) to detach.
+    """
+    return ActivationWatch(model, every, process_group)

@@ -1,0 +1,371 @@
+"""nanscan.watch_activations: each module's outputs scanned for fp16 headroom, NaN and Inf, held
+against an fp64 reference taken by plain forward hooks on the same calls."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import nanscan
+
+from conftest import needs_cuda
+
+FP16_TINY = 2.0**-24  # fp16's smallest subnormal
+
+
+class Energy(torch.nn.Module):
+    """x^2 / sum(x^2): fine in fp32; in fp16, x^2 passes 65504 and inf / inf is NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = x * x
+        return e / e.sum(-1, keepdim=True)
+
+
+class Nested(torch.nn.Module):
+    """Outputs in a tuple, a dict and a list, one tensor twice, one integer tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.fc(x)
+        return y, {"double": y * 2, "list": [y.exp(), y], "ids": torch.arange(3)}
+
+
+def reference(model: torch.nn.Module, run: Any) -> dict[str, list[float]]:
+    """Per module name: [calls, elements, nan, inf, amax, overflow, underflow] of its floating outputs,
+    in fp64, each distinct output object counted once per call, as the watch counts (without its
+    across-module dedupe: the tests' models return fresh tensors from every module)."""
+    figures: dict[str, list[float]] = {}
+    handles = []
+    for name, module in model.named_modules():
+
+        def hook(module: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
+            found: list[torch.Tensor] = []
+            stack = [output]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, torch.Tensor):
+                    if item.is_floating_point() and not any(item is f for f in found):
+                        found.append(item)
+                elif isinstance(item, (tuple, list)):
+                    stack.extend(item)
+                elif isinstance(item, dict):
+                    stack.extend(item.values())
+            if not found:
+                return
+            row = figures.setdefault(name, [0, 0, 0, 0, 0.0, 0, 0])
+            row[0] += 1
+            for t in found:
+                v = t.detach().double().flatten()
+                finite = v[torch.isfinite(v)].abs()
+                row[1] += v.numel()
+                row[2] += int(torch.isnan(v).sum())
+                row[3] += int(torch.isinf(v).sum())
+                row[4] = max(row[4], float(finite.max()) if finite.numel() else 0.0)
+                row[5] += int((finite > 65504).sum())
+                row[6] += int(((finite > 0) & (finite < FP16_TINY)).sum())
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return figures
+
+
+def as_rows(watch: nanscan.ActivationWatch) -> dict[str, list[float]]:
+    return {
+        f.name: [f.calls, f.elements, f.nan, f.inf, f.amax, f.overflow, f.underflow]
+        for f in watch.figures()
+        if f.calls > 0
+    }
+
+
+def planted_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), Nested_(), torch.nn.Linear(32, 8)
+    )
+    return model.to(dtype)
+
+
+class Nested_(torch.nn.Module):
+    """Values fp16 cannot hold: a few huge, a few tiny, a NaN and an Inf in chosen places."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[0, 0] = 7e4  # scalar fills: no host-to-device copy (the CUDA test forbids syncs)
+        y[0, 1] = -1e5
+        y[0, 2] = 3e-9
+        y[0, 3] = 9e4
+        y[1, 1] = 1e-30
+        return y
+
+
+def test_figures_match_an_fp64_reference_on_planted_values() -> None:
+    model = planted_model()
+    x = torch.randn(5, 16)
+    want = reference(model, lambda: model(x))
+    with nanscan.watch_activations(model) as watch:
+        model(x)
+    got = as_rows(watch)
+    # The model's own output is its last Linear's: the same object, scanned once, under that Linear.
+    want.pop("", None)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name][:4] == want[name][:4], name
+        assert got[name][4] == pytest.approx(want[name][4], rel=1e-12, abs=0), name
+        assert got[name][5:] == want[name][5:], name
+    planted = got["3"]
+    assert planted[5] == 3 and planted[6] == 2, planted  # 7e4, -1e5, 9e4 overflow; 3e-9, 1e-30 underflow
+
+
+def test_nested_outputs_each_counted_once() -> None:
+    model = Nested()
+    x = torch.randn(4, 6)
+    want = reference(model, lambda: model(x))
+    with nanscan.watch_activations(model) as watch:
+        model(x)
+    got = as_rows(watch)
+    # The model returns y (fc's output, already scanned under `fc`), y * 2 and y.exp(): two new tensors.
+    assert got["fc"] == pytest.approx(want["fc"])
+    assert got[""][0] == 1 and got[""][1] == 2 * 24, got[""]
+
+
+def test_fp16_evaluation_names_the_module_that_overflows() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), Energy(), torch.nn.Linear(8, 2)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(400.0)
+    x = torch.randn(4, 8) * 10
+    with nanscan.watch_activations(model) as fp32:
+        model(x).sum().backward()  # training in fp32: finite
+    assert fp32.first_nonfinite is None and all(f.finite for f in fp32.figures())
+    with nanscan.watch_activations(model) as fp16, torch.no_grad():
+        model.half()(x.half())
+    assert fp16.first_nonfinite is not None and fp16.first_nonfinite[:2] == ("3", "Energy")
+    worst = fp16.worst()[0]
+    assert worst.name == "3" and worst.headroom < 1, worst
+    table = fp16.table()
+    assert "first non-finite output: `3` (Energy)" in table, table
+
+
+def test_sampling_every_nth_forward() -> None:
+    model = planted_model()
+    x = torch.randn(3, 16)
+    watch = nanscan.watch_activations(model, every=3)
+    for _ in range(7):
+        model(x)
+    assert (watch.forwards, watch.sampled) == (7, 3)  # forwards 0, 3 and 6
+    assert {f.calls for f in watch.figures() if f.name != ""} == {3}
+    assert watch.figures()[1].elements == 3 * 3 * 32  # the first Linear: 3 sampled calls of [3, 32]
+    watch.remove()
+
+
+def test_in_place_change_is_scanned_again_and_a_container_output_is_not() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.ReLU(inplace=True))
+    x = torch.randn(8, 4)
+    with nanscan.watch_activations(model) as watch:
+        out = model(x)
+    rows = {f.name: f for f in watch.figures()}
+    assert rows["0"].calls == 1 and rows["1"].calls == 1, "ReLU changed the Linear's output in place: two values"
+    assert rows[""].calls == 0, "the Sequential returns the ReLU's output: the same object, unchanged"
+    assert rows["1"].amax == float(out.detach().abs().max())
+
+
+def test_training_gradients_unchanged_and_autocast_evaluation() -> None:
+    def run(watched: bool) -> list[torch.Tensor]:
+        model = planted_model()
+        watch = nanscan.watch_activations(model) if watched else None
+        torch.manual_seed(5)
+        model(torch.randn(4, 16)).square().mean().backward()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(4, 16))
+        if watch is not None:
+            assert watch.sampled == 2 and watch.figures()[1].calls == 2
+            watch.remove()
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inference_mode_outputs_are_scanned_without_a_version_counter() -> None:
+    model = planted_model()
+    x = torch.randn(3, 16)
+    with nanscan.watch_activations(model) as eager:
+        model(x)
+    with nanscan.watch_activations(model) as watch, torch.inference_mode():
+        model(x)
+    got, want = as_rows(watch), as_rows(eager)
+    # Inference tensors are scanned each time they are returned: the Sequential's output (its last
+    # Linear's) a second time, under the model's own name.
+    assert got.pop("") == want["4"], got
+    assert got == want
+
+
+def test_a_forward_that_raises_leaves_sampling_working() -> None:
+    class Fails(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            if self.fail:
+                raise RuntimeError("boom")
+            return y
+
+    model = Fails()
+    watch = nanscan.watch_activations(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1, 2))
+    model.fail = False
+    model(torch.ones(1, 2))
+    assert watch.sampled == 2 and watch.figures()[1].calls == 2
+
+
+def test_remove_leaves_no_hook() -> None:
+    model = planted_model()
+
+    def hooks() -> list[int]:
+        return [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+
+    before = hooks()
+    watch = nanscan.watch_activations(model)
+    assert hooks() != before
+    watch.remove()
+    assert hooks() == before
+    model(torch.randn(2, 16))
+    assert watch.sampled == 0 and "nothing scanned yet" in watch.table()
+
+
+def test_a_compiled_model_gives_the_eager_figures() -> None:
+    model = planted_model()
+    x = torch.randn(4, 16)
+    with nanscan.watch_activations(model) as eager:
+        model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with nanscan.watch_activations(model) as watch:
+        for _ in range(2):
+            compiled(x)
+    assert watch.sampled == 2
+    want = as_rows(eager)
+    got = as_rows(watch)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name][0] == 2 * want[name][0] and got[name][4] == want[name][4], name
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True, "2"])
+def test_bad_every_is_refused(every: Any) -> None:
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        nanscan.watch_activations(torch.nn.Linear(2, 2), every=every)
+
+
+def test_a_non_module_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module, got list"):
+        nanscan.watch_activations([torch.nn.Linear(2, 2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_watch_without_a_sync() -> None:
+    model = planted_model().cuda()
+    x = torch.randn(4, 16, device="cuda")
+    watch = nanscan.watch_activations(model)
+    model(x)  # the first pass allocates the accumulators
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            model(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    want = reference(model, lambda: model(x))
+    got = as_rows(watch)
+    assert got["3"][0] == 4 and got["3"][5:] == [3 * 4, 2 * 4], got["3"]
+    assert got["3"][4] == pytest.approx(want["3"][4], rel=1e-12)
+
+
+# ------------------------------------------------------------------------- the AMP advice
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def energy_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), Energy(), torch.nn.Linear(8, 2)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(400.0)
+    return model
+
+
+def test_advice_names_the_fp32_island_of_an_fp16_evaluation() -> None:
+    model = energy_model().half()
+    with nanscan.watch_activations(model) as watch, torch.no_grad():
+        model(torch.randn(4, 8).half() * 10)
+    advice = nanscan.amp.Advisor(activations=watch).advise()
+    assert advice.recommendation == "fp32-modules" and advice.fp32_modules == ["3"], advice
+    assert "3 (Energy) was the first module whose fp16 outputs held NaN/Inf" in str(advice), advice
+
+
+def test_advice_is_bf16_when_the_overflow_is_spread() -> None:
+    layers = [torch.nn.Linear(4, 4)] + [Scale(10.0) for _ in range(6)]
+    model = torch.nn.Sequential(*layers)
+    with nanscan.watch_activations(model) as watch:
+        model(torch.full((2, 4), 100.0))  # 1e3 .. 1e8 after the scales: most beyond 65504 / 2
+    advice = nanscan.amp.Advisor(activations=watch).advise()
+    assert advice.recommendation == "bf16" and "spread over" in str(advice), advice
+
+
+def test_advice_keeps_fp16_for_a_healthy_run_and_states_the_headroom() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    advisor = nanscan.amp.Advisor(activations=nanscan.watch_activations(model))
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(16, 8)).square().mean().backward()
+        advisor.observe(model)
+    advice = advisor.advise()
+    assert advice.recommendation == "keep", advice
+    assert advice.activation_headroom is not None and 1e3 < advice.activation_headroom < math.inf
+    assert "activations fit fp16 with a headroom of" in str(advice) and "gradients:" in str(advice), advice
+
+
+def test_advice_on_tiny_activations_and_on_nonfinite_ones_without_fp16() -> None:
+    tiny = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale(1e-9))
+    with nanscan.watch_activations(tiny) as watch:
+        tiny(torch.randn(64, 4))
+    advice = nanscan.amp.Advisor(activations=watch).advise()
+    assert advice.recommendation == "bf16" and "would be zeros in fp16" in str(advice), advice
+    broken = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale(math.inf), Scale(0.0))
+    with nanscan.watch_activations(broken) as watch:
+        broken(torch.randn(2, 4))
+    advice = nanscan.amp.Advisor(activations=watch).advise()
+    assert advice.recommendation == "nonfinite" and "in a run without fp16" in str(advice), advice
+
+
+def test_advisor_refuses_what_is_not_a_watch() -> None:
+    with pytest.raises(TypeError, match=r"activations must be a nanscan\.watch_activations"):
+        nanscan.amp.Advisor(activations=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
