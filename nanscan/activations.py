@@ -53,7 +53,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .fused import SUPPORTED_DTYPES, upload
+from .fused import floating_tensors, upload
 from .names import clean_module_names
 
 FP16_MAX = 65504.0
@@ -110,29 +110,6 @@ class ModuleActivations:
     @property
     def finite(self) -> bool:
         return self.nan == 0 and self.inf == 0
-
-
-def _scannable(t: object) -> bool:
-    """A dense floating tensor the fused op reads; tensor subclasses (DTensor, fakes) are left alone."""
-    return (
-        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
-        and t.dtype in SUPPORTED_DTYPES
-        and t.layout == torch.strided
-        and not t.is_meta
-    )
-
-
-def _outputs(obj: object, out: list[torch.Tensor]) -> None:
-    """Appends the scannable tensors in ``obj`` (nested tuples, lists, dict values), each object once."""
-    if isinstance(obj, torch.Tensor):
-        if _scannable(obj) and not any(obj is seen for seen in out):
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            _outputs(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _outputs(item, out)
 
 
 _NONE = torch.iinfo(torch.int64).max  # no non-finite call yet
@@ -252,7 +229,7 @@ class ActivationWatch:
 
     def _scan(self, slot: int, output: Any) -> None:
         found: list[torch.Tensor] = []
-        _outputs(output, found)
+        floating_tensors(output, found)
         fresh = []
         for t in found:
             if t.is_inference():  # no version counter to tell an in-place change by: scanned each time

@@ -34,6 +34,33 @@ def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> t
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def scannable(t: object) -> bool:
+    """A dense floating tensor nanscan can scan; tensor subclasses (DTensor, fakes) are left alone."""
+    return (
+        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
+        and t.dtype in SUPPORTED_DTYPES
+        and t.layout == torch.strided
+        and not t.is_meta
+    )
+
+
+def floating_tensors(obj: object, out: list[torch.Tensor]) -> None:
+    """Appends the scannable tensors in ``obj`` (nested tuples, lists, dict values), each object once."""
+    if isinstance(obj, torch.Tensor):
+        if not out:  # the usual case, a lone tensor: no duplicate to look for
+            if scannable(obj):
+                out.append(obj)
+            return
+        if scannable(obj) and not any(obj is seen for seen in out):
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            floating_tensors(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            floating_tensors(item, out)
+
+
 _SUBSETS_SEARCHED = 200_000  # rank subsets tried when attributing a NaN held by three ranks or more
 
 

@@ -72,7 +72,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .fused import SUPPORTED_DTYPES
+from .fused import floating_tensors, scannable
 from .names import clean_module_names
 from .scan import scan
 
@@ -289,33 +289,6 @@ class _Event:
         self.parameter = parameter  # (qualified name, name within the module) of a parameter gradient
 
 
-def _scannable(t: object) -> bool:
-    """A dense floating tensor nanscan can scan; tensor subclasses (DTensor, fakes) are left alone."""
-    return (
-        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
-        and t.dtype in SUPPORTED_DTYPES
-        and t.layout == torch.strided
-        and not t.is_meta
-    )
-
-
-def _flatten(obj: object, out: list[torch.Tensor]) -> None:
-    """Appends the scannable tensors in ``obj`` (nested tuples, lists, dict values), each object once."""
-    if isinstance(obj, torch.Tensor):
-        if not out:  # the usual case, a lone tensor: no duplicate to look for
-            if _scannable(obj):
-                out.append(obj)
-            return
-        if _scannable(obj) and not any(obj is seen for seen in out):
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            _flatten(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _flatten(item, out)
-
-
 def _on_grads(tensors: Sequence[torch.Tensor], fn: Callable[[Sequence[torch.Tensor | None]], None]) -> None:
     """Calls ``fn(grads)`` once the gradient of every tensor of ``tensors`` that takes part is ready."""
     if len(tensors) > 1:
@@ -436,7 +409,7 @@ class Locator:
     def _parameter_hook(self, name: str, op: str, parameter: tuple[str, str]) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
-            if not self._active or grad is None or not _scannable(grad):
+            if not self._active or grad is None or not scannable(grad):
                 return
             if self._param_scan is None:
                 self._param_scan = _Scan.deferred()
@@ -477,9 +450,9 @@ class Locator:
             call = _Call(name, op, n)
             open_calls.append(call)
             inputs: list[torch.Tensor] = []
-            _flatten(args, inputs)
+            floating_tensors(args, inputs)
             if kwargs:
-                _flatten(kwargs, inputs)
+                floating_tensors(kwargs, inputs)
             # Before forward runs: a module that changes an input in place must not see it changed.
             call.inputs = self._resolve(inputs, [self._lookup(t) for t in inputs])
             if self.backward and torch.is_grad_enabled():
@@ -491,7 +464,7 @@ class Locator:
             # entries of later calls, so the top of the stack is still this call.
             call = open_calls.pop() if open_calls else _Call(name, op, self._calls.get(name, 0))
             outputs: list[torch.Tensor] = []
-            _flatten(output, outputs)
+            floating_tensors(output, outputs)
             # An output already scanned and unchanged (a module that returns its input, as dropout
             # with p=0 and Identity do) keeps its scan.
             refs = self._resolve(outputs, [self._lookup(t) for t in outputs])
@@ -539,7 +512,7 @@ class Locator:
 
         def wrap(value: Any) -> Any:
             # Only plain tensors: a view of a Parameter (or of a subclass) would not be one any more.
-            if type(value) is not torch.Tensor or not value.requires_grad or not _scannable(value):
+            if type(value) is not torch.Tensor or not value.requires_grad or not scannable(value):
                 return value
             view = views.get(id(value))
             if view is None:
@@ -580,7 +553,7 @@ class Locator:
     def _on_grad_outputs(self, call: _Call, grads: Sequence[torch.Tensor | None]) -> None:
         if not self._active:
             return
-        received = [g for g in grads if g is not None and _scannable(g)]
+        received = [g for g in grads if g is not None and scannable(g)]
         refs = [self._grad_ref(g) for g in received]
         self._receiving.setdefault(call.who[0], []).append(call)
         if call.grad_inputs:
@@ -593,7 +566,7 @@ class Locator:
     def _on_grad_inputs(self, call: _Call, grads: Sequence[torch.Tensor | None]) -> None:
         if not self._active or not call.grad_inputs:
             return
-        produced = [g for g in grads if g is not None and _scannable(g)]
+        produced = [g for g in grads if g is not None and scannable(g)]
         context_known = call.grad_outputs is not None
         received, received_refs = call.grad_outputs or ([], [])
         call.grad_outputs = None  # drop the references

@@ -108,13 +108,18 @@ class Nested_(torch.nn.Module):
         return y
 
 
-def test_figures_match_an_fp64_reference_on_planted_values() -> None:
-    model = planted_model()
-    x = torch.randn(5, 16)
+def watched_and_reference(
+    model: torch.nn.Module, x: torch.Tensor
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(the watch's rows, the fp64 reference's) of one forward of ``model`` on ``x``."""
     want = reference(model, lambda: model(x))
     with nanscan.watch_activations(model) as watch:
         model(x)
-    got = as_rows(watch)
+    return as_rows(watch), want
+
+
+def test_figures_match_an_fp64_reference_on_planted_values() -> None:
+    got, want = watched_and_reference(planted_model(), torch.randn(5, 16))
     # The model's own output is its last Linear's: the same object, scanned once, under that Linear.
     want.pop("", None)
     assert got.keys() == want.keys()
@@ -127,12 +132,7 @@ def test_figures_match_an_fp64_reference_on_planted_values() -> None:
 
 
 def test_nested_outputs_each_counted_once() -> None:
-    model = Nested()
-    x = torch.randn(4, 6)
-    want = reference(model, lambda: model(x))
-    with nanscan.watch_activations(model) as watch:
-        model(x)
-    got = as_rows(watch)
+    got, want = watched_and_reference(Nested(), torch.randn(4, 6))
     # The model returns y (fc's output, already scanned under `fc`), y * 2 and y.exp(): two new tensors.
     assert got["fc"] == pytest.approx(want["fc"])
     assert got[""][0] == 1 and got[""][1] == 2 * 24, got[""]
