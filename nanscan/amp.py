@@ -542,9 +542,12 @@ class Advisor:
         first = watch._first(code)
         grad_reasons = [f"gradients: {r}" for r in gradients.reasons] if gradients is not None else []
         if not figures:
-            reasons = ["activations: no forward pass of the watched model was scanned yet", *grad_reasons]
             if gradients is None:
-                return Advice("keep", reasons)
+                raise RuntimeError(
+                    "nanscan.amp.Advisor: nothing observed yet: run a forward pass of the watched model, or "
+                    "observe() gradients, before advise()"
+                )
+            reasons = ["activations: no forward pass of the watched model was scanned yet", *grad_reasons]
             return dataclasses.replace(gradients, reasons=reasons)
         finite = [f for f in figures if f.finite]
         headroom = min((f.headroom for f in finite), default=math.inf)

@@ -366,6 +366,12 @@ def test_advice_on_tiny_activations_and_on_nonfinite_ones_without_fp16() -> None
     assert advice.recommendation == "nonfinite" and "in a run without fp16" in str(advice), advice
 
 
+def test_advice_before_anything_was_observed_is_refused() -> None:
+    watch = nanscan.watch_activations(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="nothing observed yet"):
+        nanscan.amp.Advisor(activations=watch).advise()
+
+
 def test_advisor_refuses_what_is_not_a_watch() -> None:
     with pytest.raises(TypeError, match=r"activations must be a nanscan\.watch_activations"):
         nanscan.amp.Advisor(activations=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
