@@ -16,6 +16,7 @@ from .recorder import Recorder
 from .replicas import ReplicaCheck, verify_replicas
 from .report import Report
 from .scan import scan
+from .state import check_state
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -31,6 +32,7 @@ __all__ = [
     "SkipGuard",
     "amp",
     "check",
+    "check_state",
     "clip_grad_norm_",
     "ddp",
     "get_total_norm",

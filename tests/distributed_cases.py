@@ -762,6 +762,37 @@ def activation_watches_of_different_models_are_refused(world: int) -> None:
     assert "the ranks watch different models" in error, error
 
 
+# ------------------------------------------------------------------ the training state
+
+
+@case
+def check_state_of_fsdp2_names_a_nan_in_one_ranks_moment(world: int) -> None:
+    """FSDP2's parameters and Adam's moments are DTensors: check_state reduces them over the mesh, so
+    a NaN in one rank's shard of exp_avg_sq is named on every rank, with that rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([16, 24, 6]), mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    backward(model, 16)
+    optimizer.step()
+    clean = nanscan.check_state(model, optimizer)
+    clean_finite, clean_names = clean.finite, clean.names
+    bad = 1 % world  # Linear(24, 6)'s 6 rows: every rank but the last of 4 holds some
+    moment = optimizer.state[model[2].weight]["exp_avg_sq"]
+    assert isinstance(moment, DTensor)
+    if dist.get_rank() == bad:
+        moment.to_local().view(-1)[0] = math.nan
+    report = nanscan.check_state(model, optimizer)
+    whole = moment.full_tensor()  # the global statistics, against the gathered moment
+    norms = report.to_dict()["parameters"]
+    assert clean_finite and clean_names[:4] == ["0.weight", "0.bias", "2.weight", "2.bias"], clean_names
+    assert "2.weight:exp_avg_sq" in clean_names and not any(n.endswith(":step") for n in clean_names)
+    assert report.nonfinite == ["2.weight:exp_avg_sq"], report.nonfinite
+    assert report.nonfinite_ranks == {"2.weight:exp_avg_sq": [bad]}, report.nonfinite_ranks
+    finite_part = whole.double()[~whole.isnan()]
+    assert norms["2.weight:exp_avg_sq"]["max"] == finite_part.max().item()
+    assert_close(norms["0.weight"]["norm"], model[0].weight.full_tensor().double().norm(), "weight norm", 1e-6)
+
+
 # ---------------------------------------------------------------------- the recorder's ranks
 
 

@@ -514,3 +514,20 @@ def fsdp1_ignored_modules_are_copies_counted_once(world: int) -> None:
         assert names == [name for name, _ in TinyDecoder().named_parameters()], names
         assert_close(head, want_head, "an ignored module's gradient, counted once", 1e-6)
         assert_close(total, want, f"use_orig_params={orig}: total against FSDP's clip", 1e-5)
+
+
+@case
+def fsdp1_check_state_is_refused_before_anything_is_read(world: int) -> None:
+    """FSDP1's optimizer states are flat shards check_state does not cut back into parameters: refused
+    with the reason, on every rank, rather than one rank's shard presented as the model's."""
+    for orig in (False, True):
+        model = wrap(net(), ShardingStrategy.FULL_SHARD, orig, world)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        backward(model)
+        optimizer.step()
+        try:
+            nanscan.check_state(model, optimizer)
+            error = ""
+        except ValueError as raised:
+            error = str(raised)
+        assert "FSDP1 keeps flattened parameters" in error, (orig, error)

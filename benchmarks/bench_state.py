@@ -1,0 +1,133 @@
+"""The cost of ``nanscan.check_state`` with Adam's state, against one ``torch.sum`` over the same bytes.
+
+    python benchmarks/bench_state.py                      # the zoo lists but llama-1b, CPU (~1 min)
+    python benchmarks/bench_state.py --quick              # smoke test
+    python benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b   # on a GPU
+
+For each zoo list (benchmarks/zoo.json: real models' parameter shapes), fp32 parameters and the two
+Adam moments of each (``exp_avg``, ``exp_avg_sq``; an optimizer.state built as torch.optim.Adam
+keeps it), so 3x the parameters' bytes are read. Timed in rotating rounds (DESIGN.md section 5),
+medians:
+
+* ``ceiling``: ``torch.sum`` of one flat fp32 buffer of the same element count: one read of the bytes;
+* ``check_state``: ``nanscan.check_state(params, optimizer)`` plus reading ``report.finite`` (the one
+  sync a caller makes);
+* ``per-tensor isfinite loop``: what a hand-written check does (``torch.isfinite(t).all()`` per tensor,
+  summed on the device, read once).
+
+The target (issue 30): check_state at most 1.15x the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import nanscan
+
+ZOO = Path(__file__).resolve().parent / "zoo.json"
+
+
+def adam_state(shapes: list[list[int]], device: torch.device) -> tuple[list[torch.nn.Parameter], torch.optim.Adam]:
+    """Parameters of these shapes and an Adam whose state holds both moments for each (as after a step),
+    with values of the magnitudes a moment has (exp_avg ~ gradients, exp_avg_sq their squares)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for shape in shapes]
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    for p in params:
+        g = torch.randn_like(p) * 1e-3
+        optimizer.state[p] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": g * 0.1,
+            "exp_avg_sq": g * g * 1e-3,
+        }
+    return params, optimizer
+
+
+def timed(fns: dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None]) -> dict[str, float]:
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def measure(
+    name: str, shapes: list[list[int]], device: torch.device, rounds: int, sync: Callable[[], None]
+) -> dict[str, object]:
+    """One zoo list's row: the medians of the three methods, and check_state over the ceiling."""
+    params, optimizer = adam_state(shapes, device)
+    tensors = [t for p in params for t in (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
+    flat = torch.randn(sum(t.numel() for t in tensors), device=device)
+
+    def loop() -> bool:
+        bad = torch.zeros((), device=device)
+        for t in tensors:
+            bad += (~torch.isfinite(t)).any()
+        return not bool(bad)
+
+    figures = timed(
+        {"ceiling": flat.sum, "check_state": lambda: nanscan.check_state(params, optimizer).finite, "loop": loop},
+        rounds,
+        sync,
+    )
+    mb = flat.numel() * 4 / 1e6
+    return {
+        "model": name,
+        "tensors": len(tensors),
+        "mb": mb,
+        **figures,
+        "ratio": figures["check_state"] / figures["ceiling"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", help="comma-separated zoo names (default: all but llama-1b; --quick: resnet50)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, --quick 3)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    zoo = json.loads(ZOO.read_text())
+    models = (
+        args.models.split(",") if args.models else (["resnet50"] if args.quick else [m for m in zoo if m != "llama-1b"])
+    )
+    rounds = args.rounds or (3 if args.quick else 15)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
+    print(
+        f"{'model':<12}{'tensors':>8}{'MB read':>9}{'ceiling ms':>12}{'check_state ms':>16}{'x ceiling':>10}{'loop ms':>10}"
+    )
+    rows = []
+    for name in models:
+        row = measure(name, zoo[name], device, rounds, sync)
+        rows.append(row)
+        print(
+            f"{name:<12}{row['tensors']:>8}{row['mb']:>9.0f}{row['ceiling']:>12.2f}{row['check_state']:>16.2f}"
+            f"{row['ratio']:>9.2f}x{row['loop']:>10.2f}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
