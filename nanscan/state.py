@@ -65,7 +65,9 @@ def check_state(
     if recorder is not None and not isinstance(recorder, Recorder):
         raise TypeError(f"nanscan.check_state: recorder must be a nanscan.Recorder, got {type(recorder).__name__}")
     names, params = _named_parameters(model_or_params)
-    tensors: list[torch.Tensor] = [p.detach() for p in params]
+    # As they are, not detached (a detach per tensor is most of the host work here): the op reads
+    # values and is not differentiable (its outputs never require grad), like check's gradients.
+    tensors: list[torch.Tensor] = list(params)
     if optimizer is not None:
         state_names, states = _optimizer_state(optimizer, {id(p): n for n, p in zip(names, params, strict=True)})
         names += state_names
@@ -128,5 +130,5 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) ->
                 if key == "step" or not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     continue
                 state_names.append(f"{owner}:{key}")
-                states.append(value.detach())
+                states.append(value)
     return state_names, states
