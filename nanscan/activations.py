@@ -21,12 +21,15 @@ statistics on the device. A tensor already scanned in the same forward pass and 
 same object, the same version counter: a container returning its last child's output) is not scanned
 again; one changed in place (``ReLU(inplace=True)`` on a Linear's output) is, as the new values it
 holds. Under ``torch.inference_mode()`` tensors have no version counter, so every module's outputs
-are scanned (a container's output a second time). The per-call statistics wait on the device until the model's forward returns; then one
-concatenation and two indexed reductions fold the whole pass into per-module accumulators (an int64
-[modules, 4] table of counts and a float64 [modules] amax), so a step costs a scan per module call and
-a few launches, whatever the number of modules. Host-side, the watch counts the calls and the
-elements scanned (Python integers; no device value is read). The first figure read (``table()``,
-``str()``, ``figures()``) copies the accumulators to the host: one sync.
+are scanned (a container's output a second time). The per-call statistics wait on the device until
+the model's forward returns; then one concatenation and a few indexed reductions fold the whole pass
+into per-module accumulators (an int64 [modules, 4] table of counts, a float64 [modules] amax, and
+the first call, in execution order, whose outputs held a NaN/Inf), so a step costs a scan per module
+call and a few launches, whatever the number of modules. Host-side, the watch counts the calls and
+the elements scanned (Python integers; no device value is read). Each read of the figures
+(``table()``, ``str()``, ``figures()``, ``first_nonfinite``, the Advisor) copies the accumulators to
+the host: one sync per device; under torch.distributed also three small all-reduces, which every
+rank of the group must make (``process_group``).
 
 Sampling: ``every=N`` scans on every N-th forward of the model (the first included), and nothing in
 between: the cost of the others is one Python check per module call. Only calls inside the model's
