@@ -50,7 +50,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -135,22 +135,48 @@ class _DeviceTotals:
         """Adds the pending calls into the accumulators: a handful of launches for the whole pass."""
         if not self.pending:
             return
-        slots, codes = [], []
-        for call, slot, counts, _ in self.pending:
-            slots += [slot] * counts.shape[1]
-            codes += [call * self.modules + slot] * counts.shape[1]
+        # Each scanned tensor's code: its call number times the module count plus its module's slot.
+        codes = [call * self.modules + slot for call, slot, counts, _ in self.pending for _ in range(counts.shape[1])]
         counts = torch.cat([counts for _, _, counts, _ in self.pending], dim=1)
         stats = torch.cat([stats for _, _, _, stats in self.pending], dim=1)
         self.pending.clear()
-        device = self.counts.device
-        index = upload(slots, torch.int64, device)
+        code_of = upload(codes, torch.int64, self.counts.device)  # one upload; the slots follow from it
+        index = code_of.remainder(self.modules)
         self.counts.index_add_(0, index, counts.t())
         # min/max are of the finite values (+inf/-inf when a tensor has none): |largest| without NaN.
         amax = torch.maximum(-stats[0], stats[1]).clamp_(min=0.0)
         self.amax.scatter_reduce_(0, index, amax, reduce="amax")
         nonfinite = (counts[0] + counts[1]) > 0
-        code = torch.where(nonfinite, upload(codes, torch.int64, device), _NONE).amin()
+        code = torch.where(nonfinite, code_of, _NONE).amin()
         torch.minimum(self.first, code, out=self.first)
+
+
+class _Host(NamedTuple):
+    """The accumulators read to the host (and, distributed, reduced), per module in module order."""
+
+    counts: list[list[int]]  # [NaN, Inf, overflow, underflow]
+    amax: list[float]
+    first: int  # the first non-finite call's code (call number * modules + slot), or _NONE
+    calls: list[int]
+    fp16_calls: list[int]
+    elements: list[int]
+    ranks: list[tuple[int, ...]]
+
+
+class _Read(NamedTuple):
+    """One read of the figures: every module's, and the first non-finite call's module slot and
+    call number (None when every output was finite)."""
+
+    figures: list[ModuleActivations]
+    first_slot: int | None
+    first_call: int | None
+
+    def worst(self) -> list[ModuleActivations]:
+        """The modules scanned, worst first: the first to go non-finite, the other non-finite ones,
+        then by headroom, smallest first."""
+        observed = [(i, f) for i, f in enumerate(self.figures) if f.calls > 0]
+        ordered = sorted(observed, key=lambda item: (item[0] != self.first_slot, item[1].finite, item[1].headroom))
+        return [f for _, f in ordered]
 
 
 class ActivationWatch:
@@ -183,10 +209,6 @@ class ActivationWatch:
         self._sampled = 0  # of which sampled
         self._depth = 0  # nesting of the model's own forward (a model that calls itself)
         self._call_number = 0  # module calls scanned so far, in execution order
-        # Set by each read (_host): every rank's calls, fp16 calls and elements, and per module the
-        # ranks that overflowed (a distributed watch; else this process's, and no ranks).
-        self._totals: tuple[list[int], list[int], list[int]] = (self._calls, self._fp16_calls, self._elements)
-        self._ranks: list[tuple[int, ...]] = [()] * len(named)
         self._sampling = False
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -275,11 +297,10 @@ class ActivationWatch:
         """Of which scanned (every ``every``-th, the first included)."""
         return self._sampled
 
-    def _host(self) -> tuple[list[list[int]], list[float], int]:
-        """The accumulators of every device on the host, merged: per module [NaN, Inf, overflow,
-        underflow] and amax, and the first non-finite call's code (_NONE if none). One copy per device
-        (counts below 2^53 and codes are exact in float64). In a distributed watch, every rank's,
-        reduced (collectives: every rank must read)."""
+    def _read(self) -> _Read:
+        """The figures of every device, merged on the host: one copy per device (counts below 2^53 and
+        codes are exact in float64). In a distributed watch, every rank's, reduced (collectives:
+        every rank must read)."""
         m = len(self.names)
         counts = [[0, 0, 0, 0] for _ in range(m)]
         amax = [0.0] * m
@@ -293,12 +314,28 @@ class ActivationWatch:
                 amax[i] = max(amax[i], packed[4 * m + i])
             if packed[-1] >= 0:
                 first = min(first, int(packed[-1]))
-        self._ranks = [()] * m
-        self._totals = (list(self._calls), list(self._fp16_calls), list(self._elements))
+        host = _Host(counts, amax, first, self._calls, self._fp16_calls, self._elements, [()] * m)
         group = self._group()
         if group is not None:
-            counts, amax, first = self._reduce(group, counts, amax, first)
-        return counts, amax, first
+            host = self._reduce(group, host)
+        figures = [
+            ModuleActivations(name, op, n, fp16, e, c[0], c[1], a, c[2], c[3], ranks)
+            for name, op, n, fp16, e, c, a, ranks in zip(
+                self.names,
+                self.ops,
+                host.calls,
+                host.fp16_calls,
+                host.elements,
+                host.counts,
+                host.amax,
+                host.ranks,
+                strict=True,
+            )
+        ]
+        if host.first == _NONE:
+            return _Read(figures, None, None)
+        call, slot = divmod(host.first, m)
+        return _Read(figures, slot, call)
 
     def _group(self) -> Any:
         """The group the figures are reduced over, or None in a single process."""
@@ -313,9 +350,7 @@ class ActivationWatch:
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
 
-    def _reduce(
-        self, group: Any, counts: list[list[int]], amax: list[float], first: int
-    ) -> tuple[list[list[int]], list[float], int]:
+    def _reduce(self, group: Any, host: _Host) -> _Host:
         """Every rank's figures: counts, calls and elements summed, amax the largest, the first
         non-finite call the earliest; per module, the ranks that overflowed or went non-finite.
         Three collectives (one to check that every rank watches the same modules)."""
@@ -332,87 +367,67 @@ class ActivationWatch:
                 f"nanscan.watch_activations: the ranks watch different models ({int(-shape[1])} to {int(shape[0])} "
                 f"modules; this rank {m}): watch the same model on every rank of the process group"
             )
-        bad = [float(c[2] > 0 or c[0] > 0 or c[1] > 0) for c in counts]
+        bad = [float(c[2] > 0 or c[0] > 0 or c[1] > 0) for c in host.counts]
         per_module = m * world <= 1 << 20
         flags = torch.zeros((m, world) if per_module else (1, world), dtype=torch.float64)
         flags[:, rank] = torch.tensor(bad if per_module else [float(any(bad))], dtype=torch.float64)
-        calls, fp16_calls, elements = self._totals
         summed = torch.cat(
             [
-                torch.tensor([x for c in counts for x in c], dtype=torch.float64),
-                torch.tensor(calls + fp16_calls + elements, dtype=torch.float64),
+                torch.tensor([x for c in host.counts for x in c], dtype=torch.float64),
+                torch.tensor(host.calls + host.fp16_calls + host.elements, dtype=torch.float64),
                 flags.flatten(),
             ]
         ).to(device)
-        largest = torch.tensor([*amax, -float(first if first != _NONE else 2.0**62)], dtype=torch.float64).to(device)
+        first = host.first if host.first != _NONE else 2.0**62
+        largest = torch.tensor([*host.amax, -float(first)], dtype=torch.float64).to(device)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
         s, big = summed.tolist(), largest.tolist()
-        counts = [[int(x) for x in s[4 * i : 4 * i + 4]] for i in range(m)]
-        rest = s[4 * m :]
-        self._totals = (
-            [int(x) for x in rest[:m]],
-            [int(x) for x in rest[m : 2 * m]],
-            [int(x) for x in rest[2 * m : 3 * m]],
-        )
-        flat = rest[3 * m :]
-        if per_module:
-            self._ranks = [tuple(r for r in range(world) if flat[i * world + r]) for i in range(m)]
+        rest = [int(x) for x in s[4 * m : 7 * m]]
+        flat = s[7 * m :]
         code = -big[m]
-        return counts, big[:m], _NONE if code >= 2.0**62 else int(code)
+        return _Host(
+            counts=[[int(x) for x in s[4 * i : 4 * i + 4]] for i in range(m)],
+            amax=big[:m],
+            first=_NONE if code >= 2.0**62 else int(code),
+            calls=rest[:m],
+            fp16_calls=rest[m : 2 * m],
+            elements=rest[2 * m :],
+            ranks=[tuple(r for r in range(world) if flat[i * world + r]) for i in range(m)] if per_module else [()] * m,
+        )
 
     def figures(self) -> list[ModuleActivations]:
         """Every module's figures, in the model's module order (one sync, per device)."""
-        counts, amax, _ = self._host()
-        return self._figures(counts, amax)
-
-    def _figures(self, counts: list[list[int]], amax: list[float]) -> list[ModuleActivations]:
-        """The figures of the last ``_host()`` read (its calls, elements and ranks: every rank's in a
-        distributed watch)."""
-        calls, fp16_calls, elements = self._totals
-        return [
-            ModuleActivations(name, op, n, fp16, e, c[0], c[1], a, c[2], c[3], ranks)
-            for name, op, n, fp16, e, c, a, ranks in zip(
-                self.names, self.ops, calls, fp16_calls, elements, counts, amax, self._ranks, strict=True
-            )
-        ]
+        return self._read().figures
 
     @property
     def first_nonfinite(self) -> tuple[str, str, int] | None:
         """The module whose outputs were the first to hold a NaN or an Inf, in execution order over
         every sampled pass: (name, class name, its call number among the scanned calls), or None (one
         sync). With finite inputs to the model, this module made the non-finite values."""
-        return self._first(self._host()[2])
-
-    def _first(self, code: int) -> tuple[str, str, int] | None:
-        if code == _NONE:
+        read = self._read()
+        if read.first_slot is None or read.first_call is None:
             return None
-        call, slot = divmod(code, len(self.names))
-        return self.names[slot], self.ops[slot], call
+        return self.names[read.first_slot], self.ops[read.first_slot], read.first_call
 
     def worst(self) -> list[ModuleActivations]:
         """The modules that were scanned, worst first: the first to go non-finite, the other
         non-finite ones, then by headroom, smallest first (one sync)."""
-        counts, amax, first = self._host()
-        return self._worst(self._figures(counts, amax), self._first(first))
-
-    @staticmethod
-    def _worst(figures: list[ModuleActivations], first: tuple[str, str, int] | None) -> list[ModuleActivations]:
-        observed = [f for f in figures if f.calls > 0]
-        first_name = first[0] if first is not None else None
-        return sorted(observed, key=lambda f: (f.name != first_name, f.finite, f.headroom))
+        return self._read().worst()
 
     def table(self, limit: int | None = 20) -> str:
         """A text table of the scanned modules, worst headroom first (one sync)."""
-        counts, amax, code = self._host()
-        first = self._first(code)
-        rows = self._worst(self._figures(counts, amax), first)
+        read = self._read()
+        rows = read.worst()
         head = (
             f"activations of {len(rows)} modules over {self._sampled} sampled forward(s) of {self._forwards} "
             f"(every {self.every}); headroom = 65504 / amax, 0 where a NaN/Inf was seen"
         )
-        if first is not None:
-            head += f"\nfirst non-finite output: `{first[0] or '(model)'}` ({first[1]}), scanned call {first[2]}"
+        if read.first_slot is not None:
+            first = read.figures[read.first_slot]
+            head += (
+                f"\nfirst non-finite output: `{first.name or '(model)'}` ({first.op}), scanned call {read.first_call}"
+            )
         if not rows:
             return head + "\n(nothing scanned yet)"
         shown = rows if limit is None else rows[:limit]

@@ -537,9 +537,8 @@ class Advisor:
     def _with_activations(self, gradients: Advice | None, watch: ActivationWatch) -> Advice:
         """The gradient advice (None: no gradient observed) with the activation evidence; see the
         class docstring for the order in which the evidence decides."""
-        counts, amax, code = watch._host()  # one sync
-        figures = [f for f in watch._figures(counts, amax) if f.calls > 0]
-        first = watch._first(code)
+        read = watch._read()  # one sync
+        figures = [f for f in read.figures if f.calls > 0]
         grad_reasons = [f"gradients: {r}" for r in gradients.reasons] if gradients is not None else []
         if not figures:
             if gradients is None:
@@ -561,7 +560,7 @@ class Advisor:
             f"activations: {len(figures)} modules watched over {watch.sampled} forward pass(es); the smallest "
             f"headroom of the finite ones is {'inf' if math.isinf(headroom) else f'{headroom:.3g}'} (65504 / amax)"
         ]
-        maker = next((f for f in figures if first is not None and f.name == first[0]), None)
+        maker = read.figures[read.first_slot] if read.first_slot is not None else None
         if maker is not None and maker.fp16_calls == 0:
             reasons.append(
                 f"activations: {maker.name or '(model)'} ({maker.op}) output NaN/Inf first, in a run without fp16: "
