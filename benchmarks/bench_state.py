@@ -24,14 +24,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nanscan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_locate import time_methods
 
 ZOO = Path(__file__).resolve().parent / "zoo.json"
 
@@ -52,24 +53,7 @@ def adam_state(shapes: list[list[int]], device: torch.device) -> tuple[list[torc
     return params, optimizer
 
 
-def timed(fns: dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None]) -> dict[str, float]:
-    names = list(fns)
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            sync()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(v) for name, v in times.items()}
-
-
-def measure(
-    name: str, shapes: list[list[int]], device: torch.device, rounds: int, sync: Callable[[], None]
-) -> dict[str, object]:
+def measure(name: str, shapes: list[list[int]], device: torch.device, rounds: int) -> dict[str, object]:
     """One zoo list's row: the medians of the three methods, and check_state over the ceiling."""
     params, optimizer = adam_state(shapes, device)
     tensors = [t for p in params for t in (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
@@ -81,11 +65,13 @@ def measure(
             bad += (~torch.isfinite(t)).any()
         return not bool(bad)
 
-    figures = timed(
+    times = time_methods(
         {"ceiling": flat.sum, "check_state": lambda: nanscan.check_state(params, optimizer).finite, "loop": loop},
         rounds,
-        sync,
+        warmup=1,
+        device=device,
     )
+    figures = {method: statistics.median(ms) for method, ms in times.items()}
     mb = flat.numel() * 4 / 1e6
     return {
         "model": name,
@@ -110,14 +96,13 @@ def main() -> int:
     )
     rounds = args.rounds or (3 if args.quick else 15)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
     print(
         f"{'model':<12}{'tensors':>8}{'MB read':>9}{'ceiling ms':>12}{'check_state ms':>16}{'x ceiling':>10}{'loop ms':>10}"
     )
     rows = []
     for name in models:
-        row = measure(name, zoo[name], device, rounds, sync)
+        row = measure(name, zoo[name], device, rounds)
         rows.append(row)
         print(
             f"{name:<12}{row['tensors']:>8}{row['mb']:>9.0f}{row['ceiling']:>12.2f}{row['check_state']:>16.2f}"

@@ -181,21 +181,16 @@ def whole(model: torch.nn.Module, grads: bool) -> list[torch.Tensor]:
         with FSDP.summon_full_params(model, with_grads=grads):
             return [(p.grad if grads else p).detach().clone() for p in model.parameters()]
     # use_orig_params=False: torch cannot summon the gradients; on one rank a unit's flat parameter
-    # is its parameters end to end.
-    pieces = {}
+    # is its parameters end to end. The units (one per Linear, in model order) and each unit's
+    # parameters come in the model's order (the wrapped modules no longer list them as parameters).
+    pieces = []
     for unit in FSDP.fsdp_modules(model):
         if unit._handle is None:
             continue
         flat = unit._handle.flat_param
         values = (flat.grad if grads else flat).detach()
-        for info, piece in zip(flat._param_infos, values[: sum(flat._numels)].split(list(flat._numels)), strict=True):
-            pieces[(id(info.module), info.param_name)] = piece.clone()
-    return [
-        pieces[(id(m), n)]
-        for m in model.module.modules()
-        for n, _ in m.named_parameters(recurse=False)
-        if (id(m), n) in pieces
-    ] or [pieces[k] for k in pieces]
+        pieces += [piece.clone() for piece in values[: sum(flat._numels)].split(list(flat._numels))]
+    return pieces
 
 
 def backward(model: torch.nn.Module, step: int, device: torch.device) -> None:
