@@ -294,6 +294,38 @@ def test_many_tiny_tensors() -> None:
     assert_matches_reference(nanscan.scan(tensors), tensors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_runs_of_small_tensors_at_every_magnitude(dtype: torch.dtype) -> None:
+    """The small-tensor path (runs of up to four tensors of at most 8 KiB, eight lanes each): runs
+    of every length, cut by another dtype, a larger tensor and float8; unaligned views; ordinary,
+    tiny (the whole warp re-scans those), overflowing-square and mixed NaN/Inf tensors; against the
+    fp64 reference, on several list lengths so that warps' shares cut the runs."""
+    gen = torch.Generator().manual_seed(25)
+    max_numel = 8192 // torch.empty((), dtype=dtype).element_size()
+    magnitudes = [1.0, 1.0, 1.0, 1e-20, 1e-40, 3e37]
+    tensors: list[torch.Tensor] = []
+    for i in range(3000):
+        pick = int(torch.randint(0, 12, (1,), generator=gen))
+        if pick == 0:
+            tensors.append(random_tensor(max_numel + 100, dtype, "cuda"))
+            continue
+        if pick == 1:
+            other = torch.float8_e4m3fn if i % 2 else (torch.float32 if dtype != torch.float32 else torch.float16)
+            tensors.append(random_tensor(300, other, "cuda"))
+            continue
+        n = [0, max_numel, 7, int(torch.randint(1, max_numel + 1, (1,), generator=gen))][pick % 4]
+        offset = int(torch.randint(0, 4, (1,), generator=gen)) if pick % 3 == 0 else 0
+        magnitude = magnitudes[int(torch.randint(0, len(magnitudes), (1,), generator=gen))]
+        t = (torch.randn(n + offset, generator=gen, dtype=torch.float64) * magnitude).to(dtype).cuda()[offset:]
+        if n and pick == 5:
+            t[int(torch.randint(0, n, (1,), generator=gen))] = math.nan
+        if n and pick == 6:
+            t[int(torch.randint(0, n, (1,), generator=gen))] = -math.inf
+        tensors.append(t)
+    for length in (40, 700, 3000):  # parameter blobs, small and large, and a device blob
+        assert_matches_reference(nanscan.scan(tensors[:length]), tensors[:length])
+
+
 def test_more_than_2_31_elements() -> None:
     n = 2**31 + 1000
     free, _ = torch.cuda.mem_get_info()

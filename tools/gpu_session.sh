@@ -35,6 +35,12 @@
 #                                          # it), nccl, host, test_cuda.py, sanitize, magnitudes (GPT-2
 #                                          # small), no-kernel; the whole suite is the next command's
 #                                          # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`), ~7 minutes
+#   tools/gpu_session.sh ab NAME=VALUE     # the default build and a -DNAME=VALUE one side by side,
+#                                          # then bench_scan's scan rows of each (~5 minutes)
+#   tools/gpu_session.sh subwarp           # the small-tensor path: build (and one without it beside),
+#                                          # test_cuda.py, memcheck and racecheck, the scan rows of both
+#   tools/gpu_session.sh capabilities      # build, then bench_activations (GPT-2 size, fp16 autocast)
+#                                          # and bench_state on the GPU
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
@@ -55,7 +61,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|ab NAME=VALUE|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -108,14 +114,50 @@ host() {
   "$PY" benchmarks/bench_host.py --device cuda 2>&1 | tee "$out/host_cuda.txt"
 }
 
+# The checkout as it is (the device machine's copy has no .git), without what a build left, into $1.
+copy_checkout() {
+  tar --exclude=./.git --exclude=./.mypy_cache --exclude=./build --exclude='./nanscan/_C*.so' --exclude=./benchmarks/out -cf - . |
+    tar -xf - -C "$1"
+}
+
 # A copy of the checkout built for sm_80 alone, in folder $1 (no GPU needed: it can build while
 # another stage runs).
 no_kernel_build() {
-  # The checkout as it is (the device machine's copy has no .git), without what a build left.
-  tar --exclude=./.git --exclude=./.mypy_cache --exclude=./build --exclude='./nanscan/_C*.so' --exclude=./benchmarks/out -cf - . |
-    tar -xf - -C "$1"
+  copy_checkout "$1"
   (cd "$1" && TORCH_CUDA_ARCH_LIST=8.0 "$PY" setup.py build_ext --inplace >"$out/no_kernel_build.log" 2>&1) ||
     { tail -30 "$out/no_kernel_build.log"; return 1; }
+}
+
+# A copy of the checkout in $1 built with -D$2 (NAME=VALUE), for `ab` to measure beside the default.
+variant_build() {
+  copy_checkout "$1"
+  (cd "$1" && NVCC_APPEND_FLAGS="-D$2" "$PY" setup.py build_ext --inplace >"$out/variant_build.log" 2>&1) ||
+    { tail -30 "$out/variant_build.log"; return 1; }
+}
+
+# bench_scan's ceiling and scan rows in folder $1 (a checkout with its own build), to $out/ab_$2.txt.
+# Run from inside the folder with PYTHONPATH on it: the copy's nanscan, not the editable install.
+ab_rows() {
+  (cd "$1" && PYTHONPATH="$PWD" "$PY" -c "import nanscan; print('ab: $2 imports', nanscan._C.__file__)" &&
+    PYTHONPATH="$PWD" "$PY" benchmarks/bench_scan.py --device cuda --dtype float32,bfloat16 \
+      --models many_small_10000x1024,gpt2-small,llama-1b --magnitudes ordinary,tiny --methods nanscan.scan \
+      --max-repeats 30 --min-time 0.2 --json "$out/ab_$2.json" 2>>"$out/ab.err") |
+    tee "$out/ab_$2.txt" | grep -E "^ab: |^== |^ceiling_sum|^nanscan.scan" || echo "ab: no rows for $2 (see $out/ab.err)"
+}
+
+# The default build (in place) against a -DNAME=VALUE build of a copy, built side by side, then the
+# scan rows of each: what a kernel flag changes, measured in one session on one GPU. The default
+# build stays for what follows.
+ab() {
+  local variant="${1:?usage: ab NAME=VALUE}" copy
+  copy="$(mktemp -d)"
+  variant_build "$copy" "$variant" &
+  local background=$!
+  build || return 1
+  wait "$background" || return 1
+  ab_rows . default
+  ab_rows "$copy" "$variant"
+  rm -rf "$copy"
 }
 
 no_kernel() {
@@ -207,6 +249,37 @@ magnitudes() {
       --magnitudes ordinary,1e-17,tiny,vanishing,overflow,all_nan --max-repeats 20 --min-time 0.2 \
       --methods "$methods" \
       --json "$out/magnitudes_cuda.json" 2>"$out/magnitudes_cuda.err" | tee "$out/magnitudes_cuda.txt" | tail -40
+}
+
+# The small-tensor path (issue 25, item 3; NOTES.md entry 34): the build with it and one without it
+# (NANSCAN_SUB_WARP_MIN_RUN=5) side by side, test_cuda.py, memcheck and racecheck (its shared-memory
+# slots), then the scan rows of both builds; the library stays built, and a copy of it goes to
+# $out/C.so.gz for a later command to carry (~6 minutes on the H100 machine).
+subwarp() {
+  local copy
+  copy="$(mktemp -d)"
+  variant_build "$copy" NANSCAN_SUB_WARP_MIN_RUN=5 >"$out/variant_bg.log" 2>&1 &
+  local background=$!
+  build || return 1
+  gzip -c nanscan/_C*.so >"$out/C.so.gz"
+  export NANSCAN_PREBUILT=1
+  timeout 100 "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
+  timeout 60 "$self" sanitize memcheck racecheck || echo "sanitize: exit $?"
+  wait "$background" || { echo "variant build failed:"; cat "$out/variant_bg.log"; return 1; }
+  timeout 150 bash -c "$(declare -f ab_rows); out='$out' PY='$PY' ab_rows . default" || echo "ab default: exit $?"
+  timeout 150 bash -c "$(declare -f ab_rows); out='$out' PY='$PY' ab_rows '$copy' no_sub_warp" ||
+    echo "ab variant: exit $?"
+  rm -rf "$copy"
+}
+
+# What the open issues added, on the GPU: the activation watch on GPT-2-small's size under fp16
+# autocast, check_state, and the host floor (~2 minutes).
+capabilities() {
+  echo "== activations, check_state"
+  timeout 150 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 \
+      --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -14 || echo "activations: exit $?"
+  timeout 120 "$PY" benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b \
+      --json "$out/state_cuda.json" 2>&1 | tee "$out/state_cuda.txt" | tail -14 || echo "state: exit $?"
 }
 
 # One lend: the stages in the order of their need, each bounded (seconds), so that a slow one leaves
@@ -306,6 +379,9 @@ case "$stage" in
   host) build; host ;;
   suite) build; suite ;;
   lend) lend ;;
+  subwarp) subwarp ;;
+  capabilities) build; capabilities ;;
+  ab) ab "$@" ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -9,8 +9,8 @@ Paths covered: lists in the small and the large parameter capacity and in device
 then found in the cache), empty tensors, every dtype including fp8, tensors starting at every offset
 within a 16-byte vector (the kernels' head path), the replica checksum, a tensor of over 1024
 chunks (met by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf
-planted, chunks of tiny, huge, all-NaN, all-Inf and mixed NaN/Inf values (every re-read of
-scan_rules.h), the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
+planted, runs of small tensors (the small-tensor path), chunks of tiny, huge, all-NaN, all-Inf and
+mixed NaN/Inf values (every re-read of scan_rules.h), the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
 the clip multiply with a coefficient of 1 (no write) and below 1. With ``--part graph``: a CUDA graph
 of a scan of a list in device memory, replayed (the blob's upload kernels run at every replay).
 
@@ -174,6 +174,15 @@ def main() -> None:
         got = nanscan.scan(views.to(device).tensors, checksum=True).checksum
         want = nanscan.scan(views.tensors, checksum=True).checksum
         assert got is not None and want is not None and torch.equal(got.cpu(), want), "the checksums differ"
+    # The small-tensor path: runs of tensors of one dtype up to 8 KiB (eight lanes a tensor, their
+    # results through shared-memory slots), one of them tiny and one holding a NaN (the whole warp
+    # re-scans those), in runs of 7 of a dtype.
+    run_dtypes = [FLOATS[(i // 7) % 4] for i in range(600)]
+    runs = Views.random([(i * 131) % (8192 // d.itemsize + 1) for i, d in enumerate(run_dtypes)], run_dtypes, gen)
+    runs.plant(100, 3, math.nan)
+    dtype, offset, n = runs.layout[201]
+    runs.flats[dtype][offset : offset + n].mul_(1e-20)
+    agree(runs.to(device), runs)
     # Both levels of the fold tree, beside an empty tensor.
     per_chunk = 32 * 1024 // 4
     big = Views.random([1025 * per_chunk + 3, 0, 5], [torch.float32, torch.float32, torch.bfloat16], gen)

@@ -82,6 +82,17 @@ struct ChunkRange {
 
 NANSCAN_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The small-tensor path (scan_cuda.cu): runs of up to kSubWarpTensors consecutive tensors of one
+// dtype, each at most kSubWarpMaxBytes (so one chunk) and of at most 8 elements per 16-byte vector
+// (float8's 16 would need two head elements per lane), are scanned by one warp at once,
+// kWarpSize / kSubWarpTensors lanes a tensor.
+constexpr int32_t kSubWarpTensors = 4;
+constexpr int64_t kSubWarpMaxBytes = 8 * 1024;
+
+NANSCAN_HD bool fits_sub_warp(int64_t numel, DType d) {
+  return element_size(d) >= 2 && numel * element_size(d) <= kSubWarpMaxBytes;
+}
+
 // A read-only view of a blob, wherever it lives (kernel parameters or device memory).
 struct ListView {
   const void* const* data;
@@ -133,6 +144,20 @@ struct ListView {
       hi = lo + step - 1 < hi ? lo + step - 1 : hi;
     }
     return lo;
+  }
+
+  // How many of tensors t, t + 1, ... (at most `max`) form a run for the small-tensor path: each
+  // fits_sub_warp, of t's dtype, and starting before `share_end` (the cost where the visiting warp's
+  // share ends). A tensor of one chunk is met by one warp only (Shares), so the warp that meets t
+  // meets every tensor of the run and writes their results itself. 0 when t does not fit.
+  NANSCAN_HD int32_t sub_warp_run(int32_t t, int64_t share_end, int32_t max) const {
+    const DType d = dtype_of(t);
+    int32_t run = 0;
+    while (run < max && t + run < num_tensors && cost_begin[t + run] < share_end && dtype_of(t + run) == d &&
+           fits_sub_warp(numel[t + run], d)) {
+      ++run;
+    }
+    return run;
   }
 
   // The chunks of tensor t that start in the cost range [lo, hi).
@@ -192,9 +217,9 @@ struct Shares {
   NANSCAN_HD int64_t fold_slots(int32_t num_tensors) const { return static_cast<int64_t>(num_tensors) + warps - 1; }
 };
 
-// Calls visit(t, chunks) for each tensor t that warp w meets (see Shares), in list order, with the
-// chunks of t that start in the share (possibly none). `first_tensor` is list.find_tensor() of the
-// share's begin, found by whichever search suits where the table lives.
+// Calls visit(t, chunks, share_end) for each tensor t that warp w meets (see Shares), in list order,
+// with the chunks of t that start in the share (possibly none) and the cost where the share ends. `first_tensor` is
+// list.find_tensor() of the share's begin, found by whichever search suits where the table lives.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -205,7 +230,7 @@ NANSCAN_HD void walk_share(const ListView& list, const Shares& shares, int32_t w
     // Only the first tensor can start before the share; if its last chunk starts there too, the share
     // holds nothing of it but the tail of that chunk's cost.
     if (list.last_chunk_start(t) < lo) continue;
-    visit(t, list.chunks_starting_in(t, lo, hi));
+    visit(t, list.chunks_starting_in(t, lo, hi), hi);
   }
 }
 

@@ -33,6 +33,11 @@
 #ifndef NANSCAN_LAUNCH
 #define NANSCAN_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
 #endif
+// Observes each run the small-tensor path scans (its length); the emulator counts them, so that its
+// tests know the path ran.
+#ifndef NANSCAN_ON_SUB_WARP_RUN
+#define NANSCAN_ON_SUB_WARP_RUN(count) ((void)(count))
+#endif
 
 namespace nanscan::cuda {
 namespace {
@@ -136,6 +141,20 @@ __device__ TensorStats warp_combine(TensorStats s) {
   return s;
 }
 
+// A fast result (min, max, sum of squares) merged over each aligned group of kLanes lanes by a
+// butterfly, so that every lane of a group ends with the same, fixed-order result. min and max pass
+// over a NaN as accumulate_fast's do.
+template <int kLanes, class MinMax>
+__device__ __forceinline__ void merge_fast_results(MinMax& min, MinMax& max, double& sumsq) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    const MinMax other_min = shfl_xor(min, offset), other_max = shfl_xor(max, offset);
+    min = other_min < min ? other_min : min;
+    max = other_max > max ? other_max : max;
+    sumsq += shfl_xor(sumsq, offset);
+  }
+}
+
 // How for_each_lane_element reaches memory.
 enum class Access {
   ReadOnly,  // fn(raw) observes each element, loaded through the read-only cache
@@ -178,12 +197,15 @@ struct NoVectorHook {
   __device__ void operator()(const uint4&, int64_t) const {}
 };
 
-template <Access kAccess, int kVectorsInFlight = kUnroll, class Raw, class Fn, class AfterGroup = NoGroupHook,
-          class OnVector = NoVectorHook>
+// kLanes lanes share the range (the whole warp, or a group of the small-tensor path), `lane` counted
+// within them.
+template <Access kAccess, int kVectorsInFlight = kUnroll, int kLanes = kWarpSize, class Raw, class Fn,
+          class AfterGroup = NoGroupHook, class OnVector = NoVectorHook>
 __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lane, Fn&& fn,
                                                       AfterGroup&& after_group = AfterGroup{},
                                                       OnVector&& on_vector = OnVector{}) {
   constexpr int kPerVector = LaneSpans<Raw>::kPerVector;
+  static_assert(kPerVector <= kLanes, "the head must be one element per lane");
   auto visit = [&](int64_t index) {
     if constexpr (kAccess == Access::Rewrite) {
       p[index] = fn(p[index]);
@@ -193,19 +215,19 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
   };
   const LaneSpans<Raw> spans = LaneSpans<Raw>::of(p, n);
   const int64_t head = spans.head, num_vectors = spans.num_vectors;
-  if (lane < head) visit(lane);  // the head: fewer than kPerVector (<= 16) elements, one step of the warp
+  if (lane < head) visit(lane);  // the head: fewer than kPerVector (<= kLanes) elements, one step
   uint4* vectors = reinterpret_cast<uint4*>(p + head);
-  for (int64_t i = lane; i < num_vectors; i += kWarpSize * kVectorsInFlight) {
+  for (int64_t i = lane; i < num_vectors; i += kLanes * kVectorsInFlight) {
     uint4 v[kVectorsInFlight];
 #pragma unroll
     for (int k = 0; k < kVectorsInFlight; ++k) {
-      if (i + k * kWarpSize < num_vectors) {
-        v[k] = kAccess == Access::ReadOnly ? __ldg(vectors + i + k * kWarpSize) : vectors[i + k * kWarpSize];
+      if (i + k * kLanes < num_vectors) {
+        v[k] = kAccess == Access::ReadOnly ? __ldg(vectors + i + k * kLanes) : vectors[i + k * kLanes];
       }
     }
 #pragma unroll
     for (int k = 0; k < kVectorsInFlight; ++k) {
-      if (i + k * kWarpSize < num_vectors) {
+      if (i + k * kLanes < num_vectors) {
         Raw r[kPerVector];
         memcpy(r, &v[k], sizeof r);
 #pragma unroll
@@ -218,14 +240,14 @@ __device__ __forceinline__ void for_each_lane_element(Raw* p, int64_t n, int lan
         }
         if constexpr (kAccess == Access::Rewrite) {
           memcpy(&v[k], r, sizeof r);
-          vectors[i + k * kWarpSize] = v[k];
+          vectors[i + k * kLanes] = v[k];
         }
-        on_vector(v[k], head + (i + k * kWarpSize) * kPerVector);
+        on_vector(v[k], head + (i + k * kLanes) * kPerVector);
       }
     }
     after_group();
   }
-  for (int64_t e = spans.tail_begin() + lane; e < n; e += kWarpSize) visit(e);
+  for (int64_t e = spans.tail_begin() + lane; e < n; e += kLanes) visit(e);
   after_group();
 }
 
@@ -343,6 +365,40 @@ __device__ TensorStats checked_chunk(typename Codec::Raw* p, int64_t n, int lane
   return warp_combine(s);
 }
 
+// A chunk's statistics from its fast result (min, max and sum of squares, merged over the lanes that
+// read it): the result itself when the exactness rule takes it; else the scaled sum or the checked
+// rule (scan_rules.h), re-read by the whole warp from L1/L2 (after a rewrite, the products).
+// half_range_counts(s) adds the fast pass's fp16-range counts to the statistics of a finite chunk
+// (they are the chunk's then); a chunk holding a NaN/Inf takes the checked rule's. The result is
+// valid in every lane.
+template <class Codec, bool kHalfRange, class HalfRangeCounts>
+__device__ __forceinline__ TensorStats settle_chunk(typename Codec::Raw* p, int64_t n, int lane, bool rewritten,
+                                                    double run_min, double run_max, double run_sumsq,
+                                                    HalfRangeCounts&& half_range_counts) {
+  TensorStats s = empty_stats();
+  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
+  bool finite = exact || fast_run_was_finite(run_sumsq);
+  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
+    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
+    // (scan_rules.h), from L1/L2; finite, it proves every element was.
+    run_sumsq = scaled_chunk_sumsq<Codec>(p, n, lane, scale_for_run<Codec>(run_min, run_max), rewritten);
+    finite = fast_run_was_finite(run_sumsq);
+  }
+  if (finite) {
+    half_range_counts(s);
+    merge_run(s, run_min, run_max, run_sumsq);
+    return s;
+  }
+  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
+  // all one Inf), or classified by re-reading what the first pass left (the products, when it
+  // rewrote).
+  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
+    s = checked_chunk<Codec, kHalfRange>(p, n, lane, rewritten);
+    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
+  }
+  return s;
+}
+
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
 // kMultiply (GradScaler's unscale), each element is first replaced by round(x * factor), torch's
 // arithmetic, in the same pass; a factor of exactly 1 writes nothing, as in torch. With kChecksum,
@@ -410,43 +466,19 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
 
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = lane_sumsq;
+  merge_fast_results<kWarpSize>(run_min, run_max, run_sumsq);
+  TensorStats s =
+      settle_chunk<Codec, kHalfRange>(p, n, lane, rewritten, run_min, run_max, run_sumsq, [&](TensorStats& finite) {
+        if constexpr (kHalfRange) {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const double other_min = shfl_xor(run_min, offset), other_max = shfl_xor(run_max, offset);
-    run_min = other_min < run_min ? other_min : run_min;
-    run_max = other_max > run_max ? other_max : run_max;
-    run_sumsq += shfl_xor(run_sumsq, offset);
-  }
-  TensorStats s = empty_stats();
-  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
-  bool finite = exact || fast_run_was_finite(run_sumsq);
-  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
-    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
-    // (scan_rules.h), from L1/L2; finite, it proves every element was.
-    run_sumsq = scaled_chunk_sumsq<Codec>(p, n, lane, scale_for_run<Codec>(run_min, run_max), rewritten);
-    finite = fast_run_was_finite(run_sumsq);
-  }
-  if (finite) {
-    s.checksum = checksum;
-    if constexpr (kHalfRange) {
-#pragma unroll
-      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-        over += shfl_xor(over, offset);
-        under += shfl_xor(under, offset);
-      }
-      s.half_overflow = over;
-      s.half_underflow = under;
-    }
-    merge_run(s, run_min, run_max, run_sumsq);
-    return s;
-  }
-  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
-  // all one Inf), or classified by re-reading what the first pass left (the products, when it
-  // rewrote).
-  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
-    s = checked_chunk<Codec, kHalfRange>(p, n, lane, rewritten);
-    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
-  }
+          for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+            over += shfl_xor(over, offset);
+            under += shfl_xor(under, offset);
+          }
+          finite.half_overflow = over;
+          finite.half_underflow = under;
+        }
+      });
   s.checksum = checksum;
   return s;
 }
@@ -477,6 +509,90 @@ __device__ void scan_run_any(DType dtype, const void* data, ElementRange e, int 
     NANSCAN_RUN(Float8E5M2, Float8E5M2Codec)
 #undef NANSCAN_RUN
   }
+}
+
+// The small-tensor path. A warp's share of 10,000 tensors of 4 KB was a chain of ~960 instructions
+// per tensor (benchmarks/NOTES.md, entry 28), most of them paid per tensor whatever its size: five
+// butterfly rounds of min, max and sum, the exactness test, the result. A run of small tensors of
+// one dtype (ListView::sub_warp_run) is scanned kSubWarpTensors at a time instead, kSubWarpLanes
+// lanes each: three rounds, the per-tensor work done by the groups side by side, and the warp's
+// loads spread over four tensors. Every lane runs every step (a group past the run scans nothing),
+// so the shuffles are warp-wide. A tensor whose fast result the exactness rule does not take (tiny
+// values, a NaN/Inf) is left to the whole warp, which scans it as any other tensor: settling it here
+// (settle_chunk inlined a second time) took ptxas from 80 registers to 128 on sm_90, whatever else
+// was tried.
+constexpr int kSubWarpLanes = kWarpSize / kSubWarpTensors;
+static_assert(kSubWarpLanes * kSubWarpTensors == kWarpSize, "groups tile the warp");
+// The shortest run worth it: a run of one leaves 3/4 of the warp idle through a 4x longer element
+// loop. NANSCAN_SUB_WARP_MIN_RUN (a build flag) moves it, for a GPU session to measure; above
+// kSubWarpTensors it turns the path off.
+// 16-byte loads a lane has in flight in a run (scan_chunk's kUnroll is 4). NANSCAN_SUB_WARP_UNROLL
+// (a build flag) moves it, for a GPU session to measure.
+#ifdef NANSCAN_SUB_WARP_UNROLL
+constexpr int kSubWarpUnroll = NANSCAN_SUB_WARP_UNROLL;
+#else
+constexpr int kSubWarpUnroll = kUnroll;
+#endif
+#ifdef NANSCAN_SUB_WARP_MIN_RUN
+constexpr int32_t kSubWarpMinRun = NANSCAN_SUB_WARP_MIN_RUN;
+#else
+constexpr int32_t kSubWarpMinRun = 2;
+#endif
+
+// Scans tensors [first, first + count) of one codec with the fast rule. Writes the result of each
+// tensor the exactness rule takes, leaves its statistics in slots[k] (shared memory) for the warp's
+// total, and returns them as a mask (bit k: tensor first + k); the whole warp scans the others.
+template <class Codec>
+__device__ unsigned scan_sub_warp_run(const ListView& list, int32_t first, int32_t count, int lane,
+                                      const ResultPointers& out, TensorStats* slots) {
+  using Raw = typename Codec::Raw;
+  using Wide = typename Codec::Wide;
+  const int group = lane / kSubWarpLanes, group_lane = lane % kSubWarpLanes;
+  const bool active = group < count;
+  const int32_t t = first + (active ? group : 0);
+  Raw* p = static_cast<Raw*>(const_cast<void*>(list.data[t]));  // read only (Access::ReadOnly)
+  const int64_t n = active ? list.numel[t] : 0;
+
+  FastRun<Codec> run = empty_run<Codec>();
+  double lane_sumsq = 0.0;  // folded per group of loads, as scan_chunk's lanes fold
+  for_each_lane_element<Access::ReadOnly, kSubWarpUnroll, kSubWarpLanes>(
+      p, n, group_lane, [&](Raw r) { accumulate_fast<Codec>(run.min, run.max, run.sumsq, r); },
+      [&] {
+        lane_sumsq += static_cast<double>(run.sumsq);
+        run.sumsq = Wide(0);
+      });
+  // Within the group: min and max in the values' own format (exact), the sum in fp64.
+  Wide group_min = run.min, group_max = run.max;
+  merge_fast_results<kSubWarpLanes>(group_min, group_max, lane_sumsq);
+  const double run_min = static_cast<double>(group_min), run_max = static_cast<double>(group_max);
+  const bool exact = run_is_exact<Codec>(run_min, run_max, lane_sumsq);
+  if (active && exact && group_lane == 0) {
+    TensorStats s = empty_stats();
+    merge_run(s, run_min, run_max, lane_sumsq);
+    slots[group] = s;
+    write_tensor_result(out, t, s);
+  }
+  NANSCAN_ON_SUB_WARP_RUN(lane == 0 ? count : 0);
+  const unsigned leaders = __ballot_sync(0xffffffffu, active && exact && group_lane == 0);
+  unsigned settled = 0;
+#pragma unroll
+  for (int g = 0; g < kSubWarpTensors; ++g) settled |= ((leaders >> (g * kSubWarpLanes)) & 1u) << g;
+  return settled;
+}
+
+[[maybe_unused]] __device__ unsigned scan_sub_warp_run_any(const ListView& list, int32_t first, int32_t count, int lane,
+                                                           const ResultPointers& out, TensorStats* slots) {
+  switch (list.dtype_of(first)) {
+#define NANSCAN_SUB_WARP(TAG, CODEC) \
+  case DType::TAG: return scan_sub_warp_run<CODEC>(list, first, count, lane, out, slots);
+    NANSCAN_SUB_WARP(Float32, Float32Codec)
+    NANSCAN_SUB_WARP(Float64, Float64Codec)
+    NANSCAN_SUB_WARP(Float16, Float16Codec)
+    NANSCAN_SUB_WARP(BFloat16, BFloat16Codec)
+#undef NANSCAN_SUB_WARP
+    default: break;  // float8 is never in a run (fits_sub_warp)
+  }
+  return 0;  // unreachable; were it reached, the whole warp would scan the run
 }
 
 // Reads what other warps of this launch wrote: through L2, never a possibly stale L1 line.
@@ -515,7 +631,7 @@ __device__ Shares grid_shares(const ListArgs<kCapacity>& args) {
   return Shares::of(args.total_cost, static_cast<int64_t>(gridDim.x) * kWarps);
 }
 
-// Calls visit(t, chunks) for each tensor that warp w meets (list_plan.h's Shares and walk_share);
+// Calls visit(t, chunks, share_end) for each tensor that warp w meets (list_plan.h's Shares and walk_share);
 // warps beyond the shares have none.
 template <int32_t kCapacity, class Visit>
 __device__ void walk_warp_share(const ListView& list, const Shares& shares, int32_t w, int lane, Visit&& visit) {
@@ -616,7 +732,46 @@ __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
   // memory (written by lane 0) to spare registers across the chunk loop.
   __shared__ TensorStats warp_totals[kWarps], warp_parts[kWarps];
   if (lane == 0) warp_totals[warp] = empty_stats();
-  walk_warp_share<kCapacity>(list, shares, w, lane, [&](int32_t t, ChunkRange chunks) {
+  // The small-tensor path: in the plain scan only, so far. An unscale rewrites; the checksum kernel's
+  // registers are at their bound; the fp16-range kernels with it took 105 registers on sm_90 (80
+  // with a launch bound of 3 blocks, but then 16 bytes of spill with the list in device memory), a
+  // trade no GPU run has measured. A run of k tensors fills the last k slots, so that the
+  // visits that follow find their tensor's slot from the count of the run's tensors not yet visited.
+  // That count and the mask of the tensors the run settled stay in shared memory: registers held
+  // across the walk took ptxas past 80 registers on sm_90.
+  constexpr bool kSubWarp = !kHalfRange && !kMultiply && !kChecksum && kSubWarpMinRun <= kSubWarpTensors;
+  __shared__ TensorStats sub_warp_slots[kSubWarp ? kWarps : 1][kSubWarpTensors];
+  __shared__ int32_t sub_warp_left[kSubWarp ? kWarps : 1];
+  __shared__ unsigned sub_warp_settled[kSubWarp ? kWarps : 1];
+  if constexpr (kSubWarp) {
+    if (lane == 0) sub_warp_left[warp] = 0, sub_warp_settled[warp] = 0;
+    __syncwarp();
+  }
+  walk_warp_share<kCapacity>(list, shares, w, lane, [&](int32_t t, ChunkRange chunks, int64_t share_end) {
+    if constexpr (kSubWarp) {
+      int32_t left = sub_warp_left[warp];
+      unsigned settled = sub_warp_settled[warp];
+      if (left == 0) {
+        const int32_t run = list.sub_warp_run(t, share_end, kSubWarpTensors);
+        if (run >= kSubWarpMinRun) {
+          settled = scan_sub_warp_run_any(list, t, run, lane, p.out, sub_warp_slots[warp] + (kSubWarpTensors - run));
+          left = run;
+        }
+      }
+      if (left > 0) {
+        __syncwarp();  // every lane has read the state before lane 0 moves it to the next tensor
+        if (lane == 0) {
+          sub_warp_left[warp] = left - 1;
+          sub_warp_settled[warp] = settled >> 1;
+          // In list order, so that the warp's total combines as without the path.
+          if (settled & 1u) {
+            warp_totals[warp] = combine(warp_totals[warp], sub_warp_slots[warp][kSubWarpTensors - left]);
+          }
+        }
+        __syncwarp();
+        if (settled & 1u) return;
+      }
+    }
     if (lane == 0) warp_parts[warp] = empty_stats();
     scan_run_any<kHalfRange, kMultiply, kChecksum>(list.dtype_of(t), list.data[t], list.elements_of(t, chunks), lane,
                                                    factor, &warp_parts[warp]);
@@ -675,7 +830,7 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const __grid_constant__
   const ListView list = p.list.view();
   const int lane = threadIdx.x % kWarpSize;
   const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
-  walk_warp_share<kCapacity>(list, grid_shares(p.list), w, lane, [&](int32_t t, ChunkRange chunks) {
+  walk_warp_share<kCapacity>(list, grid_shares(p.list), w, lane, [&](int32_t t, ChunkRange chunks, int64_t) {
     // The whole run of chunks at once: scale has no per-chunk result to form.
     const ElementRange e = list.elements_of(t, chunks);
     if (e.begin == e.end) return;

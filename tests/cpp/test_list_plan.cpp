@@ -78,9 +78,54 @@ std::vector<Part> walk_all(const ListView& view, const Shares& shares) {
     CHECK(find_tensor_32_probes(view, begin) == first, "warp %d: the 32-probe search and the binary search differ", w);
     CHECK(shares.owner(begin) == w && shares.owner(shares.begin(w + 1) - 1) == w,
           "warp %d: owner() disagrees with begin()", w);
-    walk_share(view, shares, w, first, [&](int32_t t, ChunkRange c) { parts.push_back(Part{w, t, c}); });
+    walk_share(view, shares, w, first, [&](int32_t t, ChunkRange c, int64_t) { parts.push_back(Part{w, t, c}); });
   }
   return parts;
+}
+
+// The small-tensor path's runs, found as the kernel finds them (sub_warp_run at each tensor a warp's
+// walk reaches outside a run): at most kSubWarpTensors tensors, consecutive, of the first one's dtype
+// (never float8), each fitting kSubWarpMaxBytes, each met by this warp alone (the run's warp writes
+// their results) and visited by it with its one chunk; and maximal (the tensor after a short run
+// breaks one of those rules). Returns how many tensors the runs of length >= 2 held.
+int64_t check_sub_warp_runs(const std::vector<TensorArg>& list, int64_t warps) {
+  const ListPlan plan = plan_of(list);
+  const ListView view = plan.view();
+  const Shares shares = Shares::of(plan.total_cost(), warps);
+  int64_t in_runs = 0;
+  for (int32_t w = 0; w < shares.warps; ++w) {
+    int32_t left = 0;
+    walk_share(view, shares, w, view.find_tensor(shares.begin(w)), [&](int32_t t, ChunkRange c, int64_t share_end) {
+      CHECK(share_end == shares.begin(w + 1), "warp %d: the walk's share end", w);
+      if (left > 0) {
+        --left;
+        return;
+      }
+      const int32_t run = view.sub_warp_run(t, share_end, kSubWarpTensors);
+      CHECK(run >= 0 && run <= kSubWarpTensors, "run of %d", run);
+      for (int32_t k = 0; k < run; ++k) {
+        const int32_t u = t + k;
+        const WarpRange met = shares.meeting(view, u);
+        CHECK(met.first == w && met.last == w, "tensor %d of a run of warp %d is met by warps %d..%d", u, w, met.first,
+              met.last);
+        CHECK(view.dtype_of(u) == view.dtype_of(t) && fits_sub_warp(view.numel[u], view.dtype_of(u)) &&
+                  element_size(view.dtype_of(u)) >= 2 && view.chunks_of(u) == 1,
+              "tensor %d does not belong in a run", u);
+      }
+      if (run > 0) CHECK(c.begin == 0 && c.end == 1, "the run's first tensor %d is not whole in warp %d's share", t, w);
+      const int32_t next = t + run;
+      if (run < kSubWarpTensors && next < view.num_tensors && run > 0) {
+        CHECK(view.cost_begin[next] >= share_end || view.dtype_of(next) != view.dtype_of(t) ||
+                  !fits_sub_warp(view.numel[next], view.dtype_of(next)),
+              "the run at tensor %d stops short at %d", t, next);
+      }
+      if (run >= 2) {
+        left = run - 1;
+        in_runs += run;
+      }
+    });
+  }
+  return in_runs;
 }
 
 void check_blob(const std::vector<TensorArg>& list, const ListPlan& plan) {
@@ -258,6 +303,19 @@ int main() {
     const int64_t warps = warp_counts[trial % 6];
     check_shares(list, warps);
     check_fold_tree(list, warps, rng);
+    check_sub_warp_runs(list, warps);
+  }
+  // Runs of one dtype: most tensors in runs, cut by the shares (many warps) or not (one).
+  for (const int64_t warps : {1, 5, 300}) {
+    std::vector<TensorArg> runs;
+    for (int i = 0; i < 400; ++i) {
+      const DType d = (i / 9) % 2 == 0 ? DType::BFloat16 : DType::Float32;
+      runs.push_back(TensorArg{reinterpret_cast<const void*>(static_cast<uintptr_t>(0x10000 * (i + 1))),
+                               static_cast<int64_t>(rng() % 2048), d});
+    }
+    const int64_t in_runs = check_sub_warp_runs(runs, warps);
+    CHECK(in_runs >= (warps == 300 ? 150 : 300), "only %lld of 400 small tensors in runs with %lld warps",
+          (long long)in_runs, (long long)warps);
   }
   // A tensor met by exactly n warps (n shares of one tensor's cost): the edges of the tree's two levels.
   for (int32_t n : {1, 2, 31, 32, 33, 64, 65, 1024, 1025, 4224}) {

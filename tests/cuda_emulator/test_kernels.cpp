@@ -548,6 +548,55 @@ void check_magnitudes(std::mt19937_64& rng) {
   }
 }
 
+// The small-tensor path (scan_cuda.cu): runs of up to four tensors of one dtype and at most 8 KiB,
+// scanned eight lanes a tensor. Runs of every length, cut by a dtype change, a larger tensor, a
+// float8 tensor and the shares' ends (several grid sizes); sizes from empty to the bound and one
+// element past it; unaligned starts; NaN/Inf planted; tiny values (the scaled re-read), squares
+// that overflow fp32, all-NaN and all-Inf tensors (the whole warp settles those). Each case says
+// how many tensors took the path, so a change that bypasses it fails here.
+void check_sub_warp_runs(std::mt19937_64& rng) {
+  const DType dtypes[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+  const double magnitudes[] = {1.0, 1.0, 1.0, 1e-20, 1e-40, 3e37};
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const DType d : dtypes) {
+    const int64_t max_numel = kSubWarpMaxBytes / element_size(d);
+    std::vector<HostTensor> list;
+    for (int i = 0; i < 180; ++i) {
+      if (rng() % 9 == 0) {  // a run breaker: another dtype, a larger tensor, or float8
+        const int kind = static_cast<int>(rng() % 3);
+        const DType other = kind == 0 ? dtypes[(static_cast<int>(d) + 1) % 4] : kind == 1 ? d : DType::Float8E4M3FN;
+        list.push_back(
+            make_tensor(rng, other, kind == 1 ? max_numel + 1 + static_cast<int64_t>(rng() % 3000) : 300, 0));
+        continue;
+      }
+      const int64_t pick = static_cast<int64_t>(rng() % 10);
+      const int64_t numel = pick == 0   ? 0
+                            : pick == 1 ? max_numel
+                            : pick == 2 ? static_cast<int64_t>(rng() % 20) + 1
+                                        : static_cast<int64_t>(rng() % static_cast<uint64_t>(max_numel)) + 1;
+      const size_t offset = rng() % 4 == 0 ? element_size(d) * (1 + rng() % 3) : 0;
+      HostTensor t = make_tensor(rng, d, numel, offset);
+      const double magnitude = magnitudes[rng() % 6];
+      for (int64_t k = 0; k < numel && magnitude != 1.0; ++k) store(t, k, normal(rng) * magnitude);
+      const int planted = static_cast<int>(rng() % 8);
+      if (numel > 0 && planted == 0) plant(t, static_cast<int64_t>(rng() % static_cast<uint64_t>(numel)), true);
+      if (numel > 0 && planted == 1) plant(t, static_cast<int64_t>(rng() % static_cast<uint64_t>(numel)), false);
+      for (int64_t k = 0; k < numel && planted == 2; ++k) plant(t, k, true);   // all NaN
+      for (int64_t k = 0; k < numel && planted == 3; ++k) plant(t, k, false);  // all one Inf
+      list.push_back(std::move(t));
+    }
+    for (const int num_sms : {1, 3, 7}) {
+      const uint64_t before = cuda_emulator::sub_warp_tensors.load();
+      check_scan("small-tensor runs", list, num_sms);
+      const uint64_t taken = cuda_emulator::sub_warp_tensors.load() - before;
+      // check_scan runs the plain and fp16-range scans (and the order check) over the list: at least
+      // half of its tensors in runs each time.
+      CHECK(taken >= list.size(), "small-tensor runs of dtype %d on %d SMs: only %llu tensors took the path",
+            static_cast<int>(d), num_sms, static_cast<unsigned long long>(taken));
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -581,6 +630,7 @@ int main() {
   }
   check_misaligned_starts(rng);
   check_magnitudes(rng);
+  check_sub_warp_runs(rng);
   const double worst = check_accuracy_on_constant_tensors(rng);
   check_workspace_guard(rng);
   check_unscale(rng, 3);

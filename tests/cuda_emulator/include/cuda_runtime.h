@@ -55,6 +55,9 @@ struct Block {
   std::vector<std::unique_ptr<Warp>> warps;
 };
 
+// Tensors scanned by the small-tensor path (scan_cuda.cu's NANSCAN_ON_SUB_WARP_RUN), over all launches.
+inline std::atomic<uint64_t> sub_warp_tensors{0};
+
 // What the occupancy query answers; tests raise it to get grids of hundreds of blocks.
 inline int blocks_per_sm = 1;
 // Nonzero: launches run their blocks in an order shuffled with this seed.
@@ -113,6 +116,7 @@ void launch(void (*kernel)(Params...), int grid, int threads, Args&... args) {
 #define blockDim (cuda_emulator::block_dim)
 
 #define NANSCAN_LAUNCH(kernel, grid, block, stream, ...) cuda_emulator::launch(kernel, (grid), (block), __VA_ARGS__)
+#define NANSCAN_ON_SUB_WARP_RUN(count) (cuda_emulator::sub_warp_tensors += static_cast<uint64_t>(count))
 
 inline void __syncthreads() { cuda_emulator::block->barrier.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulator::warp().barrier.arrive_and_wait(); }
@@ -141,6 +145,7 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
   return mask;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 
 template <class T>
 T __ldg(const T* p) {
