@@ -6,14 +6,18 @@
     python benchmarks/bench_activations.py --model gpt2 --device cuda --autocast float16   # on a GPU
 
 A step is ``zero_grad`` + forward + loss + backward, as in bench_locate.py (whose models these are:
-``decoder``, GPT-2-shaped at a CPU-friendly size; ``gpt2``, GPT-2-small's size, for a GPU). Methods,
-each on its own copy of the model (same weights, same data):
+``decoder``, GPT-2-shaped at a CPU-friendly size; ``gpt2``, GPT-2-small's size, for a GPU). Methods:
 
 * ``plain``: the step alone;
 * ``watch every=1``: the step with ``nanscan.watch_activations(model)`` attached (every forward scanned);
 * ``watch every=16``: attached with ``every=16``;
 * ``hf DebugUnderflowOverflow``: transformers' detector attached (its forward hooks check every
   module's outputs and weights with ``isinf``/``isnan`` and read the answers on the host).
+
+The first three run on one model: a watch is attached before its block and removed after it, outside
+the timed region. Copies of one model differed by up to 10% in step time on a CPU with no watch at
+all (benchmarks/NOTES.md, entry 35), more than the watch's sampled cost. transformers' detector has no
+way to be removed, so it runs on a copy of its own: its row carries that spread.
 
 Method (DESIGN.md section 5): a round runs each method for a block of 16 steps (so every block of
 ``every=16`` holds exactly one scanned step), in rotating order; the figure is the median over rounds
@@ -85,13 +89,14 @@ def main() -> int:
     autocast = getattr(torch, args.autocast) if args.autocast else None
     base, tokens, what = build(args.model, args.quick, device)
 
-    copies: dict[str, torch.nn.Module] = {"plain": base}
-    copies["watch every=1"] = copy.deepcopy(base)
-    copies["watch every=16"] = copy.deepcopy(base)
-    watches = {
-        "watch every=1": nanscan.watch_activations(copies["watch every=1"]),
-        "watch every=16": nanscan.watch_activations(copies["watch every=16"], every=16),
+    # The watch a method attaches to the base model for its block (None: nothing attached).
+    attach: dict[str, Callable[[], nanscan.ActivationWatch | None]] = {
+        "plain": lambda: None,
+        "watch every=1": lambda: nanscan.watch_activations(base),
+        "watch every=16": lambda: nanscan.watch_activations(base, every=16),
     }
+    copies: dict[str, torch.nn.Module] = dict.fromkeys(attach, base)
+    last_watch: dict[str, nanscan.ActivationWatch] = {}
     hf_note = ""
     if not args.no_hf:
         try:
@@ -101,6 +106,7 @@ def main() -> int:
         else:
             copies["hf DebugUnderflowOverflow"] = copy.deepcopy(base)
             DebugUnderflowOverflow(copies["hf DebugUnderflowOverflow"])
+            attach["hf DebugUnderflowOverflow"] = lambda: None
     steps = {name: step_fn(model, tokens, autocast) for name, model in copies.items()}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -108,19 +114,28 @@ def main() -> int:
     print(f"{what}; {device}; autocast {args.autocast or 'off'}; {rounds} rounds of {BLOCK} steps per method")
     if hf_note:
         print(hf_note)
-    for step in steps.values():  # warm-up: one block each
-        for _ in range(BLOCK):
-            step()
     names = list(steps)
+
+    def block(name: str) -> float:
+        """One block of ``name``'s steps, its watch attached first and removed after: ms per step."""
+        watch = attach[name]()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(BLOCK):
+            steps[name]()
+        sync()
+        elapsed = (time.perf_counter() - t0) / BLOCK * 1e3
+        if watch is not None:
+            watch.remove()  # its figures stay readable
+            last_watch[name] = watch
+        return elapsed
+
+    for name in names:  # warm-up: one block each
+        block(name)
     per_step: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(BLOCK):
-                steps[name]()
-            sync()
-            per_step[name].append((time.perf_counter() - t0) / BLOCK * 1e3)
+            per_step[name].append(block(name))
     plain = statistics.median(per_step["plain"])
     rows = []
     print(f"\n{'method':<28}{'ms/step':>10}{'overhead':>10}")
@@ -129,7 +144,7 @@ def main() -> int:
         overhead = (ms - plain) / plain
         rows.append({"method": name, "ms_per_step": ms, "overhead": overhead, "rounds_ms": per_step[name]})
         print(f"{name:<28}{ms:>10.2f}{overhead:>+10.1%}")
-    worst = watches["watch every=1"].worst()[:3]
+    worst = last_watch["watch every=1"].worst()[:3]
     print(
         "\nthe watch's three smallest headrooms: "
         + ", ".join(f"{f.name or '(model)'} ({f.op}) {f.headroom:.3g}" for f in worst)

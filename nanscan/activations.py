@@ -32,7 +32,9 @@ the host: one sync per device; under torch.distributed also three small all-redu
 rank of the group must make (``process_group``).
 
 Sampling: ``every=N`` scans on every N-th forward of the model (the first included), and nothing in
-between: the cost of the others is one Python check per module call. Only calls inside the model's
+between: the submodules' hooks are attached for a sampled forward only, so the others pay only the
+model's own three hooks. A compiled model retraces once for each state (hooked, unhooked) and then
+reuses both graphs. Only calls inside the model's
 own forward are scanned: a submodule called on its own, or re-run by activation checkpointing during
 backward, is not counted twice.
 
@@ -214,11 +216,20 @@ class ActivationWatch:
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
         self._handles.append(model.register_forward_pre_hook(self._begin))
-        for slot, (_, module) in enumerate(named):
-            self._handles.append(module.register_forward_hook(self._hook(slot)))
-        # Registered last, so it runs after the model's own scan hook above; always_call: a forward that
+        # The model's own scan hook (slot 0: named_modules() yields the model first) stays; then the
+        # end of the pass, registered after it so that it runs after it; always_call: a forward that
         # raises still closes the pass (else the next one would count as nested and never be scanned).
+        self._handles.append(model.register_forward_hook(self._hook(0)))
         self._handles.append(model.register_forward_hook(self._end, always_call=True))
+        # The submodules' scan hooks. With every > 1 they are on only during a sampled forward: a hooked
+        # module call takes torch's slower call path and the hook's torch.compiler.disable wrapper
+        # (~2.5 us a call against ~0.8 unhooked on this project's CPU), paid by every module of every
+        # forward when the hooks stay; attaching them costs ~1 us a module once per sampled forward
+        # (benchmarks/NOTES.md, entry 35).
+        self._module_hooks = [(module, self._hook(slot)) for slot, (_, module) in enumerate(named) if slot > 0]
+        self._module_handles: list[RemovableHandle] = []
+        if every == 1:
+            self._attach_module_hooks()
 
     # ----------------------------------------------------------------------------------- hooks
 
@@ -231,6 +242,7 @@ class ActivationWatch:
         self._forwards += 1
         if self._sampling:
             self._sampled += 1
+            self._attach_module_hooks()
         self._seen.clear()
 
     @_eager
@@ -241,8 +253,18 @@ class ActivationWatch:
         if self._sampling:
             for totals in self._devices.values():
                 totals.fold()
+        if self.every > 1:
+            self._detach_module_hooks()
         self._sampling = False
         self._seen.clear()
+
+    def _attach_module_hooks(self) -> None:
+        if not self._module_handles:
+            self._module_handles = [module.register_forward_hook(hook) for module, hook in self._module_hooks]
+
+    def _detach_module_hooks(self) -> None:
+        while self._module_handles:
+            self._module_handles.pop().remove()
 
     def _hook(self, slot: int) -> Any:
         @_eager
@@ -460,6 +482,7 @@ class ActivationWatch:
         """Removes every hook; the figures so far stay readable."""
         while self._handles:
             self._handles.pop().remove()
+        self._detach_module_hooks()
         self._sampling = False
         self._seen.clear()
 

@@ -100,11 +100,13 @@ class Nested_(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.clone()
-        y[0, 0] = 7e4  # scalar fills: no host-to-device copy (the CUDA test forbids syncs)
-        y[0, 1] = -1e5
-        y[0, 2] = 3e-9
-        y[0, 3] = 9e4
-        y[1, 1] = 1e-30
+        # fill_ of an element's view: a kernel with the scalar as its argument. `y[0, 0] = 7e4` copies
+        # the scalar from the host first, which the CUDA test's sync debug mode refuses.
+        y[0, 0].fill_(7e4)
+        y[0, 1].fill_(-1e5)
+        y[0, 2].fill_(3e-9)
+        y[0, 3].fill_(9e4)
+        y[1, 1].fill_(1e-30)
         return y
 
 
@@ -267,6 +269,37 @@ def test_a_compiled_model_gives_the_eager_figures() -> None:
         assert got[name][0] == 2 * want[name][0] and got[name][4] == want[name][4], name
 
 
+def test_a_compiled_model_sampled_every_other_forward() -> None:
+    """every > 1 attaches the submodules' hooks for the sampled forwards only: a compiled model sees
+    both states, and gives the eager figures of the sampled forwards."""
+    model = planted_model()
+    x = torch.randn(4, 16)
+    with nanscan.watch_activations(model) as eager:
+        model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with nanscan.watch_activations(model, every=2) as watch:
+        for _ in range(5):
+            compiled(x)
+    assert (watch.forwards, watch.sampled) == (5, 3)
+    want, got = as_rows(eager), as_rows(watch)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name][0] == 3 * want[name][0] and got[name][4] == want[name][4], name
+
+
+def test_unsampled_forwards_leave_the_submodules_unhooked() -> None:
+    model = planted_model()
+    watch = nanscan.watch_activations(model, every=4)
+    submodules = list(model.children())
+    assert all(not m._forward_hooks for m in submodules)
+    model(torch.randn(2, 16))  # sampled: hooked during the forward, unhooked after
+    assert all(not m._forward_hooks for m in submodules) and watch.figures()[1].calls == 1
+    model(torch.randn(2, 16))
+    assert watch.figures()[1].calls == 1
+    watch.remove()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "2"])
 def test_bad_every_is_refused(every: Any) -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
@@ -293,8 +326,8 @@ def test_cuda_watch_without_a_sync() -> None:
             model(x).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    got = as_rows(watch)  # before the reference, whose forward the watch would count too
     want = reference(model, lambda: model(x))
-    got = as_rows(watch)
     assert got["3"][0] == 4 and got["3"][5:] == [3 * 4, 2 * 4], got["3"]
     assert got["3"][4] == pytest.approx(want["3"][4], rel=1e-12)
 
