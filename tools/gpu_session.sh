@@ -31,10 +31,9 @@
 #   tools/gpu_session.sh host              # build, then bench_host.py on the GPU: host ns per tensor of
 #                                          # check(params), the clips and the scalers, 10,000 tensors
 #   tools/gpu_session.sh lend              # one 15-minute lend's worth, most needed first, each stage
-#                                          # bounded in time: build (the no-kernel copy built beside
-#                                          # it), nccl, host, test_cuda.py, sanitize, magnitudes (GPT-2
-#                                          # small), no-kernel; the whole suite is the next command's
-#                                          # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`), ~7 minutes
+#                                          # bounded in time: build, test_cuda.py, sanitize,
+#                                          # capabilities; the whole suite is the next command's
+#                                          # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`), ~6 minutes
 #   tools/gpu_session.sh ab NAME=VALUE     # the default build and a -DNAME=VALUE one side by side,
 #                                          # then bench_scan's scan rows of each (~5 minutes)
 #   tools/gpu_session.sh subwarp           # the small-tensor path: build (and one without it beside),
@@ -283,21 +282,20 @@ capabilities() {
 }
 
 # One lend: the stages in the order of their need, each bounded (seconds), so that a slow one leaves
-# time to the next; the built library stays for the next command on the same warm machine.
+# time to the next; the built library stays for the next command on the same warm machine, and a
+# copy goes to $out/C.so.gz for one on a fresh machine (a bare machine's build took over 120 s on
+# 2026-11-26). What the fifth session left unrun: test_cuda.py on the final library, the four
+# sanitizer tools on the small-tensor path, and the activation watch measured on one model (NOTES.md
+# entry 35). The whole suite is the next command's (`NANSCAN_PREBUILT=1 tools/gpu_session.sh
+# suite`, ~5 minutes); nccl, host, magnitudes and no-kernel are stages of their own (their paths
+# unchanged since the fourth session). ~6 minutes on the H100 machine.
 lend() {
-  local copy
-  copy="$(mktemp -d)"
-  no_kernel_build "$copy" >"$out/no_kernel_bg.log" 2>&1 &
-  local background=$!
   build || return 1
+  gzip -c nanscan/_C*.so >"$out/C.so.gz"
   export NANSCAN_PREBUILT=1
-  timeout 90 "$self" nccl || echo "nccl: exit $?"
-  timeout 60 "$self" host || echo "host: exit $?"
   timeout 80 "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
   timeout 120 "$self" sanitize || echo "sanitize: exit $?"
-  timeout 130 "$self" magnitudes gpt2-small 'nanscan.scan,nanscan.clip(no-clip),torch.clip(no-clip)' ||
-    echo "magnitudes: exit $?"
-  wait "$background" && no_kernel "$copy" || { echo "no-kernel build failed:"; tail -20 "$out/no_kernel_build.log"; }
+  timeout 240 "$self" capabilities || echo "capabilities: exit $?"
 }
 
 # Nsight Compute's command line: on PATH, in the toolkit, or where its installer puts it (empty if none).
