@@ -15,6 +15,11 @@ medians:
 * ``per-tensor isfinite loop``: what a hand-written check does (``torch.isfinite(t).all()`` per tensor,
   summed on the device, read once).
 
+On CUDA, also the GPU and the host time of one check_state call apart (bench_scan.py's method: the
+GPU held busy while the host enqueues the call, CUDA events around it), since a list of many small
+states can be host-bound where its bytes take less time than its calls (``check_state GPU ms``,
+``host ms``).
+
 The target (issue 30): check_state at most 1.15x the ceiling.
 """
 
@@ -33,6 +38,7 @@ import nanscan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_locate import time_methods
+from bench_scan import Method, gpu_and_host_times
 
 ZOO = Path(__file__).resolve().parent / "zoo.json"
 
@@ -72,6 +78,13 @@ def measure(name: str, shapes: list[list[int]], device: torch.device, rounds: in
         device=device,
     )
     figures = {method: statistics.median(ms) for method, ms in times.items()}
+    if device.type == "cuda":
+        # No inputs to rotate or restore: check_state reads its own tensors and writes nothing.
+        method = Method("check_state", lambda _: nanscan.check_state(params, optimizer))
+        split = gpu_and_host_times([method], None, rounds)
+        gpu, host, _ = split["check_state"]
+        figures["gpu_ms"] = statistics.median(gpu) * 1e3
+        figures["host_ms"] = statistics.median(host) * 1e3
     mb = flat.numel() * 4 / 1e6
     return {
         "model": name,
@@ -97,8 +110,10 @@ def main() -> int:
     rounds = args.rounds or (3 if args.quick else 15)
     device = torch.device(args.device)
     print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
+    split = device.type == "cuda"
     print(
         f"{'model':<12}{'tensors':>8}{'MB read':>9}{'ceiling ms':>12}{'check_state ms':>16}{'x ceiling':>10}{'loop ms':>10}"
+        + (f"{'GPU ms':>9}{'host ms':>9}" if split else "")
     )
     rows = []
     for name in models:
@@ -107,6 +122,7 @@ def main() -> int:
         print(
             f"{name:<12}{row['tensors']:>8}{row['mb']:>9.0f}{row['ceiling']:>12.2f}{row['check_state']:>16.2f}"
             f"{row['ratio']:>9.2f}x{row['loop']:>10.2f}"
+            + (f"{row['gpu_ms']:>9.2f}{row['host_ms']:>9.2f}" if split else "")
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

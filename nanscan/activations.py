@@ -130,6 +130,10 @@ class _DeviceTotals:
         self.counts = torch.zeros((modules, 4), dtype=torch.int64, device=device)
         self.amax = torch.zeros(modules, dtype=torch.float64, device=device)
         self.first = torch.full((), _NONE, dtype=torch.int64, device=device)
+        # The same figures of the passes since a recorder last took them (ActivationWatch._take_recent):
+        # counts [4, modules] (a recorder's row takes the first three rows as they lie), amax [modules].
+        self.recent_counts = torch.zeros((4, modules), dtype=torch.int64, device=device)
+        self.recent_amax = torch.zeros(modules, dtype=torch.float64, device=device)
         # (call number, slot, counts [4, k], stats [3, k]) per scanned module call
         self.pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
 
@@ -145,9 +149,11 @@ class _DeviceTotals:
         code_of = upload(codes, torch.int64, self.counts.device)  # one upload; the slots follow from it
         index = code_of.remainder(self.modules)
         self.counts.index_add_(0, index, counts.t())
+        self.recent_counts.index_add_(1, index, counts)
         # min/max are of the finite values (+inf/-inf when a tensor has none): |largest| without NaN.
         amax = torch.maximum(-stats[0], stats[1]).clamp_(min=0.0)
         self.amax.scatter_reduce_(0, index, amax, reduce="amax")
+        self.recent_amax.scatter_reduce_(0, index, amax, reduce="amax")
         nonfinite = (counts[0] + counts[1]) > 0
         code = torch.where(nonfinite, code_of, _NONE).amin()
         torch.minimum(self.first, code, out=self.first)
@@ -212,6 +218,7 @@ class ActivationWatch:
         self._depth = 0  # nesting of the model's own forward (a model that calls itself)
         self._call_number = 0  # module calls scanned so far, in execution order
         self._sampling = False
+        self._recent = 0  # sampled passes folded since a recorder last took their figures
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
@@ -253,6 +260,7 @@ class ActivationWatch:
         if self._sampling:
             for totals in self._devices.values():
                 totals.fold()
+            self._recent += 1
         if self.every > 1:
             self._detach_module_hooks()
         self._sampling = False
@@ -358,6 +366,37 @@ class ActivationWatch:
             return _Read(figures, None, None)
         call, slot = divmod(host.first, m)
         return _Read(figures, slot, call)
+
+    def _take_recent(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The figures of the sampled passes since the last take, for a recorder's row on ``device``:
+        (amax float64 [modules], counts int64 [4, modules]: NaN, Inf, overflow, underflow), every
+        device's combined and, under torch.distributed, every rank's (two all-reduces: only when a
+        pass was sampled, so every rank must run as many forwards, as DDP and FSDP do); None when no
+        pass was sampled. The recent figures start again from zero; the watch's own do not. No sync."""
+        if self._recent == 0:
+            return None
+        self._recent = 0
+        amax = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        counts = torch.zeros((4, len(self.names)), dtype=torch.int64, device=device)
+        for totals in self._devices.values():
+            # Asynchronous between GPUs; to the CPU a plain copy, which the CPU's record then reads.
+            non_blocking = device.type != "cpu"
+            torch.maximum(amax, totals.recent_amax.to(device, non_blocking=non_blocking), out=amax)
+            counts += totals.recent_counts.to(device, non_blocking=non_blocking)
+            totals.recent_amax.zero_()
+            totals.recent_counts.zero_()
+        group = self._group()
+        if group is not None:
+            import torch.distributed as dist
+
+            from .layouts.reduce import group_device
+
+            on_group = group_device(group)
+            reduced_amax, reduced_counts = amax.to(on_group), counts.to(on_group)
+            dist.all_reduce(reduced_amax, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(reduced_counts, op=dist.ReduceOp.SUM, group=group)
+            amax, counts = reduced_amax.to(device), reduced_counts.to(device)
+        return amax, counts
 
     def _group(self) -> Any:
         """The group the figures are reduced over, or None in a single process."""

@@ -7,7 +7,11 @@ One figure, three panels sharing the step axis:
   magenta, a parameter absent from a step's layout blank, spikes ringed, and the first non-finite step
   marked with the names of its parameters and, in a distributed run, the ranks whose local data held
   them (``StepRecord.nonfinite_ranks``);
-* the total norm over steps, with the clip threshold when the records have one.
+* the total norm over steps, with the clip threshold when the records have one;
+* when the records carry an activation watch's figures (``Recorder(activations=watch)``), a heatmap
+  of log10 activation amax, module by step: blank at steps no forward was sampled, values over fp16's
+  65504 in orange, NaN/Inf outputs red, fp16's limit marked on its colour bar, and the first module
+  whose outputs went non-finite named.
 
 Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
 layer (``nanscan.layers``: a group's norm is its members' norms combined as one L2 norm, NaN or Inf
@@ -34,7 +38,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .layers import Group, group_layers, group_norms, group_reduce, layer_name
-from .records import StepRecord, iter_jsonl, ranks_label
+from .records import FP16_MAX, StepRecord, iter_jsonl, ranks_label
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -50,6 +54,7 @@ INF_COLOR = "#ff00ff"
 SKIPPED_COLOR = "#555555"
 SPIKE_COLOR = "#ff9f1c"
 THRESHOLD_COLOR = "#444444"
+OVER_FP16_COLOR = "#ff7f00"
 DPI = 110
 LABEL_FONT = 6.5
 MARKED_CELLS = 300
@@ -86,6 +91,20 @@ class Run:
     finite: NDArray[np.bool_]
     first_nonfinite: tuple[int, list[str]] | None
     first_ranks: dict[str, list[int]] | None = None
+    activations: Activations | None = None
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The activation figures of a run's records, module (row) by record (column): ``amax`` NaN where
+    the record holds none (no forward sampled), ``nonfinite`` where the module's outputs held a NaN or
+    an Inf; ``first_nonfinite`` the record index and module names of the first such record. Only the
+    modules with figures at some step (called, or non-finite) are rows."""
+
+    modules: list[str]
+    amax: NDArray[np.float64]
+    nonfinite: NDArray[np.bool_]
+    first_nonfinite: tuple[int, list[str]] | None
 
 
 @dataclass(frozen=True)
@@ -120,7 +139,21 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
     first: tuple[int, list[str]] | None = None
     first_ranks: dict[str, list[int]] | None = None
     named_ranks: set[int] = set()  # every rank any record names, for _has_ranks
+    activation_columns: list[tuple[int, dict[str, tuple[float, bool]]]] = []  # (record index, module -> figures)
     for record in records:
+        if record.activations is not None:
+            figures = record.activations
+            activation_columns.append(
+                (
+                    len(steps),
+                    {
+                        m: (amax, nan + inf > 0)
+                        for m, amax, nan, inf in zip(
+                            figures.modules, figures.amax, figures.nan_count, figures.inf_count, strict=True
+                        )
+                    },
+                )
+            )
         if layout is None or (record.names is not layout and list(record.names) != list(layout)):
             rows = np.array([index.setdefault(name, len(index)) for name in record.names], dtype=np.intp)
         layout = record.names
@@ -169,7 +202,33 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         finite=finite.astype(bool),
         first_nonfinite=first,
         first_ranks=first_ranks if _has_ranks(named_ranks) else None,
+        activations=_activations(activation_columns, len(steps)),
     )
+
+
+def _activations(columns: list[tuple[int, dict[str, tuple[float, bool]]]], records: int) -> Activations | None:
+    """The activation grid of a run (None when no record holds figures)."""
+    if not columns:
+        return None
+    seen: dict[str, None] = {}  # modules with figures somewhere, in order of first appearance
+    for _, figures in columns:
+        for module, (amax, nonfinite) in figures.items():
+            if amax > 0 or nonfinite:
+                seen.setdefault(module)
+    modules = list(seen)
+    row = {module: i for i, module in enumerate(modules)}
+    amax_grid = np.full((len(modules), records), np.nan)
+    nonfinite_grid = np.zeros((len(modules), records), dtype=bool)
+    first: tuple[int, list[str]] | None = None
+    for j, figures in columns:
+        for module, (amax, nonfinite) in figures.items():
+            if module in row:
+                amax_grid[row[module], j] = amax
+                nonfinite_grid[row[module], j] = nonfinite
+        bad = [module for module, (_, nonfinite) in figures.items() if nonfinite]
+        if first is None and bad:
+            first = (j, bad)
+    return Activations(modules, amax_grid, nonfinite_grid, first)
 
 
 def _has_ranks(named_ranks: set[int]) -> bool:
@@ -314,27 +373,35 @@ def _save_png(figure: Figure, path: Path) -> None:
 
 
 def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figure:
-    figure = figure_class(figsize=(12, 8))
-    label_chars = max(len(_row_label(group)) for group in grid.groups)
+    acts = run.activations
+    figure = figure_class(figsize=(12, 8 if acts is None else 11))
+    labels = [_row_label(group) for group in grid.groups] + (
+        [] if acts is None else [_module_label(m) for m in acts.modules]
+    )
+    label_chars = max(len(label) for label in labels)
     left = min(0.32, 0.03 + label_chars * LABEL_FONT * 0.6 / (12 * 72))
+    ratios = [0.45, 5, 2] if acts is None else [0.45, 5, 3.2, 2]
     layout = figure.add_gridspec(
-        3,
+        len(ratios),
         2,
-        height_ratios=[0.45, 5, 2],
+        height_ratios=ratios,
         width_ratios=[1, 0.015],
         hspace=0.08,
         wspace=0.015,
         left=left,
         right=0.93,
-        top=0.9,
-        bottom=0.07,
+        top=0.9 if acts is None else 0.92,
+        bottom=0.07 if acts is None else 0.055,
     )
     strip = figure.add_subplot(layout[0, 0])
     heat = figure.add_subplot(layout[1, 0], sharex=strip)
-    totals = figure.add_subplot(layout[2, 0], sharex=strip)
+    totals = figure.add_subplot(layout[len(ratios) - 1, 0], sharex=strip)
     colorbar_axes = figure.add_subplot(layout[1, 1])
     _draw_strip(strip, grid)
     _draw_heatmap(figure, heat, colorbar_axes, grid)
+    if acts is not None:
+        activation_axes = figure.add_subplot(layout[2, 0], sharex=strip)
+        _draw_activations(figure, activation_axes, figure.add_subplot(layout[2, 1]), acts, run, grid.per_column)
     _draw_totals(totals, run)
     _label_steps(totals, run)
     strip.set_xlim(-0.5, len(run.steps) - 0.5)
@@ -342,8 +409,92 @@ def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figur
         _annotate_first(heat, totals, run, grid)
     figure.suptitle(title, x=left, ha="left", y=0.985, fontsize=12, fontweight="bold")
     figure.text(left, 0.94, _summary(run, grid), fontsize=8.5, color="#333333")
-    _draw_legend(figure)
+    _draw_legend(figure, acts is not None)
     return figure
+
+
+def _module_label(module: str) -> str:
+    name = module or "(model)"
+    return name if len(name) <= 48 else "…" + name[-47:]
+
+
+def _draw_activations(
+    figure: Figure, ax: Axes, colorbar_axes: Axes, acts: Activations, run: Run, per_column: int
+) -> None:
+    """log10 activation amax, module by step, binned as the gradient heatmap's columns are (the
+    largest amax and any non-finite output of a bin)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_rgba
+
+    amax, nonfinite = _held(acts.amax, acts.nonfinite)
+    rows_total = len(acts.modules)
+    if per_column > 1:
+        starts = np.arange(0, amax.shape[1], per_column)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # bins with no sampled step stay NaN
+            amax = np.fmax.reduceat(amax, starts, axis=1)
+        nonfinite = np.logical_or.reduceat(nonfinite, starts, axis=1).astype(bool)
+    extent = (-0.5, amax.shape[1] * per_column - 0.5, rows_total - 0.5, -0.5)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_amax = np.log10(amax)
+    known = log_amax[np.isfinite(log_amax)]
+    limit = math.log10(FP16_MAX)
+    low = float(np.percentile(known, 0.5)) if known.size else -1.0
+    high = max(float(known.max()) if known.size else 0.0, limit + 0.3)
+    if high - low < 0.5:
+        low = high - 0.5
+    log_amax[np.isneginf(log_amax)] = low  # an amax of 0 (all-zero outputs): the floor
+    colormap = colormaps["cividis"].with_extremes(bad=(0, 0, 0, 0))  # unsampled: blank
+    image = ax.imshow(
+        log_amax, cmap=colormap, vmin=low, vmax=high, aspect="auto", interpolation="nearest", extent=extent
+    )
+    overlay = np.zeros((*amax.shape, 4))
+    overlay[np.nan_to_num(amax) > FP16_MAX] = to_rgba(OVER_FP16_COLOR)
+    overlay[nonfinite] = to_rgba(NAN_COLOR)
+    ax.imshow(overlay, aspect="auto", interpolation="nearest", extent=extent)
+    ax.set_ylim(rows_total - 0.5, -0.5)
+    bar = figure.colorbar(image, cax=colorbar_axes, extend="min" if known.size and known.min() < low else "neither")
+    bar.ax.axhline(limit, color=OVER_FP16_COLOR, linewidth=1.6)
+    bar.set_label("log10 activation amax (orange line: fp16's 65504)", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    height_points = ax.get_position().height * figure.get_figheight() * 72
+    every = max(1, math.ceil(rows_total * LABEL_FONT * 1.3 / height_points))
+    rows = range(0, rows_total, every)
+    ax.set_yticks(list(rows), [_module_label(acts.modules[r]) for r in rows], fontsize=LABEL_FONT)
+    ax.tick_params(axis="x", labelbottom=False)
+    sampled = int(np.isfinite(acts.amax).any(axis=0).sum())
+    held = ",\nheld between samples" if sampled < acts.amax.shape[1] else ""
+    labelled = f", 1 in {every} labelled" if every > 1 else ""
+    ax.set_ylabel(f"module outputs{labelled}\n({sampled} of {acts.amax.shape[1]} steps sampled{held})", fontsize=8)
+    if acts.first_nonfinite is not None:
+        index, modules = acts.first_nonfinite
+        shown = ", ".join(_module_label(m) for m in modules[:FIRST_NAMES])
+        more = f" +{len(modules) - FIRST_NAMES} more" if len(modules) > FIRST_NAMES else ""
+        right_half = index > len(run.steps) / 2
+        ax.axvline(index, color=NAN_COLOR, linestyle="--", linewidth=0.9, alpha=0.9, zorder=2)
+        ax.text(
+            index + (-0.03 if right_half else 0.03) * len(run.steps),
+            0.85,
+            f"first non-finite output: step {run.steps[index]}\n{shown}{more}",
+            transform=ax.get_xaxis_transform(),
+            ha="right" if right_half else "left",
+            va="center",
+            fontsize=7.5,
+            bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": NAN_COLOR, "alpha": 0.9},
+            zorder=4,
+        )
+
+
+def _held(amax: NDArray[np.float64], nonfinite: NDArray[np.bool_]) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
+    """The grid with each record that holds no figures (no forward sampled since the record before)
+    showing the last sampled record's, as a sampled metric is drawn between its samples; records
+    before the first sample stay blank."""
+    sampled = np.isfinite(amax).any(axis=0)
+    source = np.where(sampled, np.arange(amax.shape[1]), -1)
+    np.maximum.accumulate(source, out=source)  # each column's latest sampled column, or -1
+    filled = amax[:, np.maximum(source, 0)]
+    filled[:, source < 0] = np.nan
+    return filled, nonfinite[:, np.maximum(source, 0)] & (source >= 0)
 
 
 def _summary(run: Run, grid: Grid) -> str:
@@ -615,7 +766,7 @@ def _first_ranks_text(ranks: dict[str, list[int]] | None, names: list[str]) -> t
     return heading, {name: f" ({ranks_label(ranks[name])})" for name in names[:FIRST_NAMES] if ranks.get(name)}
 
 
-def _draw_legend(figure: Figure) -> None:
+def _draw_legend(figure: Figure, activations: bool = False) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -635,8 +786,15 @@ def _draw_legend(figure: Figure) -> None:
         ),
         Patch(facecolor=SKIPPED_COLOR, label="skipped step"),
     ]
+    if activations:
+        handles.append(Patch(facecolor=OVER_FP16_COLOR, label="output over fp16's 65504"))
     figure.legend(
-        handles=handles, loc="upper right", bbox_to_anchor=(0.99, 0.995), ncols=5, fontsize=7.5, frameon=False
+        handles=handles,
+        loc="upper right",
+        bbox_to_anchor=(0.99, 0.995),
+        ncols=len(handles),
+        fontsize=7.5,
+        frameon=False,
     )
 
 

@@ -19,8 +19,11 @@ per-rank flags (``world`` values): exact (integers below 2^53), so the records n
 ``Report.nonfinite_ranks`` names, where float32 would round the sums of squares of a large world.
 Memory: ``capacity * (24 * parameters + 24) + 8`` bytes on the device (``Recorder.nbytes``;
 GPT-2-small's 148 parameters at capacity 100: 358 KB), plus ``capacity * 8 * (3 * parameters +
-world)`` with a rank attribution (GPT-2-small on 64 ranks, capacity 100: 406 KB more), the same
-again in pinned host memory on a GPU, and the last ``history`` records on the host.
+world)`` with a rank attribution (GPT-2-small on 64 ranks, capacity 100: 406 KB more), plus
+``capacity * 16 * modules`` with an activation watch (``activations=``: per watched module the
+amax and the NaN, Inf and overflow counts of the forwards sampled since the record before, NaN
+when none was; GPT-2-small's ~160 modules at capacity 100: 256 KB), the same again in pinned host
+memory on a GPU, and the last ``history`` records on the host.
 
 The append is device-only and one op, ``nanscan::record_`` (nanscan._ops): the record's statistics
 go, cast to each row's dtype, into the ring at the slot of the device counter, which it advances;
@@ -94,8 +97,9 @@ import torch
 import torch.distributed as dist
 
 from ._ops import RECORD_SOURCE_DTYPES, record_op
+from .activations import ActivationWatch
 from .layouts.reduce import Attribution
-from .records import StepRecord
+from .records import ActivationRecord, StepRecord
 from .report import Report
 from .sinks import Sink
 
@@ -106,6 +110,9 @@ _PARAM_ROWS = ("nan_count", "inf_count", "min", "max", "norm", "median")
 _NORM_ROW = _PARAM_ROWS.index("norm")
 _MEDIAN_ROW = _PARAM_ROWS.index("median")
 _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "loss_scale")
+# Per watched module, after the step columns of a recorder with an activation watch: the figures of
+# the forwards sampled since the record before (NaN when none was).
+_ACTIVATION_ROWS = ("amax", "nan_count", "inf_count", "overflow")
 # Per parameter, in the float64 attribution row: nanscan.layouts.reduce.Attribution's rows, then its
 # per-rank row (``world`` values).
 _ATTRIBUTION_ROWS = ("count", "rank_sum", "rank_square_sum")
@@ -211,13 +218,16 @@ class _Ring:
         first_step: int,
         spike_window: int,
         world: int | None,
+        modules: Sequence[str] | None = None,
     ) -> None:
         self.names = names
         self.device = device
         self.capacity = capacity
         self.world = world
+        self.modules = modules
         n = len(names)
-        self.row_length = len(_PARAM_ROWS) * n + len(_STEP_COLUMNS)
+        self.step_columns_end = len(_PARAM_ROWS) * n + len(_STEP_COLUMNS)
+        self.row_length = self.step_columns_end + (0 if modules is None else len(_ACTIVATION_ROWS) * len(modules))
         # Float64, as the reduction computes them: the rank sums are integers up to world^3, exact
         # in float64 (to 2^53) where a float32 row would round them (above 2^24) and so name the
         # wrong ranks; copied as they are, they give Attribution.ranks the Report's very inputs.
@@ -234,6 +244,12 @@ class _Ring:
         self.median = torch.full((n,), math.nan, dtype=torch.float32, device=device)
         self.since_median = spike_window  # refreshed at the first append
         self.nan = torch.full((1,), math.nan, dtype=torch.float32, device=device)
+        # A record's activation columns when no forward was sampled since the record before.
+        self.no_activations = (
+            None
+            if modules is None
+            else torch.full((len(_ACTIVATION_ROWS) * len(modules),), math.nan, dtype=torch.float32, device=device)
+        )
         self._constants: dict[tuple[float | None, ...], torch.Tensor] = {}
 
     def constant(self, *values: float | None) -> torch.Tensor:
@@ -284,6 +300,12 @@ class Recorder:
             (on the CPU at that step's append; on a GPU a few appends later, seen through a 4-byte
             asynchronous copy and read asynchronously: no sync), so that a job killed soon after
             still has it on disk (module notes).
+        activations: a ``nanscan.watch_activations`` watch whose figures each record also keeps: per
+            module, the largest |activation|, the NaN and Inf counts and the values over fp16's
+            65504, of the forwards it sampled since the record before (``StepRecord.activations``;
+            None for a record with no sampled forward). Under torch.distributed every rank's,
+            reduced (two all-reduces on the appends that follow a sampled forward; every rank must
+            run as many forwards). Not inside a captured CUDA graph.
 
     While a recorder is open, a SIGTERM reads out its records before the process ends as it would
     have without nanscan (module notes: what survives which end of a job).
@@ -310,7 +332,13 @@ class Recorder:
         history: int = 64,
         warn: bool = True,
         flush_on_nonfinite: bool = True,
+        activations: ActivationWatch | None = None,
     ) -> None:
+        if activations is not None and not isinstance(activations, ActivationWatch):
+            raise TypeError(
+                "nanscan.Recorder: activations must be a nanscan.watch_activations(model) watch, got "
+                f"{type(activations).__name__}"
+            )
         for name, value in (("every", every), ("spike_window", spike_window), ("history", history)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"nanscan.Recorder: {name} must be a positive int, got {value!r}")
@@ -331,6 +359,7 @@ class Recorder:
         self.sinks: list[Sink] = list(sinks)
         for sink in self.sinks:
             _check_sink(sink)
+        self.activations = activations
         self.every = every
         self.capacity = capacity
         self.spike_factor = float(spike_factor)
@@ -425,6 +454,20 @@ class Recorder:
                 ring.constant(skipped) if isinstance(skipped, bool) else _on_ring(skipped, ring),
                 _scale_of(loss_scale, ring),
             ]
+        if ring.modules is not None:
+            if capturing:
+                raise RuntimeError(
+                    "nanscan.Recorder: a recorder with an activation watch cannot be captured in a CUDA graph "
+                    "(the watch's hooks run in Python); record it outside the graph"
+                )
+            assert self.activations is not None
+            taken = self.activations._take_recent(device)
+            if taken is None:
+                assert ring.no_activations is not None  # made with the ring's modules
+                sources.append(ring.no_activations)
+            else:
+                amax, counts = taken
+                sources += [amax, counts[: len(_ACTIVATION_ROWS) - 1]]  # NaN, Inf, overflow: rows as they lie
         if capturing or ring.since_median >= self._median_every:
             # Inside a captured graph every replay refreshes the median; eagerly, every few records.
             with torch.no_grad():
@@ -475,7 +518,8 @@ class Recorder:
             self.flush(wait=True)
             assert self._ring is not None
             self._next_step = self._ring.decoded
-        self._ring = _Ring(names, device, self.capacity, self._next_step, self.spike_window, world)
+        modules = None if self.activations is None else tuple(self.activations.names)
+        self._ring = _Ring(names, device, self.capacity, self._next_step, self.spike_window, world, modules)
 
     # ------------------------------------------------------------------------------------- reading
 
@@ -538,11 +582,12 @@ class Recorder:
             # The spike ratio of each record: its norm over the median the device kept beside it.
             ratios = params[:, _MEDIAN_ROW]
             torch.div(params[:, _NORM_ROW], ratios, out=ratios)
-            columns = block[:, len(_PARAM_ROWS) * n :].tolist()
+            columns = block[:, len(_PARAM_ROWS) * n : ring.step_columns_end].tolist()
+            activations = _Activations(ring, block)
             spiked = ((ratios >= self.spike_factor) & (ratios != math.inf)).any(dim=1).tolist()
             ranks = _Ranks(ring, attribution, slots, params)
             for k, step in enumerate(range(first, end)):
-                record = _record(step, ring.names, columns[k], params, k, self.spike_factor, ranks)
+                record = _record(step, ring.names, columns[k], params, k, self.spike_factor, ranks, activations.of(k))
                 # Marked read before a sink (or a warning turned error) can raise: a record is handed
                 # on once, never again at the next read.
                 ring.decoded = step + 1
@@ -674,6 +719,31 @@ class _Ranks:
         return {names[i]: Attribution.ranks(count[i], rank_sum[i], rank_square_sum[i], any_by_rank) for i in bad}
 
 
+class _Activations:
+    """The activation columns of a block of records (a recorder with a watch): per record, the
+    module figures as an ActivationRecord, or None where no forward was sampled (its amax NaN)."""
+
+    def __init__(self, ring: _Ring, block: torch.Tensor) -> None:
+        self.modules = ring.modules
+        if self.modules is None:
+            return
+        m = len(self.modules)
+        self.rows = block[:, ring.step_columns_end :].view(-1, len(_ACTIVATION_ROWS), m)
+        self.sampled = (~self.rows[:, 0, 0].isnan()).tolist() if m else []
+
+    def of(self, k: int) -> ActivationRecord | None:
+        if self.modules is None or not self.sampled[k]:
+            return None
+        amax, nan, inf, overflow = self.rows[k].tolist()
+        return ActivationRecord(
+            modules=self.modules,
+            amax=amax,
+            nan_count=[int(v) for v in nan],
+            inf_count=[int(v) for v in inf],
+            overflow=[int(v) for v in overflow],
+        )
+
+
 class _Column:
     """One per-parameter list of a record, still in the block its read brought to the host (a view
     of the float32 copy): what StepRecord calls on the field's first reading."""
@@ -696,6 +766,7 @@ def _record(
     k: int,
     spike_factor: float,
     ranks: _Ranks,
+    activations: ActivationRecord | None,
 ) -> StepRecord:
     total_norm, finite, clip_coef, max_norm, skipped, loss_scale = columns
     # Callables in place of the lists (StepRecord converts them when first read); typed as the lists.
@@ -717,6 +788,7 @@ def _record(
         loss_scale=None if math.isnan(loss_scale) else loss_scale,
         spike_factor=spike_factor,
         nonfinite_ranks={} if finite else ranks.of(k),
+        activations=activations,
     )
 
 

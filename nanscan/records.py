@@ -9,10 +9,10 @@ and for a step with a NaN/Inf, the ranks whose local data held it, per parameter
 The JSONL file (``JSONLSink``, read back by ``read_jsonl``) is one JSON object per line, strict JSON
 (non-finite floats are the strings ``"nan"``, ``"inf"`` and ``"-inf"``), of two kinds:
 
-* ``{"kind": "layout", "schema": 2, "names": [...]}``: the parameter names, in the order of the
+* ``{"kind": "layout", "schema": 3, "names": [...]}``: the parameter names, in the order of the
   per-parameter arrays of the step lines after it. Written before the first step and again whenever
   the parameters change (a parameter that gains or loses its gradient).
-* ``{"kind": "step", "schema": 2, "step": 12, "total_norm": "nan", "finite": false, "clip_coef": null,
+* ``{"kind": "step", "schema": 3, "step": 12, "total_norm": "nan", "finite": false, "clip_coef": null,
   "max_norm": null, "skipped": true, "loss_scale": null, "spike_factor": 10.0,
   "nonfinite": ["h.3.attn.weight"], "spikes": {"h.2.mlp.weight": 14.2},
   "nonfinite_ranks": {"h.3.attn.weight": [5]}, "nan_count": [...], "inf_count": [...], "min": [...],
@@ -23,9 +23,18 @@ The JSONL file (``JSONLSink``, read back by ``read_jsonl``) is one JSON object p
   ``nonfinite_ranks`` maps each name in ``nonfinite`` to the sorted ranks whose local data held its
   NaN/Inf (``{}`` for a finite step; null for a record made without it).
 
+Schema 3 (a recorder with an activation watch, ``Recorder(activations=watch)``) adds
+``"modules": [...]`` to the layout line, the watched modules' names (``""`` is the model itself),
+and to each step line ``"activations"``: null when no forward was sampled since the record before,
+else ``{"amax": [...], "nan_count": [...], "inf_count": [...], "overflow": [...]}``, per module in
+the layout's order: the largest finite |value| of its outputs and its counts of NaN, Inf and values
+over fp16's 65504 over those forwards. A layout line without ``modules`` has steps without
+``activations``.
+
 A field may be added in a later schema version; none is renamed or removed within one. Schema 2 added
-``nonfinite_ranks``; ``read_jsonl`` reads schema 1 files too (their records' ``nonfinite_ranks`` is
-None). A file may hold lines of both, appended by two nanscan versions.
+``nonfinite_ranks``, schema 3 ``modules`` and ``activations``; ``read_jsonl`` reads schema 1 and 2
+files too (their records' ``nonfinite_ranks`` and ``activations`` are None where they have none). A
+file may hold lines of several, appended by several nanscan versions.
 """
 
 from __future__ import annotations
@@ -38,9 +47,66 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA = 2
-READABLE_SCHEMAS = (1, 2)  # schema 1: no nonfinite_ranks (read as None)
+SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, 3)  # schema 1: no nonfinite_ranks (read as None); 1 and 2: no activations
 PER_PARAMETER = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
+PER_MODULE = ("amax", "nan_count", "inf_count", "overflow")
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class ActivationRecord:
+    """One record's activation figures (``Recorder(activations=watch)``), per watched module: those
+    of the forwards the watch sampled since the record before.
+
+    Attributes:
+        modules: the module names, in the order of the lists (``""`` is the model itself).
+        amax: the largest finite |value| among the module's outputs (0 when it was not called).
+        nan_count, inf_count: its outputs' NaN and Inf counts.
+        overflow: its outputs' finite values over fp16's 65504.
+    """
+
+    modules: Sequence[str]
+    amax: list[float]
+    nan_count: list[int]
+    inf_count: list[int]
+    overflow: list[int]
+
+    @property
+    def headroom(self) -> list[float]:
+        """Per module, 65504 over its amax (inf when 0): below 1 the module overflows fp16; 0 where a
+        NaN or an Inf was seen, as the watch's table gives it."""
+        return [
+            0.0 if nan or inf else (FP16_MAX / amax if amax > 0 else math.inf)
+            for amax, nan, inf in zip(self.amax, self.nan_count, self.inf_count, strict=True)
+        ]
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Names of the modules whose outputs held a NaN or an Inf."""
+        return [m for m, nan, inf in zip(self.modules, self.nan_count, self.inf_count, strict=True) if nan or inf]
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {key: [_encode(v) for v in getattr(self, key)] for key in PER_MODULE}
+
+    @classmethod
+    def from_json(cls, value: object, modules: Sequence[str]) -> ActivationRecord:
+        if type(value) is not dict:
+            raise ValueError(f"activations is {value!r:.60}, not an object")
+        try:
+            columns = {key: _decode_list(value[key], f"activations.{key}") for key in PER_MODULE}
+        except KeyError as missing:
+            raise ValueError(f"activations without its field {missing}") from None
+        if any(len(values) != len(modules) for values in columns.values()):
+            lengths = sorted({len(values) for values in columns.values()})
+            raise ValueError(f"activations of {lengths} values where its layout has {len(modules)} modules")
+        return cls(
+            modules=modules,
+            amax=[float(v) for v in columns["amax"]],
+            nan_count=[int(v) for v in columns["nan_count"]],
+            inf_count=[int(v) for v in columns["inf_count"]],
+            overflow=[int(v) for v in columns["overflow"]],
+        )
 
 
 @dataclass(frozen=True)
@@ -65,6 +131,8 @@ class StepRecord:
             parameters, DDP ranks' own gradients with ``nanscan.ddp.attach``; a single process: its
             own rank); empty for a finite step. None when not recorded (a schema 1 file, a record
             made by hand).
+        activations: the activation figures of the forwards sampled since the record before, from a
+            recorder with an activation watch; None when no forward was sampled, or without a watch.
 
     A per-parameter field may be given as a callable that returns its list: it is called on the
     field's first reading, and its list kept. The recorder's records are made so, from the block of
@@ -88,6 +156,7 @@ class StepRecord:
     loss_scale: float | None
     spike_factor: float
     nonfinite_ranks: dict[str, list[int]] | None = None
+    activations: ActivationRecord | None = None
 
     @property
     def nonfinite(self) -> list[str]:
@@ -105,8 +174,9 @@ class StepRecord:
             if ratio >= self.spike_factor and ratio != math.inf
         }
 
-    def to_json(self) -> dict[str, Any]:
-        """The step line of the JSONL schema (module notes), without the layout's names."""
+    def to_json(self, with_activations: bool = False) -> dict[str, Any]:
+        """The step line of the JSONL schema (module notes), without the layout's names; with
+        ``activations`` when its layout line names modules (``with_activations``)."""
         line: dict[str, Any] = {
             "kind": "step",
             "schema": SCHEMA,
@@ -124,13 +194,16 @@ class StepRecord:
         }
         for key in PER_PARAMETER:
             line[key] = [_encode(v) for v in getattr(self, key)]
+        if with_activations:
+            line["activations"] = None if self.activations is None else self.activations.to_json()
         return line
 
     @classmethod
-    def from_json(cls, line: dict[str, Any], names: Sequence[str]) -> StepRecord:
-        """A step line of the JSONL schema, with the names of the layout line before it. A line this
-        version cannot read (another schema, a field missing or of the wrong type, arrays of another
-        length than the layout's) raises ValueError saying what is wrong (``iter_jsonl`` adds where)."""
+    def from_json(cls, line: dict[str, Any], names: Sequence[str], modules: Sequence[str] | None = None) -> StepRecord:
+        """A step line of the JSONL schema, with the names (and the watched modules, if any) of the
+        layout line before it. A line this version cannot read (another schema, a field missing or of
+        the wrong type, arrays of another length than the layout's) raises ValueError saying what is
+        wrong (``iter_jsonl`` adds where)."""
         _check_schema(line, "step")
         try:
             columns = {key: _decode_list(line[key], key) for key in PER_PARAMETER}
@@ -154,6 +227,7 @@ class StepRecord:
                 loss_scale=_decode_optional(line["loss_scale"], "loss_scale"),
                 spike_factor=_decode(line.get("spike_factor", math.inf), "spike_factor"),
                 nonfinite_ranks=_decode_ranks(line.get("nonfinite_ranks"), names),
+                activations=_decode_activations(line.get("activations"), modules),
             )
         except KeyError as missing:
             raise ValueError(f"a step line without its field {missing}") from None
@@ -245,6 +319,15 @@ def _decode_ranks(value: object, names: Sequence[str]) -> dict[str, list[int]] |
     }
 
 
+def _decode_activations(value: object, modules: Sequence[str] | None) -> ActivationRecord | None:
+    """A step line's ``activations`` (schema 3; null or absent: none)."""
+    if value is None:
+        return None
+    if modules is None:
+        raise ValueError("activations in a step whose layout line names no modules")
+    return ActivationRecord.from_json(value, modules)
+
+
 def _as_list(value: object, field: str) -> list[Any]:
     """A JSON array of a line, or an error naming its field."""
     if type(value) is not list:
@@ -265,9 +348,12 @@ def _check_schema(line: dict[str, Any], kind: str) -> None:
         )
 
 
-def layout_line(names: Sequence[str]) -> dict[str, Any]:
-    """The layout line of the JSONL schema."""
-    return {"kind": "layout", "schema": SCHEMA, "names": list(names)}
+def layout_line(names: Sequence[str], modules: Sequence[str] | None = None) -> dict[str, Any]:
+    """The layout line of the JSONL schema (``modules``: the watched modules' names, if any)."""
+    line: dict[str, Any] = {"kind": "layout", "schema": SCHEMA, "names": list(names)}
+    if modules is not None:
+        line["modules"] = list(modules)
+    return line
 
 
 def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
@@ -277,6 +363,7 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
     dropped with a RuntimeWarning that names it; every complete record before it is read. Anything
     else that is not a line of the schema, anywhere, raises ValueError naming the file and line."""
     names: Sequence[str] | None = None
+    modules: Sequence[str] | None = None
     with Path(path).open() as f:
         for number, text in enumerate(f, 1):
             if not text.strip():
@@ -303,10 +390,12 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
                 if kind == "layout":
                     _check_schema(line, "layout")
                     names = tuple(str(name) for name in _as_list(line.get("names"), "names"))
+                    listed = line.get("modules")
+                    modules = None if listed is None else tuple(str(m) for m in _as_list(listed, "modules"))
                 elif kind == "step":
                     if names is None:
                         raise ValueError("a step before any layout line")
-                    record = StepRecord.from_json(line, names)
+                    record = StepRecord.from_json(line, names, modules)
                 else:
                     raise ValueError(f"unknown line kind {kind!r}")
             except ValueError as error:

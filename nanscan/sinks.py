@@ -14,6 +14,7 @@ import csv
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -95,13 +96,22 @@ class JSONLSink(_FileSink):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
         self._names: object = None
+        self._modules: Sequence[str] | None = None
+        self._layout_written = False
 
     def __call__(self, record: StepRecord) -> None:
         file = self._open_file()
-        if record.names is not self._names and list(record.names) != list(self._names or ()):  # type: ignore[call-overload]
-            file.write(json.dumps(layout_line(record.names), allow_nan=False) + "\n")
+        # A record's watched modules, when its recorder has a watch: every record of such a recorder
+        # has them, activations sampled or not (the layout names them whether or not a step has any).
+        modules = record.activations.modules if record.activations is not None else self._modules
+        new_names = record.names is not self._names and list(record.names) != list(self._names or ())  # type: ignore[call-overload]
+        new_modules = modules is not None and (self._modules is None or list(modules) != list(self._modules))
+        if new_names or new_modules or not self._layout_written:
+            file.write(json.dumps(layout_line(record.names, modules), allow_nan=False) + "\n")
+            self._layout_written = True
         self._names = record.names
-        file.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
+        self._modules = modules
+        file.write(json.dumps(record.to_json(with_activations=modules is not None), allow_nan=False) + "\n")
 
 
 class CSVSink(_FileSink):

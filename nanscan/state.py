@@ -120,9 +120,12 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) ->
         )
     state_names: list[str] = []
     states: list[torch.Tensor] = []
+    # Looked up by id: a tensor's own __hash__ is a Python function, most of this loop's time when
+    # optimizer.state (keyed by the parameters) is asked once per parameter.
+    by_id = {id(p): kept for p, kept in optimizer.state.items()}
     for g, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
-            kept = optimizer.state.get(p)
+            kept = by_id.get(id(p))
             if not kept:
                 continue
             owner = names.get(id(p), f"group{g}.param{j}")

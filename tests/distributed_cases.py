@@ -733,10 +733,19 @@ def activation_watch_reduced_over_ranks_names_the_rank_that_overflowed(world: in
         if rank == bad:
             inner[1].factor = 1e6  # only this rank's activations pass fp16's 65504
         model(x).sum().backward()
+        # A recorder keeps the step's figures reduced the same way (two all-reduces in its append).
+        recorder = nanscan.Recorder(every=1, warn=False, activations=watch)
+        nanscan.check(model, recorder=recorder)
+        recorder.close()
+        recorded = recorder.records[0].activations
         figures = {f.name: f for f in watch.figures()}
         advice = nanscan.amp.Advisor(activations=watch).advise()
         results[stack] = (figures, advice, watch.table())
         watch.remove()
+        assert recorded is not None, stack
+        scaled_row, first_row = recorded.modules.index("1"), recorded.modules.index("0")
+        assert recorded.overflow[scaled_row] == 2 * 6 and recorded.amax[scaled_row] > 1e6, (stack, recorded)
+        assert recorded.overflow[first_row] == 0 and recorded.nonfinite == [], (stack, recorded)
     for stack, (figures, advice, table) in results.items():
         scaled = figures["1"]
         assert scaled.calls == world and figures["0"].calls == world, (stack, scaled)

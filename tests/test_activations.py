@@ -3,13 +3,16 @@ against an fp64 reference taken by plain forward hooks on the same calls."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import nanscan
+from nanscan.records import read_jsonl
 
 from conftest import needs_cuda
 
@@ -298,6 +301,56 @@ def test_unsampled_forwards_leave_the_submodules_unhooked() -> None:
     assert watch.figures()[1].calls == 1
     watch.remove()
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+# ------------------------------------------------------------------------- the recorder
+
+
+def test_a_recorder_keeps_each_sampled_forwards_figures(tmp_path: Path) -> None:
+    """Recorder(activations=watch): a record holds the figures of the forwards sampled since the
+    record before (not the watch's running totals), None when none was sampled; JSONL carries them
+    (schema 3) and reads them back."""
+    model = planted_model()
+    x = torch.randn(4, 16)
+    scales = [1.0, 1.0, 1e5, 1.0, 1.0]
+    want = [reference(model, lambda s=s: model(x * s)) for s in scales]  # each forward on its own
+    path = tmp_path / "run.jsonl"
+    watch = nanscan.watch_activations(model, every=2)
+    recorder = nanscan.Recorder([nanscan.sinks.JSONLSink(path)], every=2, activations=watch)
+    for s in scales:
+        model.zero_grad()
+        model(x * s).sum().backward()
+        nanscan.check(model, recorder=recorder)
+    recorder.close()
+    records = list(recorder.records)
+    # The stated memory: 16 bytes per module and record on top of the gradients' rows.
+    assert recorder.nbytes == recorder.capacity * (24 * 6 + 24 + 16 * len(watch.names)) + 8
+    assert [r.activations is None for r in records] == [False, True, False, True, False]
+    for step in (0, 2, 4):
+        got = records[step].activations
+        assert got is not None and list(got.modules) == watch.names
+        for name, row in want[step].items():
+            if name == "":
+                continue  # the model's output is its last module's, scanned once, as that module's
+            i = got.modules.index(name)
+            # float32 in the ring: amax to float32's precision, counts exact.
+            assert got.amax[i] == pytest.approx(row[4], rel=1e-7), (step, name)
+            assert [got.nan_count[i], got.inf_count[i], got.overflow[i]] == [row[2], row[3], row[5]], (step, name)
+    first, scaled, last = (records[k].activations for k in (0, 2, 4))
+    assert first is not None and scaled is not None and last is not None
+    # The figures of their own forwards, not running totals: the scaled forward's overflow gone again.
+    assert sum(scaled.overflow) > sum(first.overflow) == sum(last.overflow) == 3
+    assert first.nonfinite == [] and first.headroom[watch.names.index("3")] == pytest.approx(65504 / 1e5)
+    back = read_jsonl(path)
+    assert [r.activations for r in back] == [r.activations for r in records]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["kind"] == "layout" and lines[0]["modules"] == watch.names
+    assert lines[2]["activations"] is None and len(lines[1]["activations"]["amax"]) == len(watch.names)
+
+
+def test_a_recorder_refuses_what_is_not_a_watch() -> None:
+    with pytest.raises(TypeError, match=r"activations must be a nanscan\.watch_activations"):
+        nanscan.Recorder(activations=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "2"])

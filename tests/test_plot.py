@@ -18,6 +18,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+import torch
 from test_recorder import attributed, backward, model, plant
 
 import nanscan
@@ -449,3 +450,71 @@ def test_importing_nanscan_plot_or_the_tensorboard_sink_imports_neither_package(
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- activations ------------------------------------------------------------------------------------
+
+
+class _Blowup(torch.nn.Module):
+    """Passes its input on, times ``factor``; NaN from the step ``bad`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor, self.bad = 1.0, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.factor
+        return y * math.nan if self.bad else y
+
+
+def activation_run(path: Path) -> Path:
+    """A real Recorder's JSONL of 8 checks with an activation watch sampling every other forward: the
+    middle module's outputs pass fp16's 65504 from step 2 and are NaN from step 6."""
+    torch.manual_seed(0)
+    blowup = _Blowup()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), blowup, torch.nn.Linear(6, 2))
+    watch = nanscan.watch_activations(m, every=2)
+    recorder = nanscan.Recorder([JSONLSink(path)], every=4, warn=False, activations=watch)
+    for step in range(8):
+        blowup.factor = 1e6 if step >= 2 else 1.0
+        blowup.bad = step >= 6
+        m.zero_grad()
+        m(torch.ones(3, 4)).sum().backward()
+        nanscan.check(m, recorder=recorder)
+    recorder.close()
+    return path
+
+
+def test_activation_figures_load_as_a_module_by_step_grid(tmp_path: Path) -> None:
+    run = load_run(activation_run(tmp_path / "acts.jsonl"))
+    acts = run.activations
+    assert acts is not None and acts.modules == ["0", "1", "2"]  # the model's own output is its last module's
+    sampled = np.isfinite(acts.amax).all(axis=0)
+    assert sampled.tolist() == [True, False] * 4
+    assert acts.amax[1, 2] > 65504 > acts.amax[1, 0]
+    assert acts.nonfinite[:, 6].tolist() == [False, True, True] and not acts.nonfinite[:, :6].any()
+    assert acts.first_nonfinite == (6, ["1", "2"])
+    assert load_run(recorded_run(tmp_path / "plain.jsonl", None)).activations is None
+
+
+def test_unsampled_steps_hold_the_last_sample() -> None:
+    from nanscan.plot import _held
+
+    nan = math.nan
+    amax = np.array([[nan, 1.0, nan, nan, 5.0], [nan, 2.0, nan, nan, 6.0]])
+    bad = np.array([[False, False, False, False, True], [False, True, False, False, False]])
+    held, held_bad = _held(amax, bad)
+    assert np.array_equal(held, np.array([[nan, 1, 1, 1, 5], [nan, 2, 2, 2, 6]]), equal_nan=True)
+    assert held_bad.tolist() == [[False, False, False, False, True], [False, True, True, True, False]]
+
+
+def test_the_activation_panel_marks_fp16s_limit_and_names_the_first_nonfinite_module(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run, plot_run
+
+    path = activation_run(tmp_path / "acts.jsonl")
+    texts = figure_texts(draw_run(path))
+    assert "first non-finite output: step 6\n1, 2" in texts
+    assert "log10 activation amax (orange line: fp16's 65504)" in texts
+    assert any(t.startswith("module outputs\n(4 of 8 steps sampled,\nheld between samples)") for t in texts), texts
+    assert png_size(plot_run(path, tmp_path / "acts.png")) == (1320, 1210)  # 12 x 11 inches

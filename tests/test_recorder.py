@@ -18,7 +18,7 @@ import torch
 
 import nanscan
 from nanscan.layouts.reduce import Attribution
-from nanscan.records import PER_PARAMETER, StepRecord, read_jsonl
+from nanscan.records import PER_PARAMETER, SCHEMA, StepRecord, read_jsonl
 from nanscan.sinks import CSVSink, JSONLSink
 
 from conftest import ROOT, reference_stats
@@ -460,7 +460,7 @@ def test_ranks_round_trip_through_jsonl_and_csv_and_schema_1_still_reads(tmp_pat
             recorder.append(attributed(report, 8, {"2.weight": [3, 6], "0.bias": [0]} if step == 1 else {}, [0, 3, 6]))
             m.zero_grad()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert lines[2]["schema"] == 2 and lines[2]["nonfinite_ranks"] == {"0.bias": [0], "2.weight": [3, 6]}
+    assert lines[2]["schema"] == SCHEMA and lines[2]["nonfinite_ranks"] == {"0.bias": [0], "2.weight": [3, 6]}
     assert lines[1]["nonfinite_ranks"] == {}
     back = read_jsonl(path)
     assert [r.nonfinite_ranks for r in back] == [r.nonfinite_ranks for r in recorder.records]
@@ -476,8 +476,8 @@ def test_ranks_round_trip_through_jsonl_and_csv_and_schema_1_still_reads(tmp_pat
         )
     )
     assert [r.nonfinite_ranks for r in read_jsonl(old)] == [None, None]
-    with pytest.raises(ValueError, match="reads schemas 1, 2"):
-        old.write_text(json.dumps({**lines[0], "schema": 1}) + "\n" + json.dumps({**lines[1], "schema": 3}))
+    with pytest.raises(ValueError, match="reads schemas 1, 2, 3"):
+        old.write_text(json.dumps({**lines[0], "schema": 1}) + "\n" + json.dumps({**lines[1], "schema": SCHEMA + 1}))
         read_jsonl(old)
     with pytest.raises(ValueError, match="nonfinite_ranks names a parameter outside its layout"):
         old.write_text(json.dumps(lines[0]) + "\n" + json.dumps({**lines[2], "nonfinite_ranks": {"x": [1]}}))
