@@ -305,7 +305,8 @@ class Recorder:
             65504, of the forwards it sampled since the record before (``StepRecord.activations``;
             None for a record with no sampled forward). Under torch.distributed every rank's,
             reduced (two all-reduces on the appends that follow a sampled forward; every rank must
-            run as many forwards). Not inside a captured CUDA graph.
+            run as many forwards). Not inside a captured CUDA graph. One recorder per watch: an
+            append takes the figures it records.
 
     While a recorder is open, a SIGTERM reads out its records before the process ends as it would
     have without nanscan (module notes: what survives which end of a job).
