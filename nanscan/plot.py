@@ -1,6 +1,6 @@
 """Pictures of a recorded run: ``python -m nanscan plot RUN.jsonl -o run.png``, or ``plot_run``.
 
-One figure, three panels sharing the step axis:
+One figure, three panels sharing the step axis (four with an activation watch's figures):
 
 * a status strip: the steps that were non-finite, skipped by the optimizer, or held a spike;
 * a heatmap of log10 gradient norm, parameter (row) by step (column): NaN norms red, Inf norms
@@ -9,9 +9,10 @@ One figure, three panels sharing the step axis:
   them (``StepRecord.nonfinite_ranks``);
 * the total norm over steps, with the clip threshold when the records have one;
 * when the records carry an activation watch's figures (``Recorder(activations=watch)``), a heatmap
-  of log10 activation amax, module by step: blank at steps no forward was sampled, values over fp16's
-  65504 in orange, NaN/Inf outputs red, fp16's limit marked on its colour bar, and the first module
-  whose outputs went non-finite named.
+  of log10 activation amax, module by step: a step with no sampled forward shows the last sampled
+  one's (and says so), values over fp16's 65504 in orange, NaN/Inf outputs red, fp16's limit marked
+  on its colour bar, the first module whose outputs went non-finite named; above ``MAX_ROWS``
+  modules, the ``MAX_ROWS`` with the largest amax (every non-finite one among them), in model order.
 
 Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
 layer (``nanscan.layers``: a group's norm is its members' norms combined as one L2 norm, NaN or Inf
@@ -426,8 +427,10 @@ def _draw_activations(
     from matplotlib import colormaps
     from matplotlib.colors import to_rgba
 
-    amax, nonfinite = _held(acts.amax, acts.nonfinite)
-    rows_total = len(acts.modules)
+    kept = _worst_modules(acts, MAX_ROWS)
+    modules = [acts.modules[i] for i in kept]
+    amax, nonfinite = _held(acts.amax[kept], acts.nonfinite[kept])
+    rows_total = len(modules)
     if per_column > 1:
         starts = np.arange(0, amax.shape[1], per_column)
         with warnings.catch_warnings():
@@ -460,12 +463,19 @@ def _draw_activations(
     height_points = ax.get_position().height * figure.get_figheight() * 72
     every = max(1, math.ceil(rows_total * LABEL_FONT * 1.3 / height_points))
     rows = range(0, rows_total, every)
-    ax.set_yticks(list(rows), [_module_label(acts.modules[r]) for r in rows], fontsize=LABEL_FONT)
+    ax.set_yticks(list(rows), [_module_label(modules[r]) for r in rows], fontsize=LABEL_FONT)
     ax.tick_params(axis="x", labelbottom=False)
     sampled = int(np.isfinite(acts.amax).any(axis=0).sum())
-    held = ",\nheld between samples" if sampled < acts.amax.shape[1] else ""
-    labelled = f", 1 in {every} labelled" if every > 1 else ""
-    ax.set_ylabel(f"module outputs{labelled}\n({sampled} of {acts.amax.shape[1]} steps sampled{held})", fontsize=8)
+    lines = [
+        "module outputs"
+        + (f" (top {len(modules)} of {len(acts.modules)} by amax)" if len(modules) < len(acts.modules) else "")
+    ]
+    if every > 1:
+        lines.append(f"1 in {every} labelled")
+    lines.append(
+        f"{sampled} of {acts.amax.shape[1]} steps sampled" + (", held between" if sampled < acts.amax.shape[1] else "")
+    )
+    ax.set_ylabel("\n".join(lines), fontsize=8)
     if acts.first_nonfinite is not None:
         index, modules = acts.first_nonfinite
         shown = ", ".join(_module_label(m) for m in modules[:FIRST_NAMES])
@@ -483,6 +493,18 @@ def _draw_activations(
             bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": NAN_COLOR, "alpha": 0.9},
             zorder=4,
         )
+
+
+def _worst_modules(acts: Activations, most: int) -> list[int]:
+    """Row indices of at most ``most`` modules, in model order: every one whose outputs went
+    non-finite, then those with the largest amax over the run."""
+    if len(acts.modules) <= most:
+        return list(range(len(acts.modules)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a module never sampled: all NaN
+        peak = np.nan_to_num(np.nanmax(acts.amax, axis=1), nan=-1.0)
+    rank = np.where(acts.nonfinite.any(axis=1), np.inf, peak)
+    return sorted(np.argsort(-rank, kind="stable")[:most].tolist())
 
 
 def _held(amax: NDArray[np.float64], nonfinite: NDArray[np.bool_]) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:

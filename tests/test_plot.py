@@ -516,5 +516,17 @@ def test_the_activation_panel_marks_fp16s_limit_and_names_the_first_nonfinite_mo
     texts = figure_texts(draw_run(path))
     assert "first non-finite output: step 6\n1, 2" in texts
     assert "log10 activation amax (orange line: fp16's 65504)" in texts
-    assert any(t.startswith("module outputs\n(4 of 8 steps sampled,\nheld between samples)") for t in texts), texts
+    assert "module outputs\n4 of 8 steps sampled, held between" in texts, texts
     assert png_size(plot_run(path, tmp_path / "acts.png")) == (1320, 1210)  # 12 x 11 inches
+
+
+def test_more_modules_than_rows_keep_the_nonfinite_and_the_largest() -> None:
+    from nanscan.plot import Activations, _worst_modules
+
+    nan = math.nan
+    amax = np.array([[1.0, nan], [5.0, nan], [2.0, nan], [0.5, nan], [9.0, nan]])
+    bad = np.zeros_like(amax, dtype=bool)
+    bad[3, 0] = True  # the smallest amax, but non-finite: kept first
+    acts = Activations(["a", "b", "c", "d", "e"], amax, bad, (0, ["d"]))
+    assert _worst_modules(acts, 3) == [1, 3, 4]  # d, then e and b by amax; in model order
+    assert _worst_modules(acts, 5) == [0, 1, 2, 3, 4]
