@@ -385,6 +385,33 @@ def test_cuda_watch_without_a_sync() -> None:
     assert got["3"][4] == pytest.approx(want["3"][4], rel=1e-12)
 
 
+@needs_cuda
+def test_cuda_recorder_keeps_the_watch_without_a_sync() -> None:
+    """A recorder with an activation watch appends without a sync on a GPU (sampled and unsampled
+    steps alike); its records equal the watch's per-pass figures."""
+    model = planted_model().cuda()
+    x = torch.randn(4, 16, device="cuda")
+    watch = nanscan.watch_activations(model, every=2)
+    recorder = nanscan.Recorder(every=100, activations=watch)
+    model(x).sum().backward()  # the first pass allocates the accumulators, the first append the ring
+    nanscan.check(model, recorder=recorder)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            model.zero_grad()
+            model(x).sum().backward()
+            nanscan.check(model, recorder=recorder)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    recorder.close()
+    records = list(recorder.records)
+    assert [r.activations is None for r in records] == [False, True, False, True, False]
+    i = watch.names.index("3")
+    assert all(r.activations.overflow[i] == 3 for r in records if r.activations is not None)
+
+
 # ------------------------------------------------------------------------- the AMP advice
 
 
