@@ -17,6 +17,7 @@ from .replicas import ReplicaCheck, verify_replicas
 from .report import Report
 from .scan import scan
 from .state import check_state
+from .updates import UpdateWatch, watch_updates
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -30,6 +31,7 @@ __all__ = [
     "Report",
     "ScanResult",
     "SkipGuard",
+    "UpdateWatch",
     "amp",
     "check",
     "check_state",
@@ -44,5 +46,6 @@ __all__ = [
     "sinks",
     "verify_replicas",
     "watch_activations",
+    "watch_updates",
 ]
 __version__ = "0.1.0"

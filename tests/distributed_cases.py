@@ -802,6 +802,25 @@ def check_state_of_fsdp2_names_a_nan_in_one_ranks_moment(world: int) -> None:
     assert_close(norms["0.weight"]["norm"], model[0].weight.full_tensor().double().norm(), "weight norm", 1e-6)
 
 
+@case
+def update_ratios_of_fsdp2_are_the_whole_parameters(world: int) -> None:
+    """FSDP2's parameters are DTensors: the update watch's copies and differences are DTensors too,
+    and its scan reduces them over the mesh, so every rank gets each whole parameter's ratio."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([16, 24, 6]), mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    updates = nanscan.watch_updates(optimizer, model)
+    backward(model, 16)
+    before = [p.full_tensor().double() for p in model.parameters()]
+    optimizer.step()
+    after = [p.full_tensor().double() for p in model.parameters()]
+    ratios = updates.ratios()
+    assert list(ratios) == ["0.weight", "0.bias", "2.weight", "2.bias"], ratios
+    for (name, got), b, a in zip(ratios.items(), before, after, strict=True):
+        assert_close(got, ((a - b).norm() / a.norm()).item(), f"{name} ratio", 1e-6)
+    updates.remove()
+
+
 # ---------------------------------------------------------------------- the recorder's ranks
 
 

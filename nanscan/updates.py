@@ -1,0 +1,215 @@
+"""``watch_updates(optimizer)``: each parameter's update-to-weight ratio ``‖Δw‖ / ‖w‖``, on sampled
+optimizer steps, on the device.
+
+    updates = nanscan.watch_updates(optimizer, model, every=10)   # every 10th optimizer.step()
+    ...
+    print(updates.ratios())     # one sync: {"fc.weight": 1.1e-3, ...} of the last sampled step
+    updates.remove()            # or use it as a context manager
+
+Practitioners watch the ratio per layer (around 1e-3 in healthy training); it is reported to spike
+before the loss does, and a learning rate too high shows there first. The ratio is exact: on a
+sampled step the weights are copied just before ``optimizer.step()`` (a step pre-hook), and after
+it (a step post-hook) the copies are turned into the differences in place and scanned with the
+weights in one fused pass, which gives each difference's norm and each weight's norm; their
+quotient stays on the device. The difference of two fp32 values is exact when they are within a
+factor of two of each other (Sterbenz), and otherwise off by at most 2^-24 of itself; 16-bit weights
+are kept in fp32, where their difference is exact. So the norms are those of the true update to
+fp32's precision, whatever the weights' dtype (tested against float64 with SGD, Adam and fused
+AdamW). No host sync: the ratios are read to the host only when asked for (``ratios()``).
+
+Memory: one copy of every weight the optimizer holds, in fp32 for 16-bit weights (``nbytes``: the
+weights' bytes, twice them for bf16/fp16 weights), allocated at the first sampled step and kept. Traffic on a sampled step: the copy (a read and a write of the weights), the
+difference (two reads, a write) and the scan (two reads): seven passes over the weights' bytes,
+where a fused difference scan would need four (benchmarks/NOTES.md, entry 36). Unsampled steps
+cost two Python hooks.
+
+A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
+NaN or an Inf in the weights or the update makes its ratio NaN or Inf. DTensor parameters (FSDP2,
+tensor parallel) are reduced over their meshes by the scan, so every rank gets the whole model's
+ratios. FSDP1's flat parameters are refused (as by ``check_state``): a ratio of one rank's shard is
+not the parameter's. A step that a GradScaler skips (``scaler.step`` found an Inf) never calls
+``optimizer.step()``, so it is not a step here either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .layouts import fsdp1
+from .layouts.dtensor import to_local
+from .scan import scan
+from .state import _named_parameters
+
+
+def _copy_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a weight is kept in before the step: its own dtype from fp32 up; fp32 below it, where the
+    difference of two 16-bit values (a small weight that an update moves by more than half of it:
+    Sterbenz's lemma no longer holds) would round to 8 or 11 bits, and in fp32 is exact but where
+    their exponents are 16 or more apart."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+class UpdateWatch:
+    """Step hooks on an optimizer that measure each parameter's update-to-weight ratio on every
+    ``every``-th step; see the module notes. Made by :func:`watch_updates`."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model_or_params: torch.nn.Module | Iterable[Any] | None, every: int
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"nanscan.watch_updates: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"nanscan.watch_updates: every must be a positive int (1: every step), got {every!r}")
+        self.optimizer = optimizer
+        self.every = every
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if fsdp1.flattened(held):
+            raise ValueError(
+                "nanscan.watch_updates: FSDP1 keeps flattened parameters, which update ratios do not yet cut "
+                "back into parameters; a ratio of one rank's shard would not be the parameter's. FSDP2 "
+                "(fully_shard) parameters are DTensors and are measured whole."
+            )
+        named: dict[int, str] = {}
+        if model_or_params is not None:
+            names, params = _named_parameters(model_or_params)
+            named = {id(p): n for n, p in zip(names, params, strict=True)}
+        self.names = [
+            named.get(id(p), f"group{g}.param{j}")
+            for g, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        ]
+        self._steps = 0  # optimizer steps begun since the watch was attached
+        self._sampled = 0  # of which measured
+        self._sampling = False
+        self._copies: list[torch.Tensor] = []
+        self._ratio: torch.Tensor | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before),
+            optimizer.register_step_post_hook(self._after),
+        ]
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._sampling = self._steps % self.every == 0
+        self._steps += 1
+        if not self._sampling:
+            return
+        params = self._params()
+        if len(params) != len(self.names):
+            raise ValueError(
+                f"nanscan.watch_updates: the optimizer holds {len(params)} parameters, not the {len(self.names)} "
+                "it held when watched (add_param_group after watch_updates): watch it again"
+            )
+        if len(self._copies) != len(params) or any(
+            c.shape != p.shape or c.dtype != _copy_dtype(p.dtype) or c.device != p.device
+            for c, p in zip(self._copies, params, strict=True)
+        ):
+            self._copies = [torch.empty_like(p, dtype=_copy_dtype(p.dtype)) for p in params]
+        with torch.no_grad():
+            # The parameters as they are, not detached (a detach per tensor would be most of the host
+            # work): under no_grad nothing here is recorded for autograd. A DTensor's local shard
+            # (DTensor has no sharding rule for the foreach copy): the copy is a DTensor of the same
+            # placements, so its shard lines up.
+            torch._foreach_copy_(to_local(self._copies), to_local(params))
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._sampling:
+            return
+        self._sampling = False
+        params = self._params()
+        with torch.no_grad():
+            torch._foreach_sub_(to_local(self._copies), to_local(params))  # before minus after: -Δw
+            # The copies (DTensors where the parameters are) go to the scan whole: it reduces them.
+            result = scan(self._copies + params)
+        n = len(params)
+        self._ratio = result.norm[:n] / result.norm[n:]
+        self._sampled += 1
+
+    # ----------------------------------------------------------------------------------- results
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps since the watch was attached."""
+        return self._steps
+
+    @property
+    def sampled(self) -> int:
+        """Of which measured (every ``every``-th, the first included)."""
+        return self._sampled
+
+    @property
+    def ratio(self) -> torch.Tensor | None:
+        """The last measured step's ratios, a device tensor in ``names``' order (no sync), or None
+        before the first."""
+        return self._ratio
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held for the copies of the weights (0 before the first sampled step)."""
+        return sum(c.numel() * c.element_size() for c in self._copies)
+
+    def ratios(self) -> dict[str, float]:
+        """The last measured step's ratios by parameter name (one sync); empty before the first."""
+        if self._ratio is None:
+            return {}
+        return dict(zip(self.names, self._ratio.tolist(), strict=True))
+
+    def __str__(self) -> str:
+        ratios = self.ratios()
+        head = f"update ratios ‖Δw‖/‖w‖ of {len(self.names)} parameters, {self._sampled} sampled steps of {self._steps}"
+        if not ratios:
+            return head + " (none measured yet)"
+        largest = sorted(ratios.items(), key=lambda item: -item[1] if item[1] == item[1] else float("-inf"))
+        lines = [head + "; the largest of the last:"]
+        lines += [f"  {name}: {value:.3g}" for name, value in largest[:10]]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"UpdateWatch({len(self.names)} parameters, every={self.every}, {self._sampled} sampled steps)"
+
+    # ----------------------------------------------------------------------------------- lifetime
+
+    def remove(self) -> None:
+        """Removes the hooks and frees the copies; the last ratios stay readable."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._copies = []
+        self._sampling = False
+
+    def __enter__(self) -> UpdateWatch:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.remove()
+
+
+def watch_updates(
+    optimizer: torch.optim.Optimizer,
+    model_or_params: torch.nn.Module | Iterable[Any] | None = None,
+    *,
+    every: int = 1,
+) -> UpdateWatch:
+    """Measures each parameter's update-to-weight ratio ``‖Δw‖/‖w‖`` on every ``every``-th
+    ``optimizer.step()``, exactly and without a host sync (module notes: memory and cost).
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer (plain, foreach or fused), or one that steps the same
+            way (``step`` hooks).
+        model_or_params: the model (or ``(name, parameter)`` pairs) whose names the ratios take; without
+            it, ``"group<i>.param<j>"``.
+        every: measure every ``every``-th step (the first included).
+
+    Returns:
+        An ``UpdateWatch``: ``ratio`` (device tensor), ``ratios()`` (one sync), ``remove()``.
+    """
+    return UpdateWatch(optimizer, model_or_params, every)
