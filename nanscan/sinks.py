@@ -101,8 +101,9 @@ class JSONLSink(_FileSink):
 
     def __call__(self, record: StepRecord) -> None:
         file = self._open_file()
-        # A record's watched modules, when its recorder has a watch: every record of such a recorder
-        # has them, activations sampled or not (the layout names them whether or not a step has any).
+        # The watched modules: a record with activations names them; one without (no forward sampled
+        # since the record before) is of the same recorder's layout, so its step line goes under the
+        # modules last written, with "activations": null.
         modules = record.activations.modules if record.activations is not None else self._modules
         new_names = record.names is not self._names and list(record.names) != list(self._names or ())  # type: ignore[call-overload]
         new_modules = modules is not None and (self._modules is None or list(modules) != list(self._modules))
