@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+@contextmanager
+def syncs_refused() -> Iterator[None]:
+    """A block in which any host sync with the GPU raises (``torch.cuda.set_sync_debug_mode("error")``),
+    the mode put back after: how the CUDA tests prove a path makes none."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
 
 # CPU always; CUDA where present (the same tests run on both, like torchvision's cpu_and_cuda()).
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]

@@ -14,7 +14,7 @@ import torch
 import nanscan
 from nanscan.records import read_jsonl
 
-from conftest import needs_cuda
+from conftest import needs_cuda, syncs_refused
 
 FP16_TINY = 2.0**-24  # fp16's smallest subnormal
 
@@ -372,13 +372,9 @@ def test_cuda_watch_without_a_sync() -> None:
     watch = nanscan.watch_activations(model)
     model(x)  # the first pass allocates the accumulators
     torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         for _ in range(3):
             model(x).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     got = as_rows(watch)  # before the reference, whose forward the watch would count too
     want = reference(model, lambda: model(x))
     assert got["3"][0] == 4 and got["3"][5:] == [3 * 4, 2 * 4], got["3"]
@@ -396,15 +392,11 @@ def test_cuda_recorder_keeps_the_watch_without_a_sync() -> None:
     model(x).sum().backward()  # the first pass allocates the accumulators, the first append the ring
     nanscan.check(model, recorder=recorder)
     torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         for _ in range(4):
             model.zero_grad()
             model(x).sum().backward()
             nanscan.check(model, recorder=recorder)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     recorder.close()
     records = list(recorder.records)
     assert [r.activations is None for r in records] == [False, True, False, True, False]

@@ -16,7 +16,14 @@ import torch
 
 import nanscan
 
-from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, needs_cuda, random_tensor
+from conftest import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    assert_matches_reference,
+    needs_cuda,
+    random_tensor,
+    syncs_refused,
+)
 
 pytestmark = [pytest.mark.cuda, needs_cuda]
 
@@ -406,17 +413,13 @@ def test_no_host_sync() -> None:
     long_list = [random_tensor(33, torch.float32, "cuda") for _ in range(PARAMETER_CAPACITY + 100)]
     nanscan.scan(long_list)  # the first call uploads its metadata; later ones find it cached
     torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         nanscan.scan(grads)
         nanscan.scan(long_list)
         nanscan.scan(long_list[1:])  # a new list: an upload, still without a sync
         nanscan.clip_grad_norm_(model.parameters(), 1.0)
         nanscan.clip_grad_norm_(model.parameters(), 1e-3)
         report = nanscan.check(model, max_norm=1.0)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     assert report.finite  # reading a value syncs, outside the guarded region
 
 
@@ -429,9 +432,7 @@ def test_amp_clip_and_fused_skip_limit_do_not_sync() -> None:
     x = torch.randn(8, 64, device="cuda")
     scaler.scale(model(x).sum()).backward()
     torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         scaler.clip_grad_norm_(optimizer, 1.0)
         scaler.step(optimizer)
         scaler.update()
@@ -446,8 +447,6 @@ def test_amp_clip_and_fused_skip_limit_do_not_sync() -> None:
                 raised_at = step
                 break
             optimizer.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     assert raised_at is not None and 3 <= raised_at <= 5, f"limit 3: raised at step {raised_at}"
 
 
@@ -550,17 +549,13 @@ def test_recorder_appends_and_reads_without_a_sync() -> None:
     nanscan.check(model, recorder=recorder)  # the first append allocates the buffer
     torch.cuda.synchronize()
     totals = []
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         for step in range(12):
             model.zero_grad()
             model(x * (step + 1)).sum().backward()
             if step == 7:
                 model[0].weight.grad[0, 0].fill_(math.nan)
             totals.append(nanscan.check(model, max_norm=1.0, recorder=recorder).total_norm_tensor)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     recorder.close()
     assert [r.step for r in sink] == list(range(13))
     for record, total in zip(sink[1:], totals, strict=True):
@@ -579,9 +574,7 @@ def test_recorder_reads_a_nonfinite_step_out_soon_without_a_sync() -> None:
     model(x).sum().backward()
     nanscan.check(model, recorder=recorder)  # the first append allocates the buffers
     torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         for step in range(40):
             model.zero_grad()
             model(x).sum().backward()
@@ -591,8 +584,6 @@ def test_recorder_reads_a_nonfinite_step_out_soon_without_a_sync() -> None:
             if step >= 8 and len(sink) >= 5:
                 break
             time.sleep(0.005)  # a training step's time: the copies land
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     assert [r.step for r in sink][:5] == list(range(5)) and not sink[4].finite
     recorder.close()
     assert [r.finite for r in sink] == [step != 4 for step in range(len(sink))]

@@ -11,7 +11,7 @@ import torch
 
 import nanscan
 
-from conftest import assert_matches_reference, needs_cuda
+from conftest import assert_matches_reference, needs_cuda, syncs_refused
 
 Make = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -136,12 +136,8 @@ def test_cuda_state_check_without_a_sync() -> None:
     optimizer.step()
     nanscan.check_state(model, optimizer)  # the first list uploads nothing it will not reuse
     torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         report = nanscan.check_state(model, optimizer)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     assert report.finite and len(report.names) == 6
 
 

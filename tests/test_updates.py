@@ -12,7 +12,7 @@ import torch
 
 import nanscan
 
-from conftest import needs_cuda
+from conftest import needs_cuda, syncs_refused
 
 Optimizers = Callable[[Any], torch.optim.Optimizer]
 
@@ -149,14 +149,10 @@ def test_cuda_ratios_without_a_sync() -> None:
     step_with_reference(model, optimizer, 0)  # allocates the copies
     torch.cuda.synchronize()
     x = torch.randn(5, 8, device="cuda")
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_refused():
         for _ in range(4):
             optimizer.zero_grad()
             model(x).pow(2).sum().backward()
             optimizer.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     assert updates.sampled == 3 and updates.ratio is not None and updates.ratio.device.type == "cuda"
     assert all(0 < v < 1 for v in updates.ratios().values())
