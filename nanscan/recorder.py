@@ -730,7 +730,7 @@ class _Activations:
             return
         m = len(self.modules)
         self.rows = block[:, ring.step_columns_end :].view(-1, len(_ACTIVATION_ROWS), m)
-        self.sampled = (~self.rows[:, 0, 0].isnan()).tolist() if m else []
+        self.sampled = (~self.rows[:, 0, 0].isnan()).tolist()  # m >= 1: the model itself is watched
 
     def of(self, k: int) -> ActivationRecord | None:
         if self.modules is None or not self.sampled[k]:

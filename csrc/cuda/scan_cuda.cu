@@ -365,40 +365,6 @@ __device__ TensorStats checked_chunk(typename Codec::Raw* p, int64_t n, int lane
   return warp_combine(s);
 }
 
-// A chunk's statistics from its fast result (min, max and sum of squares, merged over the lanes that
-// read it): the result itself when the exactness rule takes it; else the scaled sum or the checked
-// rule (scan_rules.h), re-read by the whole warp from L1/L2 (after a rewrite, the products).
-// half_range_counts(s) adds the fast pass's fp16-range counts to the statistics of a finite chunk
-// (they are the chunk's then); a chunk holding a NaN/Inf takes the checked rule's. The result is
-// valid in every lane.
-template <class Codec, bool kHalfRange, class HalfRangeCounts>
-__device__ __forceinline__ TensorStats settle_chunk(typename Codec::Raw* p, int64_t n, int lane, bool rewritten,
-                                                    double run_min, double run_max, double run_sumsq,
-                                                    HalfRangeCounts&& half_range_counts) {
-  TensorStats s = empty_stats();
-  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
-  bool finite = exact || fast_run_was_finite(run_sumsq);
-  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
-    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
-    // (scan_rules.h), from L1/L2; finite, it proves every element was.
-    run_sumsq = scaled_chunk_sumsq<Codec>(p, n, lane, scale_for_run<Codec>(run_min, run_max), rewritten);
-    finite = fast_run_was_finite(run_sumsq);
-  }
-  if (finite) {
-    half_range_counts(s);
-    merge_run(s, run_min, run_max, run_sumsq);
-    return s;
-  }
-  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
-  // all one Inf), or classified by re-reading what the first pass left (the products, when it
-  // rewrote).
-  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
-    s = checked_chunk<Codec, kHalfRange>(p, n, lane, rewritten);
-    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
-  }
-  return s;
-}
-
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
 // kMultiply (GradScaler's unscale), each element is first replaced by round(x * factor), torch's
 // arithmetic, in the same pass; a factor of exactly 1 writes nothing, as in torch. With kChecksum,
@@ -467,18 +433,36 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
   double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
   double run_sumsq = lane_sumsq;
   merge_fast_results<kWarpSize>(run_min, run_max, run_sumsq);
-  TensorStats s =
-      settle_chunk<Codec, kHalfRange>(p, n, lane, rewritten, run_min, run_max, run_sumsq, [&](TensorStats& finite) {
-        if constexpr (kHalfRange) {
+  TensorStats s = empty_stats();
+  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
+  bool finite = exact || fast_run_was_finite(run_sumsq);
+  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
+    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
+    // (scan_rules.h), from L1/L2; finite, it proves every element was.
+    run_sumsq = scaled_chunk_sumsq<Codec>(p, n, lane, scale_for_run<Codec>(run_min, run_max), rewritten);
+    finite = fast_run_was_finite(run_sumsq);
+  }
+  if (finite) {
+    s.checksum = checksum;
+    if constexpr (kHalfRange) {
 #pragma unroll
-          for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-            over += shfl_xor(over, offset);
-            under += shfl_xor(under, offset);
-          }
-          finite.half_overflow = over;
-          finite.half_underflow = under;
-        }
-      });
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        over += shfl_xor(over, offset);
+        under += shfl_xor(under, offset);
+      }
+      s.half_overflow = over;
+      s.half_underflow = under;
+    }
+    merge_run(s, run_min, run_max, run_sumsq);
+    return s;
+  }
+  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
+  // all one Inf), or classified by re-reading what the first pass left (the products, when it
+  // rewrote).
+  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
+    s = checked_chunk<Codec, kHalfRange>(p, n, lane, rewritten);
+    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
+  }
   s.checksum = checksum;
   return s;
 }
@@ -519,20 +503,13 @@ __device__ void scan_run_any(DType dtype, const void* data, ElementRange e, int 
 // loads spread over four tensors. Every lane runs every step (a group past the run scans nothing),
 // so the shuffles are warp-wide. A tensor whose fast result the exactness rule does not take (tiny
 // values, a NaN/Inf) is left to the whole warp, which scans it as any other tensor: settling it here
-// (settle_chunk inlined a second time) took ptxas from 80 registers to 128 on sm_90, whatever else
-// was tried.
+// (scan_chunk's scaled and checked re-reads inlined a second time) took ptxas from 80 registers to
+// 128 on sm_90, whatever else was tried.
 constexpr int kSubWarpLanes = kWarpSize / kSubWarpTensors;
 static_assert(kSubWarpLanes * kSubWarpTensors == kWarpSize, "groups tile the warp");
 // The shortest run worth it: a run of one leaves 3/4 of the warp idle through a 4x longer element
 // loop. NANSCAN_SUB_WARP_MIN_RUN (a build flag) moves it, for a GPU session to measure; above
 // kSubWarpTensors it turns the path off.
-// 16-byte loads a lane has in flight in a run (scan_chunk's kUnroll is 4). NANSCAN_SUB_WARP_UNROLL
-// (a build flag) moves it, for a GPU session to measure.
-#ifdef NANSCAN_SUB_WARP_UNROLL
-constexpr int kSubWarpUnroll = NANSCAN_SUB_WARP_UNROLL;
-#else
-constexpr int kSubWarpUnroll = kUnroll;
-#endif
 #ifdef NANSCAN_SUB_WARP_MIN_RUN
 constexpr int32_t kSubWarpMinRun = NANSCAN_SUB_WARP_MIN_RUN;
 #else
@@ -555,7 +532,7 @@ __device__ unsigned scan_sub_warp_run(const ListView& list, int32_t first, int32
 
   FastRun<Codec> run = empty_run<Codec>();
   double lane_sumsq = 0.0;  // folded per group of loads, as scan_chunk's lanes fold
-  for_each_lane_element<Access::ReadOnly, kSubWarpUnroll, kSubWarpLanes>(
+  for_each_lane_element<Access::ReadOnly, kUnroll, kSubWarpLanes>(
       p, n, group_lane, [&](Raw r) { accumulate_fast<Codec>(run.min, run.max, run.sumsq, r); },
       [&] {
         lane_sumsq += static_cast<double>(run.sumsq);
