@@ -37,20 +37,39 @@ CSRC = os.path.join("csrc")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import cuda_toolkit  # noqa: E402  (tools/, beside this file: the search is tested on its own)
 
+# The stable ABI (csrc/torch_api.h): TORCH_TARGET_VERSION makes torch's headers expose only what
+# torch 2.10 already had (and refuse to compile any ATen/c10 header), so the library loads into every
+# torch from 2.10 on; tests/test_build.py checks that it imports no C++ symbol of torch. Python's
+# limited API (BuildExtension adds -DPy_LIMITED_API for py_limited_api=True) makes it one build for
+# every CPython from 3.10 (the wheel's abi3 tag). Symbols are hidden: nothing of nanscan's own C++ is
+# exported beside PyInit__C (so no weak copy of a torch header's inline function is either).
+TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10.0
+STABLE_ABI_FLAGS = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
 # No flag that lets the compiler assume finite math may reach this code (never -ffast-math / -Ofast /
 # -ffinite-math-only). -fno-trapping-math only lets it compute both sides of a select, which the
 # branch-free fp16/fp8 decoders need to vectorise; NaN/Inf classification is done on bits regardless.
-# -fopenmp: at::parallel_for runs on OpenMP in torch's CPU builds and is serial without it.
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+# No -fopenmp: the CPU scan's threads are torch's own (torch::stable::parallel_for runs in libtorch).
+CXX_FLAGS = [
+    "-O3",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fvisibility=hidden",
+    "-fvisibility-inlines-hidden",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+    *STABLE_ABI_FLAGS,
+]
 # --threads=0: nvcc compiles the architectures of a default build (six and PTX) side by side, one
 # thread per CPU, rather than one after another: the .cu file is the build's long pole.
-NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno", "--threads=0"]
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno", "--threads=0", *STABLE_ABI_FLAGS]
 # libstdc++ by its soname, ahead of the -lstdc++ the compiler driver appends: where that finds only the
 # static archive (a toolchain without the libstdc++.so link, or -static-libstdc++ in LDFLAGS), nanscan
 # would carry a private copy of libstdc++ beside the shared one torch uses, and the two copies' locale
 # facets mix: formatting a number into an error message then crashed the process (seen on an H100
 # machine's image, benchmarks/NOTES.md entry 17). tests/test_setup.py checks the built library.
-LINK_FLAGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
+# -ldl: dlsym, which looks up torch's newer error-message call at run time (csrc/torch_api.cpp).
+LINK_FLAGS = ["-l:libstdc++.so.6", "-ldl"] if sys.platform.startswith("linux") else []
 
 
 def log(message: str) -> None:
@@ -117,7 +136,13 @@ def extension():
         sources = [s for s in sources if not s.endswith("cuda_binding.cpp")]
         log(f"building CPU backend only ({reason})")
         log(f"sources: {', '.join(sources)}")
-        return CppExtension("nanscan._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS)
+        return CppExtension(
+            "nanscan._C",
+            sources,
+            py_limited_api=True,
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=LINK_FLAGS,
+        )
 
     # torch's build helpers read the toolkit from this module attribute and the variable.
     cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = str(toolkit.home)
@@ -133,7 +158,9 @@ def extension():
     return CUDAExtension(
         "nanscan._C",
         sources,
-        define_macros=[("NANSCAN_WITH_CUDA", "1")],
+        py_limited_api=True,
+        # USE_CUDA declares the stable shim's CUDA calls (the current stream, the device guard).
+        define_macros=[("NANSCAN_WITH_CUDA", "1"), ("USE_CUDA", "1")],
         include_dirs=[arch_header_dir, *(str(d) for d in toolkit.include_dirs)],
         library_dirs=[str(d) for d in toolkit.library_dirs] + cudart_link_dir(toolkit),
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
@@ -144,4 +171,6 @@ def extension():
 setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    # One wheel for every CPython from 3.10 (the limited API above): tagged cp310-abi3.
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -1,12 +1,12 @@
-// torch -> CUDA launcher glue: validation (shared with the CPU op), device guard, current stream,
-// allocation through the caching allocator (except the cache of long lists' metadata: see
+// torch -> CUDA launcher glue, on PyTorch's stable ABI (torch_api.h; USE_CUDA, set by setup.py,
+// declares the shim's CUDA calls): validation (shared with the CPU op), device guard, current
+// stream, allocation through the caching allocator (except the cache of long lists' metadata: see
 // OwnedDeviceBlob). Registers the CUDA kernels of the schemas in ops.cpp.
 // Built only when torch has CUDA (see setup.py).
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
 #include <array>
@@ -17,23 +17,57 @@
 
 #include "cuda/scan_cuda.h"
 #include "ops.h"
+#include "torch_api.h"
 
 namespace nanscan {
 namespace {
 
+// A CUDA runtime error, with CUDA's name for it.
+void check_cuda(cudaError_t err) {
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();  // not left pending for the next call's check
+  fail(concat("CUDA error: ", cudaGetErrorString(err)));
+}
+
+int current_device() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device));
+  return device;
+}
+
+// The current stream of a device, as torch's CUDA code would enqueue on it.
+cudaStream_t current_stream(int32_t device_index) {
+  void* stream = nullptr;
+  NANSCAN_SHIM(aoti_torch_get_current_cuda_stream(device_index, &stream));
+  return static_cast<cudaStream_t>(stream);
+}
+
+// Makes the tensors' device current for the call, as c10's CUDAGuard does.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int32_t device_index) { NANSCAN_SHIM(aoti_torch_create_cuda_guard(device_index, &guard_)); }
+  ~CudaDeviceGuard() { (void)aoti_torch_delete_cuda_guard(guard_); }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  CUDAGuardHandle guard_ = nullptr;
+};
+
 // Tensor arguments for the launcher. Dense tensors (any dimension order) are read in place; others
 // are copied to contiguous memory first (kept alive in `copies` until the launch is enqueued; the
 // caching allocator's stream semantics keep the memory valid until the kernel has read it).
-std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vector<DType>& tags,
-                                         std::vector<at::Tensor>& copies) {
+std::vector<cuda::TensorArg> tensor_args(const TensorListArg& tensors, const std::vector<DType>& tags,
+                                         std::vector<OwnedTensor>& copies) {
   std::vector<cuda::TensorArg> args(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor* t = &tensors[i];
-    if (t->numel() > 0 && !t->is_non_overlapping_and_dense()) {
-      copies.push_back(t->contiguous());
-      t = &copies.back();
+    const TensorInfo& t = tensors[i];
+    const void* data = t.data;
+    if (t.numel > 0 && !t.dense()) {
+      copies.push_back(contiguous(t.handle));
+      data = copies.back().data();
     }
-    args[i] = cuda::TensorArg{t->const_data_ptr(), t->numel(), tags[i]};
+    args[i] = cuda::TensorArg{data, t.numel, tags[i]};
   }
   return args;
 }
@@ -51,35 +85,35 @@ std::vector<cuda::TensorArg> tensor_args(at::TensorList tensors, const std::vect
 void check_launch(cudaError_t err) {
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     (void)cudaGetLastError();  // not left pending for the next launch's check
-    const int device = c10::cuda::current_device();
+    const int device = current_device();
     cudaDeviceProp prop{};
     const bool known = cudaGetDeviceProperties(&prop, device) == cudaSuccess;
-    TORCH_CHECK(false, "nanscan: no CUDA kernel for this GPU: cuda:", device, " is ", known ? prop.name : "a GPU",
+    fail(concat("nanscan: no CUDA kernel for this GPU: cuda:", device, " is ", known ? prop.name : "a GPU",
                 " (compute capability ", prop.major, ".", prop.minor,
                 "), and this build of nanscan holds kernels for TORCH_CUDA_ARCH_LIST=", NANSCAN_CUDA_ARCHS,
                 " (an entry marked +PTX also runs on GPUs newer than it). Rebuild nanscan where it runs: pip install "
                 "--no-build-isolation . builds for every architecture the installed torch supports, or set "
                 "TORCH_CUDA_ARCH_LIST to include ",
-                prop.major, ".", prop.minor);
+                prop.major, ".", prop.minor));
   }
-  C10_CUDA_CHECK(err);
+  check_cuda(err);
 }
 
 // Multiprocessor count of the current device, queried once per device (no CUDA call on later steps).
 int sm_count() {
   static std::array<int, 64> cached{};  // racing writers store the same value
-  const int device = c10::cuda::current_device();
+  const int device = current_device();
   const bool cacheable = device < static_cast<int>(cached.size());
   if (cacheable && cached[device] != 0) return cached[device];
   int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   if (cacheable) cached[device] = count;
   return count;
 }
 
 bool is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  check_cuda(cudaStreamIsCapturing(stream, &status));
   return status != cudaStreamCaptureStatusNone;
 }
 
@@ -87,11 +121,11 @@ bool is_capturing(cudaStream_t stream) {
 // device. Every GPU that nanscan's kernels run on has it; a device without it gets no cache.
 bool has_stream_ordered_allocator() {
   static std::array<int, 64> cached{};  // 0: not asked, 1: yes, 2: no; racing writers store the same value
-  const int device = c10::cuda::current_device();
+  const int device = current_device();
   const bool cacheable = device < static_cast<int>(cached.size());
   if (cacheable && cached[device] != 0) return cached[device] == 1;
   int supported = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
+  check_cuda(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
   if (cacheable) cached[device] = supported != 0 ? 1 : 2;
   return supported != 0;
 }
@@ -113,8 +147,8 @@ class OwnedDeviceBlob {
       (void)cudaGetLastError();  // not left pending for the next launch's check
       return nullptr;
     }
-    C10_CUDA_CHECK(err);
-    return std::shared_ptr<const OwnedDeviceBlob>(new OwnedDeviceBlob(ptr, stream, c10::cuda::current_device()));
+    check_cuda(err);
+    return std::shared_ptr<const OwnedDeviceBlob>(new OwnedDeviceBlob(ptr, stream, current_device()));
   }
 
   // The cache evicts entries of any device, whatever the current one: the free is enqueued with the
@@ -124,8 +158,9 @@ class OwnedDeviceBlob {
     int current = -1;
     const bool switched =
         cudaGetDevice(&current) == cudaSuccess && current != device_ && cudaSetDevice(device_) == cudaSuccess;
-    C10_CUDA_IGNORE_ERROR(cudaFreeAsync(ptr_, stream_));
-    if (switched) C10_CUDA_IGNORE_ERROR(cudaSetDevice(current));
+    (void)cudaFreeAsync(ptr_, stream_);
+    if (switched) (void)cudaSetDevice(current);
+    (void)cudaGetLastError();  // an error here is not left pending for the next launch's check
   }
   OwnedDeviceBlob(const OwnedDeviceBlob&) = delete;
   OwnedDeviceBlob& operator=(const OwnedDeviceBlob&) = delete;
@@ -148,33 +183,33 @@ class DeviceListCache {
   // The device copy of plan's blob for `stream`: found, or uploaded and kept; null when there is no
   // memory for a new copy outside torch's allocator. The handle keeps the copy alive until the
   // caller has enqueued its kernels, even if another thread evicts it.
-  std::shared_ptr<const OwnedDeviceBlob> find_or_upload(const cuda::ListPlan& plan,
-                                                        const c10::cuda::CUDAStream& stream) {
+  std::shared_ptr<const OwnedDeviceBlob> find_or_upload(const cuda::ListPlan& plan, int device, cudaStream_t stream) {
     const std::lock_guard<std::mutex> lock(mutex_);
     ++clock_;
     for (Entry& e : entries_) {
-      if (e.stream == stream && e.blob.size() == plan.bytes() &&
+      if (e.device_index == device && e.stream == stream && e.blob.size() == plan.bytes() &&
           memcmp(e.blob.data(), plan.blob(), plan.bytes()) == 0) {
         e.last_use = clock_;
         return e.device;
       }
     }
-    auto device = OwnedDeviceBlob::allocate(plan.bytes(), stream.stream());
-    if (device == nullptr) return nullptr;
-    check_launch(cuda::upload_list(plan, device->get(), stream.stream()));
+    auto copy = OwnedDeviceBlob::allocate(plan.bytes(), stream);
+    if (copy == nullptr) return nullptr;
+    check_launch(cuda::upload_list(plan, copy->get(), stream));
     if (entries_.size() == kMaxEntries) {
       entries_.erase(std::min_element(entries_.begin(), entries_.end(),
                                       [](const Entry& a, const Entry& b) { return a.last_use < b.last_use; }));
     }
     entries_.push_back(
-        Entry{stream, std::vector<unsigned char>(plan.blob(), plan.blob() + plan.bytes()), device, clock_});
-    return device;
+        Entry{device, stream, std::vector<unsigned char>(plan.blob(), plan.blob() + plan.bytes()), copy, clock_});
+    return copy;
   }
 
  private:
   static constexpr size_t kMaxEntries = 8;
   struct Entry {
-    c10::cuda::CUDAStream stream;
+    int device_index;  // a stream handle alone does not name its device (the default stream is null on each)
+    cudaStream_t stream;
     std::vector<unsigned char> blob;
     std::shared_ptr<const OwnedDeviceBlob> device;
     uint64_t last_use;
@@ -198,74 +233,77 @@ DeviceListCache& device_list_cache() {
 struct DeviceList {
   const void* blob = nullptr;
   std::shared_ptr<const OwnedDeviceBlob> cached;
-  at::Tensor for_this_call;
+  OwnedTensor for_this_call;
 };
 
-DeviceList device_list(const cuda::ListPlan& plan, const at::Device& device) {
+DeviceList device_list(const cuda::ListPlan& plan, const TensorInfo& like, cudaStream_t stream) {
   DeviceList list;
   if (cuda::fits_in_parameters(plan)) return list;
-  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
-  if (!is_capturing(stream.stream()) && has_stream_ordered_allocator()) {
-    list.cached = device_list_cache().find_or_upload(plan, stream);
+  if (!is_capturing(stream) && has_stream_ordered_allocator()) {
+    list.cached = device_list_cache().find_or_upload(plan, like.device_index, stream);
     if (list.cached != nullptr) {
       list.blob = list.cached->get();
       return list;
     }
   }
   list.for_this_call =
-      at::empty({static_cast<int64_t>(plan.bytes())}, at::TensorOptions().device(device).dtype(at::kByte));
-  check_launch(cuda::upload_list(plan, list.for_this_call.data_ptr(), stream.stream()));
-  list.blob = list.for_this_call.const_data_ptr();
+      empty({static_cast<int64_t>(plan.bytes())}, dtype_codes().uint8, like.device_type, like.device_index);
+  check_launch(cuda::upload_list(plan, list.for_this_call.data(), stream));
+  list.blob = list.for_this_call.data();
   return list;
 }
 
 // The plan of a list; the blob buffer is reused from call to call on a thread.
 const cuda::ListPlan& plan_of(const std::vector<cuda::TensorArg>& args) {
   thread_local cuda::ListPlan plan;
-  TORCH_CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())),
-              "nanscan: the tensor list is too large for one scan (over 2^31 chunks of 32 KiB)");
+  NANSCAN_CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())),
+                "nanscan: the tensor list is too large for one scan (over 2^31 chunks of 32 KiB)");
   return plan;
+}
+
+torch::stable::Tensor stable(AtenTensorHandle t) {
+  return torch::stable::Tensor(torch::stable::detail::to<AtenTensorHandle>(borrow(t)));
 }
 
 // Multiplies dense tensors with the CUDA kernel (it exits at once when *coef is 1) and non-dense ones
 // with ATen (rare for gradients).
-void multiply_in_place(at::TensorList tensors, const std::vector<DType>& tags, const at::Tensor& coef, DType coef_tag,
-                       cuda::CoefRounding rounding) {
+void multiply_in_place(const TensorListArg& tensors, const std::vector<DType>& tags, const TensorInfo& coef,
+                       DType coef_tag, cuda::CoefRounding rounding, cudaStream_t stream) {
   std::vector<cuda::TensorArg> dense;
   dense.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    if (t.numel() == 0) continue;
-    if (t.is_non_overlapping_and_dense()) {
-      dense.push_back(cuda::TensorArg{t.const_data_ptr(), t.numel(), tags[i]});
-    } else if (rounding == cuda::CoefRounding::ToTensorDtype) {
-      const_cast<at::Tensor&>(t).mul_(coef.to(t.scalar_type()));
-    } else {
+    const TensorInfo& t = tensors[i];
+    if (t.numel == 0) continue;
+    if (t.dense()) {
+      dense.push_back(cuda::TensorArg{t.data, t.numel, tags[i]});
+      continue;
+    }
+    const NoGradGuard no_grad;
+    torch::stable::Tensor target = stable(t.handle);
+    if (rounding == cuda::CoefRounding::ToTensorDtype) {
+      mul_(t.handle, torch::stable::to(stable(coef.handle), target.scalar_type()).get());
+    } else if (tags[i] == DType::Float16 || tags[i] == DType::BFloat16) {
       // torch's unscale arithmetic for the rare strided gradient: the fp32 factor times the value in
       // float (double for fp64), rounded once. Not torch's own unscale op: its CUDA kernel has no bf16
       // (torch 2.11); and not a plain mul_, which would round a 0-dim CUDA factor to fp16/bf16 first.
-      at::Tensor& target = const_cast<at::Tensor&>(t);
-      if (target.scalar_type() == at::kHalf || target.scalar_type() == at::kBFloat16) {
-        target.copy_(target.to(at::kFloat).mul_(coef));
-      } else {
-        target.mul_(coef);
-      }
+      const torch::stable::Tensor wide = torch::stable::to(target, torch::headeronly::ScalarType::Float);
+      mul_(wide.get(), coef.handle);
+      torch::stable::copy_(target, wide);
+    } else {
+      mul_(t.handle, coef.handle);
     }
   }
   if (dense.empty()) return;
   const cuda::ListPlan& plan = plan_of(dense);
-  const DeviceList list = device_list(plan, tensors[0].device());
-  check_launch(cuda::scale(plan, list.blob, coef.const_data_ptr(), coef_tag, rounding, sm_count(),
-                           c10::cuda::getCurrentCUDAStream()));
+  const DeviceList list = device_list(plan, tensors[0], stream);
   // Whether the kernel writes is decided on the device (coef == 1 writes nothing); the host cannot
-  // know without a sync, so it assumes a write.
-  bump_versions_of_dense(tensors);
+  // know without a sync, so nanscan/_ops.py counts every call as a write of every tensor.
+  check_launch(cuda::scale(plan, list.blob, coef.data, coef_tag, rounding, sm_count(), stream));
 }
 
-ScanResultTuple scan_and_maybe_multiply(at::TensorList tensors, ScanOptions options, const float* multiply_by) {
-  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
-  std::vector<at::Tensor> copies;
+ScanOutputs scan_and_maybe_multiply(const TensorListArg& tensors, const std::vector<DType>& tags, ScanOptions options,
+                                    const float* multiply_by) {
+  std::vector<OwnedTensor> copies;
   copies.reserve(tensors.size());
   const cuda::ListPlan& plan = plan_of(tensor_args(tensors, tags, copies));
   const cuda::ScanKind kind = multiply_by != nullptr ? cuda::ScanKind::Unscale
@@ -273,54 +311,72 @@ ScanResultTuple scan_and_maybe_multiply(at::TensorList tensors, ScanOptions opti
                               : options.checksum     ? cuda::ScanKind::Checksum
                                                      : cuda::ScanKind::Plain;
   const int64_t n = static_cast<int64_t>(tensors.size());
-  const auto device = at::TensorOptions().device(tensors[0].device());
-  ScanOutputs out = allocate_scan_outputs(tensors, device, options);
-  const DeviceList list = device_list(plan, tensors[0].device());
+  const TensorInfo& like = tensors[0];
+  const cudaStream_t stream = current_stream(like.device_index);
+  ScanOutputs out = allocate_scan_outputs(tags, like, options);
+  const DeviceList list = device_list(plan, like, stream);
   const int num_sms = sm_count();
-  at::Tensor workspace =
-      at::empty({static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms))}, device.dtype(at::kByte));
-  check_launch(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data_ptr(),
-                          static_cast<size_t>(workspace.numel()), num_sms, c10::cuda::getCurrentCUDAStream(),
-                          multiply_by));
-  return as_tuple(out);
+  const auto workspace_bytes = static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms));
+  const OwnedTensor workspace = empty({workspace_bytes}, dtype_codes().uint8, like.device_type, like.device_index);
+  check_launch(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data(),
+                          static_cast<size_t>(workspace_bytes), num_sms, stream, multiply_by));
+  return out;
 }
 
-ScanResultTuple scan_cuda(at::TensorList tensors, bool fp16_range, bool checksum) {
-  return scan_and_maybe_multiply(tensors, scan_options(fp16_range, checksum), nullptr);
+// scan(Tensor[] tensors, bool fp16_range, bool checksum) -> 5 tensors
+void scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const TensorListArg tensors(stack[0]);
+  check_stack(num_args, num_outputs, 3, 5, "nanscan.scan");
+  const ScanOptions options = scan_options(bool_arg(stack[1]), bool_arg(stack[2]));
+  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
+  const CudaDeviceGuard guard(tensors[0].device_index);
+  return_outputs(stack, scan_and_maybe_multiply(tensors, tags, options, nullptr));
 }
 
-void scale_cuda(at::TensorList tensors, const at::Tensor& coef) {
+// scale_(Tensor(a!)[] tensors, Tensor coef) -> ()
+void scale_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const TensorListArg tensors(stack[0]);
+  const OwnedTensor coef_tensor = tensor_arg(stack[1]);
+  check_stack(num_args, num_outputs, 2, 0, "nanscan.scale_");
+  const TensorInfo coef = TensorInfo::of(coef_tensor.get());
   const std::vector<DType> tags = check_scale_inputs(tensors, coef, "nanscan.scale_");
   if (tensors.empty()) return;
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
-  multiply_in_place(tensors, tags, coef, *dtype_tag(coef.scalar_type()), cuda::CoefRounding::ToTensorDtype);
+  const CudaDeviceGuard guard(tensors[0].device_index);
+  multiply_in_place(tensors, tags, coef, *dtype_tag(coef.dtype), cuda::CoefRounding::ToTensorDtype,
+                    current_stream(tensors[0].device_index));
 }
 
-// GradScaler's unscale fused with the scan: one read and one write of every gradient. A list with a
-// non-dense tensor (the kernel reads those from a contiguous copy, which it must not write) takes two
-// steps instead: the multiply, then the scan.
-ScanResultTuple unscale_scan_cuda(at::TensorList tensors, const at::Tensor& inv_scale) {
+// unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> 5 tensors. GradScaler's unscale fused
+// with the scan: one read and one write of every gradient. A list with a non-dense tensor (the kernel
+// reads those from a contiguous copy, which it must not write) takes two steps instead: the
+// multiply, then the scan.
+void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const TensorListArg tensors(stack[0]);
+  const OwnedTensor inv_scale_tensor = tensor_arg(stack[1]);
+  check_stack(num_args, num_outputs, 2, 5, "nanscan.unscale_scan_");
+  const TensorInfo inv_scale = TensorInfo::of(inv_scale_tensor.get());
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
-  check_multipliable(tensors, tags, "nanscan.unscale_scan_");
+  check_multipliable(tags, "nanscan.unscale_scan_");
   check_writable(tensors);
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
-  for (const at::Tensor& t : tensors) {
-    if (t.numel() > 0 && !t.is_non_overlapping_and_dense()) {
-      multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None);
-      return scan_cuda(tensors, false, false);
+  const CudaDeviceGuard guard(tensors[0].device_index);
+  for (const TensorInfo& t : tensors.infos()) {
+    if (t.numel > 0 && !t.dense()) {
+      multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None,
+                        current_stream(tensors[0].device_index));
+      return_outputs(stack, scan_and_maybe_multiply(tensors, tags, ScanOptions{}, nullptr));
+      return;
     }
   }
-  const at::Tensor factor = inv_scale.contiguous();
-  auto outputs = scan_and_maybe_multiply(tensors, ScanOptions{}, factor.const_data_ptr<float>());
-  bump_versions_of_dense(tensors);  // whether the kernel wrote is decided on the device
-  return outputs;
+  // inv_scale is one float32 element (checked); a strided one-element tensor still points at it.
+  const auto* factor = static_cast<const float*>(inv_scale.data);
+  return_outputs(stack, scan_and_maybe_multiply(tensors, tags, ScanOptions{}, factor));
 }
 
 }  // namespace
 }  // namespace nanscan
 
-TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
+STABLE_TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
   m.impl("scan", &nanscan::scan_cuda);
   m.impl("scale_", &nanscan::scale_cuda);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cuda);

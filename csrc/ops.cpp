@@ -1,12 +1,12 @@
-// The one place nanscan's ops are declared, validated and given their CPU implementations.
-// CUDA implementations register for the same schemas in cuda_binding.cpp.
-#include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+// The one place nanscan's ops are declared, validated and given their CPU implementations, on
+// PyTorch's stable ABI (torch_api.h). CUDA implementations register for the same schemas in
+// cuda_binding.cpp. What the stable ABI cannot express lives in nanscan/_ops.py: the Autograd key
+// falls through to these kernels (they are not differentiable), and the writing ops' version-counter
+// bumps and inference-tensor refusal run in Python kernels at ADInplaceOrView.
 #include <Python.h>
-#include <c10/core/InferenceMode.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
 #include <optional>
@@ -17,6 +17,7 @@
 #include "cpu/record_cpu.h"
 #include "cpu/scan_cpu.h"
 #include "ops.h"
+#include "torch_api.h"
 
 #ifdef NANSCAN_WITH_CUDA
 #include "nanscan_cuda_archs.h"  // NANSCAN_CUDA_ARCHS, written by setup.py into the build tree
@@ -24,11 +25,12 @@
 #define NANSCAN_CUDA_ARCHS ""
 #endif
 
-// Importing nanscan._C loads this library, which runs the TORCH_LIBRARY registrations below. The
-// module's attributes say which backends were built: with_cuda, and cuda_archs, the
+// Importing nanscan._C loads this library, which runs the STABLE_TORCH_LIBRARY registrations below.
+// The module's attributes say which backends were built: with_cuda, and cuda_archs, the
 // TORCH_CUDA_ARCH_LIST the kernels were compiled for ("" without CUDA; tests/test_build.py compares it
-// with the fatbinary's contents).
-extern "C" PyObject* PyInit__C(void) {
+// with the fatbinary's contents). Python's limited API only: the library loads into every CPython
+// from 3.10 on.
+PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   PyObject* module = PyModule_Create(&module_def);
@@ -47,85 +49,75 @@ extern "C" PyObject* PyInit__C(void) {
 
 namespace nanscan {
 
-std::optional<DType> dtype_tag(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::Float32;
-    case at::kDouble: return DType::Float64;
-    case at::kHalf: return DType::Float16;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kFloat8_e4m3fn: return DType::Float8E4M3FN;
-    case at::kFloat8_e5m2: return DType::Float8E5M2;
-    default: return std::nullopt;
-  }
+void check_stack(uint64_t num_args, uint64_t num_outputs, uint64_t expected_args, uint64_t expected_outputs,
+                 const char* op) {
+  NANSCAN_CHECK(num_args == expected_args && num_outputs == expected_outputs, op, ": registered with ", num_args,
+                " arguments and ", num_outputs, " outputs, but its kernel takes ", expected_args, " and returns ",
+                expected_outputs);
 }
 
-std::vector<DType> check_scan_inputs(const at::TensorList tensors, const char* op) {
+std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* op) {
+  NANSCAN_CHECK(!tensors.empty(), op, ": expected at least one tensor");
   std::vector<DType> tags;
   tags.reserve(tensors.size());
-  TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor");
-  const at::Device device = tensors[0].device();
+  const TensorInfo& first = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is undefined (None)");
-    TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
-                "; only dense (strided) tensors can be scanned");
-    TORCH_CHECK(t.device() == device, op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ", device,
-                "; call once per device (nanscan.scan groups by device for you)");
-    TORCH_CHECK(t.dim() <= cpu::kMaxDims, op, ": tensors[", i, "] has ", t.dim(), " dimensions; at most ",
-                cpu::kMaxDims, " are supported");
-    const auto tag = dtype_tag(t.scalar_type());
-    TORCH_CHECK(tag.has_value(), op, ": tensors[", i, "] has dtype ", t.scalar_type(),
-                "; supported: float32, float64, float16, bfloat16, float8_e4m3fn, float8_e5m2");
+    const TensorInfo& t = tensors[i];
+    NANSCAN_CHECK(t.defined, op, ": tensors[", i, "] is undefined (None)");
+    NANSCAN_CHECK(t.strided(), op, ": tensors[", i, "] has layout ", layout_name(t.layout),
+                  "; only dense (strided) tensors can be scanned");
+    NANSCAN_CHECK(t.same_device(first), op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+                  first.device(), "; call once per device (nanscan.scan groups by device for you)");
+    NANSCAN_CHECK(t.dim <= kMaxDims, op, ": tensors[", i, "] has ", t.dim, " dimensions; at most ", kMaxDims,
+                  " are supported");
+    const std::optional<DType> tag = dtype_tag(t.dtype);
+    NANSCAN_CHECK(tag.has_value(), op, ": tensors[", i, "] has dtype ", dtype_name(t.dtype),
+                  "; supported: float32, float64, float16, bfloat16, float8_e4m3fn, float8_e5m2");
     tags.push_back(*tag);
   }
   return tags;
 }
 
-void bump_versions_of_dense(at::TensorList tensors) {
-  for (const at::Tensor& t : tensors) {
-    if (t.is_non_overlapping_and_dense()) t.unsafeGetTensorImpl()->bump_version();
+void check_multipliable(const std::vector<DType>& tags, const char* op) {
+  for (size_t i = 0; i < tags.size(); ++i) {
+    NANSCAN_CHECK(tags[i] != DType::Float8E4M3FN && tags[i] != DType::Float8E5M2, op, ": tensors[", i,
+                  "] is float8; torch cannot multiply float8 tensors either");
   }
 }
 
-void check_multipliable(at::TensorList tensors, const std::vector<DType>& tags, const char* op) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(tags[i] != DType::Float8E4M3FN && tags[i] != DType::Float8E5M2, op, ": tensors[", i,
-                "] is float8; torch cannot multiply float8 tensors either");
+// torch's own rule and message (ATen's assert_no_internal_overlap): a tensor that is not dense and
+// has a dimension of stride 0 and size > 1 repeats an element.
+void check_writable(const TensorInfo& t) {
+  if (t.numel <= 1 || t.dense()) return;
+  for (int64_t d = 0; d < t.dim; ++d) {
+    NANSCAN_CHECK(!(t.strides[d] == 0 && t.sizes[d] > 1),
+                  "unsupported operation: more than one element of the written-to tensor refers to a single memory "
+                  "location. Please clone() the tensor before performing the operation.");
   }
 }
 
-void check_writable(at::TensorList tensors) {
-  // torch's own checks, with its messages, for the tensors an in-place multiply refuses: one whose
-  // elements share memory (an expand()ed view: one location would be multiplied several times), and
-  // an inference tensor outside inference mode. Checked for every entry before any is written, so a
-  // bad entry leaves the whole list as it was.
-  for (const at::Tensor& t : tensors) {
-    if (t.numel() > 1) at::assert_no_internal_overlap(t);
-    TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(),
-                "Inplace update to inference tensor outside InferenceMode is not allowed."
-                "You can make a clone to get a normal tensor before doing inplace update."
-                "See https://github.com/pytorch/rfcs/pull/17 for more details.");
-  }
+void check_writable(const TensorListArg& tensors) {
+  for (const TensorInfo& t : tensors.infos()) check_writable(t);
 }
 
-std::vector<DType> check_scale_inputs(at::TensorList tensors, const at::Tensor& coef, const char* op) {
-  TORCH_CHECK(coef.numel() == 1, op, ": coef must have one element, got shape ", coef.sizes());
-  TORCH_CHECK(dtype_tag(coef.scalar_type()).has_value(), op, ": coef has unsupported dtype ", coef.scalar_type());
+std::vector<DType> check_scale_inputs(const TensorListArg& tensors, const TensorInfo& coef, const char* op) {
+  NANSCAN_CHECK(coef.numel == 1, op, ": coef must have one element, got shape ", shape_string(coef.sizes, coef.dim));
+  NANSCAN_CHECK(dtype_tag(coef.dtype).has_value(), op, ": coef has unsupported dtype ", dtype_name(coef.dtype));
   if (tensors.empty()) return {};
   std::vector<DType> tags = check_scan_inputs(tensors, op);
-  check_multipliable(tensors, tags, op);
+  check_multipliable(tags, op);
   check_writable(tensors);
-  TORCH_CHECK(coef.device() == tensors[0].device(), op, ": coef is on ", coef.device(), " but the tensors are on ",
-              tensors[0].device());
+  NANSCAN_CHECK(coef.same_device(tensors[0]), op, ": coef is on ", coef.device(), " but the tensors are on ",
+                tensors[0].device());
   return tags;
 }
 
-void check_inv_scale(const at::Tensor& inv_scale, const at::Tensor& first, const char* op) {
-  TORCH_CHECK(inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, op,
-              ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ",
-              inv_scale.scalar_type(), " of shape ", inv_scale.sizes());
-  TORCH_CHECK(inv_scale.device() == first.device(), op, ": inv_scale is on ", inv_scale.device(),
-              " but the tensors are on ", first.device());
+void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const char* op) {
+  NANSCAN_CHECK(inv_scale.numel == 1 && inv_scale.dtype == dtype_codes().float32, op,
+                ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ",
+                dtype_name(inv_scale.dtype), " of shape ", shape_string(inv_scale.sizes, inv_scale.dim));
+  NANSCAN_CHECK(inv_scale.same_device(first), op, ": inv_scale is on ", inv_scale.device(), " but the tensors are on ",
+                first.device());
 }
 
 namespace {
@@ -134,264 +126,291 @@ constexpr const char* kRecordOp = "nanscan.record_";
 
 // The dtypes record_ converts from, as torch's copy_ does (the CPU kernel dispatches on the same list;
 // why float16/bfloat16 are not among them: cpu/record_cpu.cpp).
-bool is_record_source_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kBool:
-    case at::kByte:
-    case at::kChar:
-    case at::kShort:
-    case at::kInt:
-    case at::kLong:
-    case at::kFloat:
-    case at::kDouble: return true;
-    default: return false;
-  }
+bool is_record_source_dtype(int32_t code) {
+  const DTypeCodes& c = dtype_codes();
+  return code == c.boolean || code == c.uint8 || code == c.int8 || code == c.int16 || code == c.int32 ||
+         code == c.int64 || code == c.float32 || code == c.float64;
 }
 
 // One block of record_: `target` ([capacity, length] rows) and the sources that fill one of its rows.
-void check_record_block(const at::Tensor& target, const char* target_name, at::TensorList sources,
-                        const char* sources_name, const at::Tensor& rows) {
-  TORCH_CHECK(target.defined(), kRecordOp, ": ", target_name, " is undefined (None)");
-  TORCH_CHECK(target.layout() == at::kStrided, kRecordOp, ": ", target_name, " has layout ", target.layout(),
-              "; expected a dense (strided) tensor");
-  TORCH_CHECK(target.dim() == 2, kRecordOp, ": ", target_name, " must be 2-D [capacity, row length], got shape ",
-              target.sizes());
-  TORCH_CHECK(target.scalar_type() == at::kFloat || target.scalar_type() == at::kDouble, kRecordOp, ": ", target_name,
-              " has dtype ", target.scalar_type(), "; supported: float32, float64");
-  TORCH_CHECK(target.device() == rows.device(), kRecordOp, ": ", target_name, " is on ", target.device(),
-              " but rows are on ", rows.device());
-  TORCH_CHECK(target.size(0) == rows.size(0), kRecordOp, ": ", target_name, " has ", target.size(0),
-              " rows but rows has ", rows.size(0), "; both are indexed by the same counter");
+void check_record_block(const TensorInfo& target, const char* target_name, const TensorListArg& sources,
+                        const char* sources_name, const TensorInfo& rows) {
+  NANSCAN_CHECK(target.defined, kRecordOp, ": ", target_name, " is undefined (None)");
+  NANSCAN_CHECK(target.strided(), kRecordOp, ": ", target_name, " has layout ", layout_name(target.layout),
+                "; expected a dense (strided) tensor");
+  NANSCAN_CHECK(target.dim == 2, kRecordOp, ": ", target_name, " must be 2-D [capacity, row length], got shape ",
+                shape_string(target.sizes, target.dim));
+  NANSCAN_CHECK(target.dtype == dtype_codes().float32 || target.dtype == dtype_codes().float64, kRecordOp, ": ",
+                target_name, " has dtype ", dtype_name(target.dtype), "; supported: float32, float64");
+  NANSCAN_CHECK(target.same_device(rows), kRecordOp, ": ", target_name, " is on ", target.device(), " but rows are on ",
+                rows.device());
+  NANSCAN_CHECK(target.size(0) == rows.size(0), kRecordOp, ": ", target_name, " has ", target.size(0),
+                " rows but rows has ", rows.size(0), "; both are indexed by the same counter");
   int64_t total = 0;
   for (size_t i = 0; i < sources.size(); ++i) {
-    const at::Tensor& t = sources[i];
-    TORCH_CHECK(t.defined(), kRecordOp, ": ", sources_name, "[", i, "] is undefined (None)");
-    TORCH_CHECK(t.layout() == at::kStrided, kRecordOp, ": ", sources_name, "[", i, "] has layout ", t.layout(),
-                "; expected a dense (strided) tensor");
-    TORCH_CHECK(t.device() == rows.device(), kRecordOp, ": ", sources_name, "[", i, "] is on ", t.device(),
-                " but rows are on ", rows.device());
-    TORCH_CHECK(is_record_source_dtype(t.scalar_type()), kRecordOp, ": ", sources_name, "[", i, "] has dtype ",
-                t.scalar_type(), "; supported: bool, uint8, int8, int16, int32, int64, float32, float64");
-    total += t.numel();
+    const TensorInfo& t = sources[i];
+    NANSCAN_CHECK(t.defined, kRecordOp, ": ", sources_name, "[", i, "] is undefined (None)");
+    NANSCAN_CHECK(t.strided(), kRecordOp, ": ", sources_name, "[", i, "] has layout ", layout_name(t.layout),
+                  "; expected a dense (strided) tensor");
+    NANSCAN_CHECK(t.same_device(rows), kRecordOp, ": ", sources_name, "[", i, "] is on ", t.device(),
+                  " but rows are on ", rows.device());
+    NANSCAN_CHECK(is_record_source_dtype(t.dtype), kRecordOp, ": ", sources_name, "[", i, "] has dtype ",
+                  dtype_name(t.dtype), "; supported: bool, uint8, int8, int16, int32, int64, float32, float64");
+    total += t.numel;
   }
-  TORCH_CHECK(total == target.size(1), kRecordOp, ": ", sources_name, " hold ", total, " values but a row of ",
-              target_name, " holds ", target.size(1), "; the sources must fill one row exactly");
+  NANSCAN_CHECK(total == target.size(1), kRecordOp, ": ", sources_name, " hold ", total, " values but a row of ",
+                target_name, " holds ", target.size(1), "; the sources must fill one row exactly");
 }
+
+// A record_ call's arguments, owned, read and checked (everything, on every device, before anything
+// is written): rows (and attribution) 2-D float32/float64 with the same number of rows, counter one
+// int64, every source on their device with a supported dtype, the sources' elements exactly filling
+// one row of each. Errors name the offending argument.
+struct RecordArgs {
+  OwnedTensor rows_tensor, counter_tensor;
+  TensorListArg sources;
+  std::optional<OwnedTensor> attribution_tensor;
+  TensorListArg attribution_sources;
+  TensorInfo rows, counter;
+  std::optional<TensorInfo> attribution;
+
+  RecordArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
+      : rows_tensor(tensor_arg(stack[0])),
+        counter_tensor(tensor_arg(stack[1])),
+        sources(stack[2]),
+        attribution_tensor(optional_tensor_arg(stack[3])),
+        attribution_sources(stack[4]) {
+    check_stack(num_args, num_outputs, 5, 0, kRecordOp);
+    rows = TensorInfo::of(rows_tensor.get());
+    counter = TensorInfo::of(counter_tensor.get());
+    if (attribution_tensor.has_value()) attribution = TensorInfo::of(attribution_tensor->get());
+    NANSCAN_CHECK(rows.defined, kRecordOp, ": rows is undefined (None)");
+    NANSCAN_CHECK(rows.dim != 2 || rows.size(0) > 0, kRecordOp, ": rows has no row to write (capacity 0)");
+    check_record_block(rows, "rows", sources, "sources", rows);
+    NANSCAN_CHECK(counter.defined && counter.strided() && counter.dtype == dtype_codes().int64 && counter.numel == 1,
+                  kRecordOp, ": counter must be a one-element int64 tensor, got ",
+                  counter.defined ? dtype_name(counter.dtype) : std::string("None"), " of shape ",
+                  counter.defined ? shape_string(counter.sizes, counter.dim) : std::string("[]"));
+    NANSCAN_CHECK(counter.same_device(rows), kRecordOp, ": counter is on ", counter.device(), " but rows are on ",
+                  rows.device());
+    if (attribution.has_value()) {
+      check_record_block(*attribution, "attribution", attribution_sources, "attribution_sources", rows);
+      check_writable(*attribution);
+    } else {
+      NANSCAN_CHECK(attribution_sources.empty(), kRecordOp,
+                    ": attribution_sources given but attribution is None: there is no row to write them to");
+    }
+    check_writable(rows);
+    check_writable(counter);
+  }
+};
 
 }  // namespace
 
-void check_record_inputs(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-                         const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
-  TORCH_CHECK(rows.defined(), kRecordOp, ": rows is undefined (None)");
-  TORCH_CHECK(rows.dim() != 2 || rows.size(0) > 0, kRecordOp, ": rows has no row to write (capacity 0)");
-  check_record_block(rows, "rows", sources, "sources", rows);
-  TORCH_CHECK(counter.defined() && counter.layout() == at::kStrided && counter.scalar_type() == at::kLong &&
-                  counter.numel() == 1,
-              kRecordOp, ": counter must be a one-element int64 tensor, got ",
-              counter.defined() ? c10::toString(counter.scalar_type()) : "None", " of shape ",
-              counter.defined() ? counter.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(counter.device() == rows.device(), kRecordOp, ": counter is on ", counter.device(), " but rows are on ",
-              rows.device());
-  if (attribution.has_value()) {
-    check_record_block(*attribution, "attribution", attribution_sources, "attribution_sources", rows);
-    check_writable({rows, counter, *attribution});
-  } else {
-    TORCH_CHECK(attribution_sources.empty(), kRecordOp,
-                ": attribution_sources given but attribution is None: there is no row to write them to");
-    check_writable({rows, counter});
+DType norm_dtype_of(const std::vector<DType>& tags) {
+  // The float lattice of torch's promote_types, float8 counted as float32: float64 wins, then
+  // float32; float16 with bfloat16 gives float32; one half type alone stays itself.
+  const auto counted = [](DType t) { return t == DType::Float8E4M3FN || t == DType::Float8E5M2 ? DType::Float32 : t; };
+  DType dtype = counted(tags[0]);
+  for (DType tag : tags) {
+    const DType t = counted(tag);
+    if (t == dtype) continue;
+    if (t == DType::Float64 || dtype == DType::Float64) {
+      dtype = DType::Float64;
+    } else {
+      dtype = DType::Float32;  // two different types among float32, float16, bfloat16
+    }
   }
-}
-
-at::ScalarType norm_dtype_of(at::TensorList tensors) {
-  const auto counted = [](at::ScalarType t) { return at::isFloat8Type(t) ? at::kFloat : t; };
-  at::ScalarType dtype = counted(tensors[0].scalar_type());
-  for (const at::Tensor& t : tensors) dtype = c10::promoteTypes(dtype, counted(t.scalar_type()));
   return dtype;
 }
 
-ScanOutputs allocate_scan_outputs(at::TensorList tensors, const at::TensorOptions& device, ScanOptions options) {
-  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
+ScanOutputs allocate_scan_outputs(const std::vector<DType>& tags, const TensorInfo& like, ScanOptions options) {
+  const int64_t num_tensors = static_cast<int64_t>(tags.size());
   const int64_t count_rows = 2 + (options.half_range ? 2 : 0) + (options.checksum ? 1 : 0);
-  return ScanOutputs{at::empty({count_rows, num_tensors}, device.dtype(at::kLong)),
-                     at::empty({3, num_tensors}, device.dtype(at::kDouble)), at::empty({}, device.dtype(at::kDouble)),
-                     at::empty({}, device.dtype(at::kBool)), at::empty({}, device.dtype(norm_dtype_of(tensors)))};
+  const DTypeCodes& c = dtype_codes();
+  const int32_t type = like.device_type;
+  const int32_t index = like.device_index;
+  return ScanOutputs{empty({count_rows, num_tensors}, c.int64, type, index),
+                     empty({3, num_tensors}, c.float64, type, index), empty({}, c.float64, type, index),
+                     empty({}, c.boolean, type, index), empty({}, dtype_code(norm_dtype_of(tags)), type, index)};
 }
 
-ScanResultTuple as_tuple(const ScanOutputs& o) {
-  return {o.counts, o.stats, o.total_norm, o.finite, o.total_norm_cast};
+void return_outputs(StableIValue* stack, ScanOutputs o) {
+  set_output(stack, 0, std::move(o.counts));
+  set_output(stack, 1, std::move(o.stats));
+  set_output(stack, 2, std::move(o.total_norm));
+  set_output(stack, 3, std::move(o.finite));
+  set_output(stack, 4, std::move(o.total_norm_cast));
 }
 
 ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors, ScanOptions options) {
-  return ResultPointers{o.counts.data_ptr<int64_t>(),
-                        o.stats.data_ptr<double>(),
-                        o.total_norm.data_ptr<double>(),
-                        o.finite.data_ptr<bool>(),
+  int32_t cast_dtype = 0;
+  NANSCAN_SHIM(aoti_torch_get_dtype(o.total_norm_cast.get(), &cast_dtype));
+  return ResultPointers{static_cast<int64_t*>(o.counts.data()),
+                        static_cast<double*>(o.stats.data()),
+                        static_cast<double*>(o.total_norm.data()),
+                        static_cast<bool*>(o.finite.data()),
                         num_tensors,
                         options.half_range,
                         options.checksum,
-                        o.total_norm_cast.data_ptr(),
-                        *dtype_tag(o.total_norm_cast.scalar_type())};
+                        o.total_norm_cast.data(),
+                        *dtype_tag(cast_dtype)};
 }
 
 ScanOptions scan_options(bool fp16_range, bool checksum) {
-  TORCH_CHECK(!(fp16_range && checksum), "nanscan.scan: fp16_range and checksum are separate scans; ask for one");
+  NANSCAN_CHECK(!(fp16_range && checksum), "nanscan.scan: fp16_range and checksum are separate scans; ask for one");
   return ScanOptions{fp16_range, checksum};
 }
 
 namespace {
 
-ScanResultTuple scan_cpu(at::TensorList tensors, bool fp16_range, bool checksum) {
-  const ScanOptions options = scan_options(fp16_range, checksum);
+// ---- the CPU kernels (boxed: the stack holds the schema's arguments, then its returns) ----------
+
+// scan(Tensor[] tensors, bool fp16_range, bool checksum) -> 5 tensors
+void scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const TensorListArg tensors(stack[0]);
+  check_stack(num_args, num_outputs, 3, 5, "nanscan.scan");
+  const ScanOptions options = scan_options(bool_arg(stack[1]), bool_arg(stack[2]));
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(tensors, at::TensorOptions().device(at::kCPU), options);
-  cpu::scan(tensors, tags, result_pointers(out, n, options));
-  return as_tuple(out);
+  ScanOutputs out = allocate_scan_outputs(tags, tensors[0], options);
+  cpu::scan(tensors.infos(), tags, result_pointers(out, static_cast<int64_t>(tags.size()), options));
+  return_outputs(stack, std::move(out));
 }
 
-// torch's GradScaler unscale and the scan in one pass: each element becomes round(x * inv_scale)
-// (torch's arithmetic; nothing is written when inv_scale is 1) and the statistics are of the result.
-ScanResultTuple unscale_scan_cpu(at::TensorList tensors, const at::Tensor& inv_scale) {
+// unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> 5 tensors. torch's GradScaler unscale
+// and the scan in one pass: each element becomes round(x * inv_scale) (torch's arithmetic; nothing is
+// written when inv_scale is 1) and the statistics are of the result.
+void unscale_scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const TensorListArg tensors(stack[0]);
+  const OwnedTensor inv_scale_tensor = tensor_arg(stack[1]);
+  check_stack(num_args, num_outputs, 2, 5, "nanscan.unscale_scan_");
+  const TensorInfo inv_scale = TensorInfo::of(inv_scale_tensor.get());
   const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
-  check_multipliable(tensors, tags, "nanscan.unscale_scan_");
+  check_multipliable(tags, "nanscan.unscale_scan_");
   check_writable(tensors);
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
-  const float factor = inv_scale.item<float>();
-  for (const at::Tensor& t : tensors) {
+  const auto factor = static_cast<float>(item_double(inv_scale.handle));
+  if (factor != 1.0f) {
     // The kernel fuses the multiply for dense tensors; the rare strided view is multiplied here.
-    if (factor != 1.0f && t.numel() > 0 && !t.is_non_overlapping_and_dense())
-      const_cast<at::Tensor&>(t).mul_(inv_scale);
+    const NoGradGuard no_grad;
+    for (const TensorInfo& t : tensors.infos()) {
+      if (t.numel > 0 && !t.dense()) mul_(t.handle, inv_scale.handle);
+    }
   }
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  ScanOutputs out = allocate_scan_outputs(tensors, at::TensorOptions().device(at::kCPU), ScanOptions{});
-  cpu::scan(tensors, tags, result_pointers(out, n, ScanOptions{}), factor);
-  if (factor != 1.0f) bump_versions_of_dense(tensors);  // written by the kernel, not through ATen
-  return as_tuple(out);
+  ScanOutputs out = allocate_scan_outputs(tags, tensors[0], ScanOptions{});
+  cpu::scan(tensors.infos(), tags, result_pointers(out, static_cast<int64_t>(tags.size()), ScanOptions{}), factor);
+  return_outputs(stack, std::move(out));
 }
 
-// Multiplies every tensor by coef in place, unless coef is exactly 1: a step that needs no clipping
-// then costs no write pass. The multiply itself is ATen's, so the values equal torch's clipping.
-// Every entry is validated before any is written.
-void scale_cpu(at::TensorList tensors, const at::Tensor& coef) {
+// A torch::stable::Tensor of the same tensor (a new handle), for torch::stable's op wrappers.
+torch::stable::Tensor stable(AtenTensorHandle t) {
+  return torch::stable::Tensor(torch::stable::detail::to<AtenTensorHandle>(borrow(t)));
+}
+
+// A list argument for an ATen op: new handles of the same tensors (the op takes ownership).
+StableIValue list_of(const TensorListArg& tensors) {
+  StableListHandle list = nullptr;
+  NANSCAN_SHIM(torch_new_list_reserve_size(tensors.size(), &list));
+  for (const TensorInfo& t : tensors.infos()) NANSCAN_SHIM(torch_list_push_back(list, borrow(t.handle)));
+  return torch::stable::detail::from(list);
+}
+
+// scale_(Tensor(a!)[] tensors, Tensor coef) -> (). Multiplies every tensor by coef in place, unless
+// coef is exactly 1: a step that needs no clipping then costs no write pass. The multiply is ATen's
+// (one _foreach_mul_, which multiplies tensor by tensor as mul_ does), so the values equal torch's
+// clipping. Every entry is validated before any is written.
+void scale_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const TensorListArg tensors(stack[0]);
+  const OwnedTensor coef_tensor = tensor_arg(stack[1]);
+  check_stack(num_args, num_outputs, 2, 0, "nanscan.scale_");
+  const TensorInfo coef = TensorInfo::of(coef_tensor.get());
   check_scale_inputs(tensors, coef, "nanscan.scale_");
-  if (coef.item<double>() == 1.0) return;
-  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).mul_(coef);
+  if (tensors.empty() || item_double(coef.handle) == 1.0) return;
+  const NoGradGuard no_grad;
+  // _foreach_mul_ takes its factor 0-dim; coef may be any one-element shape.
+  const torch::stable::Tensor factor =
+      coef.dim == 0 ? stable(coef.handle) : torch::stable::reshape(stable(coef.handle), {});
+  StableIValue args[2] = {list_of(tensors), torch::stable::detail::from(factor)};
+  call_aten("aten::_foreach_mul_", "Tensor", args);
 }
 
-// One recorder append (nanscan/recorder.py) in one dispatch: the sources' values into row
-// counter % capacity, the counter advanced. The direct kernel (cpu/record_cpu.cpp).
-void record_cpu(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-                const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
-  check_record_inputs(rows, counter, sources, attribution, attribution_sources);
-  cpu::record(rows, counter, sources, attribution, attribution_sources);
-  // Written by the kernel, not through ATen: the versions say so, as an in-place ATen op's would.
-  rows.unsafeGetTensorImpl()->bump_version();
-  counter.unsafeGetTensorImpl()->bump_version();
-  if (attribution.has_value()) attribution->unsafeGetTensorImpl()->bump_version();
+// record_(rows, counter, sources, attribution, attribution_sources) -> (). One recorder append
+// (nanscan/recorder.py) in one dispatch: the sources' values into row counter % capacity, the
+// counter advanced. The direct kernel (cpu/record_cpu.cpp).
+void record_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const RecordArgs args(stack, num_args, num_outputs);
+  cpu::record(args.rows, args.counter, args.sources, args.attribution, args.attribution_sources);
+}
+
+// ---- the composite record_, for every device without a kernel of its own --------------------------
+
+torch::stable::Tensor call_returning_tensor(const char* op, const char* overload, StableIValue* stack) {
+  call_aten(op, overload, stack);
+  return torch::stable::Tensor(torch::stable::detail::to<AtenTensorHandle>(stack[0]));
 }
 
 // A [1, length] row of `target`'s dtype holding the sources' values, cast as copy_ casts: one
-// _foreach_copy_ into views of it, each of its source's shape. One as_strided per view: a narrow and
-// a view would be two dispatches with their checks, and doubled the composite's host time.
-at::Tensor staged_row(const at::Tensor& target, at::TensorList sources) {
-  at::Tensor row = at::empty({1, target.size(1)}, target.options());
-  std::vector<at::Tensor> views;
-  views.reserve(sources.size());
-  std::vector<int64_t> strides;
+// _foreach_copy_ into views of it, each of its source's shape (as_strided: one dispatch a view).
+torch::stable::Tensor staged_row(const TensorInfo& target, const TensorListArg& sources) {
+  const torch::stable::Tensor row =
+      stable(empty({1, target.size(1)}, target.dtype, target.device_type, target.device_index).get());
+  if (sources.empty()) return row;
+  StableListHandle views = nullptr;
+  NANSCAN_SHIM(torch_new_list_reserve_size(sources.size(), &views));
   int64_t offset = 0;
-  for (const at::Tensor& source : sources) {
-    strides.assign(source.dim(), 1);  // contiguous strides of the source's shape
-    for (int64_t d = source.dim() - 2; d >= 0; --d)
-      strides[d] = strides[d + 1] * std::max<int64_t>(source.size(d + 1), 1);
-    views.push_back(row.as_strided(source.sizes(), strides, offset));
-    offset += source.numel();
+  for (const TensorInfo& source : sources.infos()) {
+    const std::vector<int64_t> sizes(source.sizes, source.sizes + source.dim);
+    std::vector<int64_t> strides(source.dim, 1);  // contiguous strides of the source's shape
+    for (int64_t d = source.dim - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+    StableIValue view_args[4] = {torch::stable::detail::from(row), torch::stable::detail::from(sizes),
+                                 torch::stable::detail::from(strides),
+                                 torch::stable::detail::from(std::optional<int64_t>(offset))};
+    call_aten("aten::as_strided", "", view_args);
+    NANSCAN_SHIM(torch_list_push_back(views, view_args[0]));
+    offset += source.numel;
   }
-  if (!views.empty()) at::_foreach_copy_(views, sources);
+  StableIValue copy_args[3] = {torch::stable::detail::from(views), list_of(sources),
+                               torch::stable::detail::from(false)};
+  call_aten("aten::_foreach_copy_", "", copy_args);
   return row;
 }
 
-// The same append in ATen ops, for every device without a kernel of its own (CUDA: each op is a
-// kernel on the current stream, no host sync, capturable in a CUDA graph; the recorder's append did
-// exactly these before the op existed). The order of reads and writes is the CPU kernel's: every
-// source into the staging rows, then the rows, then the counter.
-void record_composite(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-                      const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
-  check_record_inputs(rows, counter, sources, attribution, attribution_sources);
-  const at::Tensor slot = counter.reshape({1}).remainder(rows.size(0));
-  const at::Tensor row = staged_row(rows, sources);
-  const at::Tensor attribution_row = attribution.has_value() ? staged_row(*attribution, attribution_sources) : row;
-  rows.index_copy_(0, slot, row);
-  if (attribution.has_value()) attribution->index_copy_(0, slot, attribution_row);
-  counter.add_(1);
+void index_copy_row(const TensorInfo& target, const torch::stable::Tensor& slot, const torch::stable::Tensor& row) {
+  StableIValue args[4] = {borrow(target.handle), torch::stable::detail::from(int64_t{0}),
+                          torch::stable::detail::from(slot), torch::stable::detail::from(row)};
+  (void)call_returning_tensor("aten::index_copy_", "", args);
 }
 
-// The Autograd kernels. nanscan's ops are not differentiable: their outputs are counts, extrema and
-// norms for diagnosis, and their writes are the multiplies of clipping and unscaling, which torch
-// runs under no_grad too. Saying so here (autograd excluded, the op called again below it) gives
-// outputs that never require grad; without it, autograd's fallback would hang a grad_fn on them
-// that fails only when someone calls backward through a norm.
-template <class Signature>
-c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+// The append in ATen ops (CUDA: each a kernel on the current stream, no host sync, capturable in a
+// CUDA graph; the recorder's append did exactly these before the op existed). The order of reads and
+// writes is the CPU kernel's: every source into the staging rows, then the rows, then the counter.
+// counter + 1 is ~counter then its negation (the stable ABI passes no Scalar, which add_ takes);
+// both wrap at 2^63 as add_ does.
+void record_composite(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const RecordArgs args(stack, num_args, num_outputs);
+  const NoGradGuard no_grad;
+  const torch::stable::Tensor capacity =
+      torch::stable::full({1}, static_cast<double>(args.rows.size(0)), torch::headeronly::ScalarType::Long,
+                          std::nullopt, torch::stable::Device(stable(args.rows.handle).device()));
+  StableIValue remainder_args[2] = {
+      torch::stable::detail::from(torch::stable::reshape(stable(args.counter.handle), {1})),
+      torch::stable::detail::from(capacity)};
+  const torch::stable::Tensor slot = call_returning_tensor("aten::remainder", "Tensor", remainder_args);
+  const torch::stable::Tensor row = staged_row(args.rows, args.sources);
+  const torch::stable::Tensor attribution_row =
+      args.attribution.has_value() ? staged_row(*args.attribution, args.attribution_sources) : row;
+  index_copy_row(args.rows, slot, row);
+  if (args.attribution.has_value()) index_copy_row(*args.attribution, slot, attribution_row);
+  StableIValue not_args[1] = {borrow(args.counter.handle)};
+  (void)call_returning_tensor("aten::bitwise_not_", "", not_args);
+  StableIValue neg_args[1] = {borrow(args.counter.handle)};
+  (void)call_returning_tensor("aten::neg_", "", neg_args);
 }
-
-ScanResultTuple scan_autograd(at::TensorList tensors, bool fp16_range, bool checksum) {
-  static const auto op = op_handle<ScanResultTuple(at::TensorList, bool, bool)>("nanscan::scan");
-  const at::AutoDispatchBelowAutograd below_autograd;
-  return op.call(tensors, fp16_range, checksum);
-}
-
-void scale_autograd(at::TensorList tensors, const at::Tensor& coef) {
-  static const auto op = op_handle<void(at::TensorList, const at::Tensor&)>("nanscan::scale_");
-  const at::AutoDispatchBelowAutograd below_autograd;
-  op.call(tensors, coef);
-}
-
-ScanResultTuple unscale_scan_autograd(at::TensorList tensors, const at::Tensor& inv_scale) {
-  static const auto op = op_handle<ScanResultTuple(at::TensorList, const at::Tensor&)>("nanscan::unscale_scan_");
-  const at::AutoDispatchBelowAutograd below_autograd;
-  return op.call(tensors, inv_scale);
-}
-
-using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, const std::optional<at::Tensor>&,
-                             at::TensorList);
-
-void record_autograd(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-                     const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
-  static const auto op = op_handle<RecordSignature>("nanscan::record_");
-  const at::AutoDispatchBelowAutograd below_autograd;
-  op.call(rows, counter, sources, attribution, attribution_sources);
-}
-
-void record_composite_autograd(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-                               const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
-  static const auto op = op_handle<RecordSignature>("nanscan::_record_composite_");
-  const at::AutoDispatchBelowAutograd below_autograd;
-  op.call(rows, counter, sources, attribution, attribution_sources);
-}
-
-#ifndef NANSCAN_WITH_CUDA
-// A build without the CUDA backend (torch without CUDA, or NANSCAN_CPU_ONLY=1) still registers CUDA
-// kernels, which say so: otherwise the first CUDA call fails with the dispatcher's "Could not run
-// 'nanscan::scan' with arguments from the 'CUDA' backend", which names neither cause nor fix.
-[[noreturn]] void built_without_cuda(const char* op) {
-  TORCH_CHECK(false, op,
-              ": this nanscan was built without its CUDA backend, so it cannot read CUDA tensors. Reinstall it "
-              "against a CUDA build of torch, with a CUDA toolkit (CUDA_HOME): pip install --no-build-isolation "
-              "-e . (setup.py prints which backends it builds, and why)");
-}
-
-ScanResultTuple scan_without_cuda(at::TensorList, bool, bool) { built_without_cuda("nanscan.scan"); }
-void scale_without_cuda(at::TensorList, const at::Tensor&) { built_without_cuda("nanscan.scale_"); }
-ScanResultTuple unscale_scan_without_cuda(at::TensorList, const at::Tensor&) {
-  built_without_cuda("nanscan.unscale_scan_");
-}
-#endif
 
 }  // namespace
 }  // namespace nanscan
 
-TORCH_LIBRARY(nanscan, m) {
+STABLE_TORCH_LIBRARY(nanscan, m) {
   // fp16_range adds two rows to counts: finite values that overflow fp16, and non-zero values that
   // fp16 would flush to zero (the AMP advisor's evidence). checksum adds one: each tensor's replica
   // checksum (scan_rules.h), a value in [0, 2^32). One option or the other. total_norm_cast is
@@ -405,38 +424,23 @@ TORCH_LIBRARY(nanscan, m) {
       "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite, Tensor total_norm_cast)");
   // A recorder's append: the sources' values (flattened, in order, cast to the rows' dtype) into row
   // counter % capacity of rows, attribution_sources' into the same row of attribution, counter + 1.
-  const char* record_schema =
-      "(Tensor(a!) rows, Tensor(b!) counter, Tensor[] sources, Tensor(c!)? attribution, "
-      "Tensor[] attribution_sources) -> ()";
-  m.def((std::string("record_") + record_schema).c_str());
+  m.def(
+      "record_(Tensor(a!) rows, Tensor(b!) counter, Tensor[] sources, Tensor(c!)? attribution, "
+      "Tensor[] attribution_sources) -> ()");
   // The same op, always by its composite implementation (the one non-CPU devices run): what the
   // tests compare the CPU kernel with, on the CPU.
-  m.def((std::string("_record_composite_") + record_schema).c_str());
-}
-
-TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
-  m.impl("scan", &nanscan::scan_autograd);
-  m.impl("scale_", &nanscan::scale_autograd);
-  m.impl("unscale_scan_", &nanscan::unscale_scan_autograd);
-  m.impl("record_", &nanscan::record_autograd);
-  m.impl("_record_composite_", &nanscan::record_composite_autograd);
+  m.def(
+      "_record_composite_(Tensor(a!) rows, Tensor(b!) counter, Tensor[] sources, Tensor(c!)? attribution, "
+      "Tensor[] attribution_sources) -> ()");
 }
 
 // Every device without a record_ kernel of its own (CUDA among them) runs the composite.
-TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
+STABLE_TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
   m.impl("record_", &nanscan::record_composite);
   m.impl("_record_composite_", &nanscan::record_composite);
 }
 
-#ifndef NANSCAN_WITH_CUDA
-TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
-  m.impl("scan", &nanscan::scan_without_cuda);
-  m.impl("scale_", &nanscan::scale_without_cuda);
-  m.impl("unscale_scan_", &nanscan::unscale_scan_without_cuda);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);
   m.impl("scale_", &nanscan::scale_cpu);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cpu);

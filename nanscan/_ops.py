@@ -1,4 +1,6 @@
-"""Loads the compiled ops and gives each its fake (shape-only) implementation for torch.compile.
+"""Loads the compiled ops, gives each its fake (shape-only) implementation for torch.compile, and
+registers what the stable ABI the library is built on cannot (csrc/torch_api.h): the Autograd
+fall-through, and the writing ops' version counters and inference-tensor refusal.
 
 The ops themselves are declared once, in csrc/ops.cpp:
 
@@ -31,12 +33,118 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _C  # noqa: F401  (loading the library registers the ops)
+from . import _C  # loading the library registers the ops
 
 scan_op = torch.ops.nanscan.scan.default
 scale_op = torch.ops.nanscan.scale_.default
 unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 record_op = torch.ops.nanscan.record_.default
+_record_composite_op = torch.ops.nanscan._record_composite_.default
+
+# Kept for the life of the process: dropping a Library object removes its registrations.
+_LIBRARY = torch.library.Library("nanscan", "IMPL")
+
+# nanscan's ops are not differentiable: their outputs are counts, extrema and norms for diagnosis,
+# and their writes are the multiplies of clipping and unscaling, which torch runs under no_grad too.
+# The Autograd key falls through to the kernels, so outputs never require grad (autograd's fallback
+# would otherwise hang on them a grad_fn that fails only when someone calls backward through a norm);
+# the kernels run their own ATen calls with grad mode off (csrc/torch_api.h, NoGradGuard).
+for _name in ("scan", "scale_", "unscale_scan_", "record_", "_record_composite_"):
+    _LIBRARY.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
+_INFERENCE_MESSAGE = (
+    "Inplace update to inference tensor outside InferenceMode is not allowed."
+    "You can make a clone to get a normal tensor before doing inplace update."
+    "See https://github.com/pytorch/rfcs/pull/17 for more details."
+)
+_BELOW_INPLACE_OR_VIEW = torch._C._after_ADInplaceOrView_keyset
+_is_inference = torch.Tensor.is_inference
+_increment_version = torch._C._increment_version
+
+
+def _refuse_inference(tensors: Iterable[torch.Tensor]) -> None:
+    """torch's refusal, with its message, of an in-place write to an inference tensor outside
+    inference mode, before anything is written (an ADInplaceOrView kernel runs only outside it)."""
+    if any(map(_is_inference, tensors)):
+        raise RuntimeError(_INFERENCE_MESSAGE)
+
+
+def _writes_on_cpu(factor: torch.Tensor) -> bool:
+    """Whether a CPU kernel writes for this factor: it writes nothing when the factor is exactly 1.
+    Read on the host only for a plain CPU factor; on another device the kernel decides without a
+    sync, and a traced one (a fake or functional tensor under torch.compile) has no value to read:
+    such calls count as a write."""
+    return factor.device.type != "cpu" or type(factor) is not torch.Tensor or bool(factor.item() != 1.0)
+
+
+# What ADInplaceOrView does for torch's own in-place ops, for the writes the kernels make themselves
+# (not through ATen, whose in-place ops bump their tensors' versions already): the version counters
+# advance, so autograd sees that a saved tensor changed, and an inference tensor is refused first.
+def _scale_inplace_or_view(keyset: Any, tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+    _refuse_inference(tensors)
+    scale_op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, tensors, coef)
+    if coef.device.type != "cpu":  # the CPU kernel multiplies through ATen's _foreach_mul_
+        _increment_version(tensors)
+
+
+def _unscale_scan_inplace_or_view(keyset: Any, tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> Any:
+    _refuse_inference(tensors)
+    outputs = unscale_scan_op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, tensors, inv_scale)
+    if _writes_on_cpu(inv_scale):
+        _increment_version(tensors)
+    return outputs
+
+
+def _record_inplace_or_view(
+    keyset: Any,
+    rows: torch.Tensor,
+    counter: torch.Tensor,
+    sources: list[torch.Tensor],
+    attribution: torch.Tensor | None,
+    attribution_sources: list[torch.Tensor],
+) -> None:
+    written = [rows, counter] if attribution is None else [rows, counter, attribution]
+    _refuse_inference(written)
+    record_op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, rows, counter, sources, attribution, attribution_sources)
+    if rows.device.type == "cpu":  # elsewhere the composite writes through ATen's in-place ops
+        _increment_version(written)
+
+
+def _record_composite_inplace_or_view(
+    keyset: Any,
+    rows: torch.Tensor,
+    counter: torch.Tensor,
+    sources: list[torch.Tensor],
+    attribution: torch.Tensor | None,
+    attribution_sources: list[torch.Tensor],
+) -> None:
+    _refuse_inference([rows, counter] if attribution is None else [rows, counter, attribution])
+    _record_composite_op.redispatch(
+        keyset & _BELOW_INPLACE_OR_VIEW, rows, counter, sources, attribution, attribution_sources
+    )
+
+
+_LIBRARY.impl("scale_", _scale_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+_LIBRARY.impl("unscale_scan_", _unscale_scan_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+_LIBRARY.impl("record_", _record_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+_LIBRARY.impl("_record_composite_", _record_composite_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+
+
+def _built_without_cuda(*args: Any) -> Any:
+    raise RuntimeError(
+        "nanscan: this nanscan was built without its CUDA backend, so it cannot read CUDA tensors. Reinstall it "
+        "against a CUDA build of torch, with a CUDA toolkit (CUDA_HOME): pip install --no-build-isolation -e . "
+        "(setup.py prints which backends it builds, and why)"
+    )
+
+
+if not _C.with_cuda:
+    # A build without the CUDA backend (torch without CUDA, or NANSCAN_CPU_ONLY=1) still answers for
+    # CUDA tensors, and says why it cannot: otherwise the first CUDA call fails with the dispatcher's
+    # "Could not run 'nanscan::scan' with arguments from the 'CUDA' backend", which names neither
+    # cause nor fix.
+    for _name in ("scan", "scale_", "unscale_scan_"):
+        _LIBRARY.impl(_name, _built_without_cuda, "CUDA")
 
 _Fake = TypeVar("_Fake", bound=Callable[..., Any])
 

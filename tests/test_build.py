@@ -1,4 +1,5 @@
-"""What a build of nanscan holds, checked on the library itself (issue 34): on a CUDA torch, the real
+"""What a build of nanscan holds, checked on the library itself (issue 34): no C++ symbol of torch
+imported (the stable ABI: one build for every torch from 2.10 on); on a CUDA torch, the real
 CUDA kernels registered for the CUDA dispatch key, one libcudart in the process, and a kernel image
 for every architecture of the build (cuobjdump, from NVIDIA's pip package or a toolkit).
 
@@ -27,6 +28,31 @@ OLDEST_ARCH = (7, 5)  # setup.py's floor (tools/cuda_toolkit.py OLDEST_ARCH)
 needs_cuda_build = pytest.mark.skipif(
     not _C.with_cuda and not REQUIRED, reason="a CPU-only build of nanscan (NANSCAN_REQUIRE_CUDA_BUILD unset)"
 )
+
+
+def undefined_symbols(library: str) -> list[str]:
+    """The dynamic symbols a shared library imports, demangled (binutils' nm and c++filt)."""
+    listed = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True, check=True)
+    names = [line.split()[-1] for line in listed.stdout.splitlines() if line.strip()]
+    return subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout.split(
+        "\n"
+    )
+
+
+@pytest.mark.skipif(shutil.which("nm") is None or shutil.which("c++filt") is None, reason="no binutils (nm, c++filt)")
+def test_the_library_imports_no_cpp_symbol_of_torch() -> None:
+    """Built on torch's stable ABI (csrc/torch_api.h), the library calls torch only through its C
+    functions (aoti_torch_*, torch_*), whose signatures torch keeps from 2.10 on: a C++ symbol of
+    c10, ATen or torch would tie it to the release it was built against."""
+    imported = undefined_symbols(_C.__file__)
+    tied = [name for name in imported if re.search(r"\b(c10|at|torch|caffe2)::", name)]
+    assert not tied, f"{_C.__file__} imports {len(tied)} C++ symbols of torch: {tied[:10]}"
+    assert any(name.startswith("aoti_torch_") for name in imported), "the shim's C calls are not where expected"
+
+
+def test_the_library_is_built_for_pythons_limited_api() -> None:
+    """One build for every CPython from 3.10 (the wheel's abi3 tag): the file says so."""
+    assert Path(_C.__file__).name.endswith(".abi3.so"), _C.__file__
 
 
 def built_archs() -> tuple[set[str], set[str]]:

@@ -1,8 +1,5 @@
 #include "record_cpu.h"
 
-#include <ATen/Dispatch.h>
-#include <c10/util/TypeCast.h>
-
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -15,15 +12,20 @@ namespace {
 // a scale (a GradScaler's float32 found_inf, an integer tensor). Not float16/bfloat16: torch's own
 // copy_ to float32 gives a float16 NaN different bits in its vector loop and its scalar tail (0x7fffffff
 // and 0x7fc00000 for 0x7e00), so no kernel can match the composite's bytes for them.
-#define NANSCAN_RECORD_SOURCE_CASES(...)    \
-  AT_DISPATCH_CASE(at::kBool, __VA_ARGS__)  \
-  AT_DISPATCH_CASE(at::kByte, __VA_ARGS__)  \
-  AT_DISPATCH_CASE(at::kChar, __VA_ARGS__)  \
-  AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) \
-  AT_DISPATCH_CASE(at::kInt, __VA_ARGS__)   \
-  AT_DISPATCH_CASE(at::kLong, __VA_ARGS__)  \
-  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-  AT_DISPATCH_CASE(at::kDouble, __VA_ARGS__)
+// Calls f(static_cast<const T*>(nullptr)) with the C++ type of the dtype code.
+template <class F>
+void visit_source_type(int32_t dtype, F&& f) {
+  const DTypeCodes& c = dtype_codes();
+  if (dtype == c.boolean) return f(static_cast<const bool*>(nullptr));
+  if (dtype == c.uint8) return f(static_cast<const uint8_t*>(nullptr));
+  if (dtype == c.int8) return f(static_cast<const int8_t*>(nullptr));
+  if (dtype == c.int16) return f(static_cast<const int16_t*>(nullptr));
+  if (dtype == c.int32) return f(static_cast<const int32_t*>(nullptr));
+  if (dtype == c.int64) return f(static_cast<const int64_t*>(nullptr));
+  if (dtype == c.float32) return f(static_cast<const float*>(nullptr));
+  if (dtype == c.float64) return f(static_cast<const double*>(nullptr));
+  fail(concat("nanscan.record_: no conversion from ", dtype_name(dtype)));  // ops.cpp refused it already
+}
 
 // One row's values, converted to the row's dtype and held until every source of the call has been
 // read. Per thread and kept between calls: an append then allocates nothing.
@@ -32,53 +34,60 @@ std::vector<unsigned char>& staging(int which) {
   return buffers[which];
 }
 
-// Converts every element of `sources`, in order, to Out into `out`. c10::convert is the conversion
-// torch's copy_ applies element by element (round to nearest; NaN stays NaN, bool becomes 0 or 1).
+// Converts every element of `sources`, in order, to Out into `out`: the conversion torch's copy_
+// applies element by element (a static_cast: round to nearest; NaN stays NaN, bool becomes 0 or 1).
+// A negative-bit source never arrives here: torch's negation fallback resolves the op's immutable
+// inputs before the kernel.
 template <class Out>
-void convert_sources(at::TensorList sources, Out* out) {
+void convert_sources(const TensorListArg& sources, Out* out) {
   int64_t offset = 0;
-  for (const at::Tensor& given : sources) {
-    // Read in place when plain; the rare strided view (or a lazily negated one, whose memory holds
-    // the values before negation) is made plain first, as copy_ would read it.
-    const at::Tensor source = (given.is_contiguous() && !given.is_neg()) ? given : given.resolve_neg().contiguous();
-    const int64_t n = source.numel();
-    AT_DISPATCH_SWITCH(source.scalar_type(), "nanscan.record_", NANSCAN_RECORD_SOURCE_CASES([&] {
-                         const scalar_t* in = source.const_data_ptr<scalar_t>();
-                         for (int64_t i = 0; i < n; ++i) out[offset + i] = c10::convert<Out>(in[i]);
-                       }));
+  for (const TensorInfo& given : sources.infos()) {
+    // Read in place when contiguous; the rare strided view is made contiguous first, as copy_ would read it.
+    OwnedTensor copy;
+    const void* data = given.data;
+    if (given.numel > 1 && !is_contiguous(given)) {
+      copy = contiguous(given.handle);
+      data = copy.data();
+    }
+    const int64_t n = given.numel;
+    visit_source_type(given.dtype, [&](auto typed) {
+      const auto* in = static_cast<decltype(typed)>(data);
+      for (int64_t i = 0; i < n; ++i) out[offset + i] = static_cast<Out>(in[i]);
+    });
     offset += n;
   }
 }
 
 // `sources` converted to the dtype of `rows` in staging(which): rows.size(1) values.
-void stage(const at::Tensor& rows, at::TensorList sources, int which) {
+void stage(const TensorInfo& rows, const TensorListArg& sources, int which) {
   std::vector<unsigned char>& bytes = staging(which);
-  bytes.resize(static_cast<size_t>(rows.size(1)) * rows.element_size());
-  if (rows.scalar_type() == at::kFloat) {
+  if (rows.dtype == dtype_codes().float32) {
+    bytes.resize(static_cast<size_t>(rows.size(1)) * sizeof(float));
     convert_sources(sources, reinterpret_cast<float*>(bytes.data()));
   } else {  // float64, the one other dtype ops.cpp lets rows have
+    bytes.resize(static_cast<size_t>(rows.size(1)) * sizeof(double));
     convert_sources(sources, reinterpret_cast<double*>(bytes.data()));
   }
 }
 
 // Copies staging(which) into row `slot` of `rows`, whatever its strides.
-void write_row(const at::Tensor& rows, int64_t slot, int which) {
+void write_row(const TensorInfo& rows, int64_t slot, int which) {
   const std::vector<unsigned char>& bytes = staging(which);
-  const int64_t item = rows.element_size();
-  unsigned char* row = static_cast<unsigned char*>(rows.data_ptr()) + slot * rows.stride(0) * item;
-  if (rows.stride(1) == 1) {
+  const int64_t item = rows.dtype == dtype_codes().float32 ? sizeof(float) : sizeof(double);
+  unsigned char* row = static_cast<unsigned char*>(rows.data) + slot * rows.strides[0] * item;
+  if (rows.strides[1] == 1) {
     std::memcpy(row, bytes.data(), bytes.size());
     return;
   }
   for (int64_t j = 0; j < rows.size(1); ++j)
-    std::memcpy(row + j * rows.stride(1) * item, bytes.data() + j * item, item);
+    std::memcpy(row + j * rows.strides[1] * item, bytes.data() + j * item, item);
 }
 
 }  // namespace
 
-void record(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-            const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources) {
-  int64_t* count = counter.data_ptr<int64_t>();
+void record(const TensorInfo& rows, const TensorInfo& counter, const TensorListArg& sources,
+            const std::optional<TensorInfo>& attribution, const TensorListArg& attribution_sources) {
+  auto* count = static_cast<int64_t*>(counter.data);
   const int64_t capacity = rows.size(0);
   // torch.remainder's sign (the divisor's): a negative counter still lands on a row.
   int64_t slot = *count % capacity;

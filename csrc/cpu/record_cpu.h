@@ -1,9 +1,9 @@
 // CPU backend of record_: one recorder append (nanscan/recorder.py) in one call.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <optional>
+
+#include "../torch_api.h"
 
 namespace nanscan::cpu {
 
@@ -11,8 +11,8 @@ namespace nanscan::cpu {
 // casts) into row `*counter mod capacity` of `rows` ([capacity, length]), the values of
 // `attribution_sources` into the same row of `attribution`, then adds 1 to the counter. Every source
 // is read before any row is written, and the counter after, so aliased inputs behave as they do in
-// the op's composite implementation. Inputs must have passed check_record_inputs (ops.h).
-void record(const at::Tensor& rows, const at::Tensor& counter, at::TensorList sources,
-            const std::optional<at::Tensor>& attribution, at::TensorList attribution_sources);
+// the op's composite implementation. Inputs must have passed record_'s checks (ops.cpp).
+void record(const TensorInfo& rows, const TensorInfo& counter, const TensorListArg& sources,
+            const std::optional<TensorInfo>& attribution, const TensorListArg& attribution_sources);
 
 }  // namespace nanscan::cpu

@@ -1,6 +1,8 @@
 #include "scan_cpu.h"
 
-#include <ATen/Parallel.h>
+#include <torch/csrc/stable/ops.h>
+
+#include "../ops.h"  // kMaxDims
 
 #include <algorithm>
 #include <cstring>
@@ -307,18 +309,18 @@ NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end
 // Elements [begin, end) in logical (row-major) order of a tensor that is not dense in memory, gathered
 // run by run into a stack buffer, so no allocation scales with the tensor.
 template <class Codec, bool kHalfRange>
-NANSCAN_INLINE void scan_strided(const at::Tensor& t, int64_t begin, int64_t end, bool checksum, TensorStats& s) {
+NANSCAN_INLINE void scan_strided(const TensorInfo& t, int64_t begin, int64_t end, bool checksum, TensorStats& s) {
   using Raw = typename Codec::Raw;
-  const int64_t ndim = t.dim();
-  const auto sizes = t.sizes();
-  const auto strides = t.strides();
+  const int64_t ndim = t.dim;
+  const int64_t* sizes = t.sizes;
+  const int64_t* strides = t.strides;
   int64_t index[kMaxDims];
   int64_t rest = begin;
   for (int64_t d = ndim - 1; d >= 0; --d) {
     index[d] = rest % sizes[d];
     rest /= sizes[d];
   }
-  const auto* base = static_cast<const Raw*>(t.const_data_ptr());
+  const auto* base = static_cast<const Raw*>(t.data);
   Raw buffer[kRunElements];
   RunScale<Codec> carried;
   for (int64_t i = begin; i < end;) {
@@ -346,13 +348,13 @@ struct Chunk {
 
 // The tensor's elements as one contiguous memory span, when it is dense in any permutation of its
 // dimensions (contiguous, transposed, channels-last, ...): order does not change the statistics.
-const void* dense_span(const at::Tensor& t) { return t.is_non_overlapping_and_dense() ? t.const_data_ptr() : nullptr; }
+const void* dense_span(const TensorInfo& t) { return t.dense() ? t.data : nullptr; }
 
 // The only function with hot loops; compiled for several x86 levels and picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int64_t begin, int64_t end,
+TensorStats scan_chunk(const TensorInfo& t, DType dtype, const void* dense, int64_t begin, int64_t end,
                        const float* multiply_by, bool half_range, bool checksum) {
   TensorStats s = empty_stats();
   switch (dtype) {
@@ -384,7 +386,7 @@ TensorStats scan_chunk(const at::Tensor& t, DType dtype, const void* dense, int6
 
 }  // namespace
 
-void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
+void scan(const std::vector<TensorInfo>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
           std::optional<float> multiply_dense_by) {
   // torch leaves the values untouched (no write) when the factor is exactly 1; so do we.
   const float* multiply_by =
@@ -398,8 +400,8 @@ void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const Result
   chunk_start_byte.reserve(n);
   int64_t total_bytes = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& t = tensors[i];
-    const int64_t numel = t.numel();
+    const TensorInfo& t = tensors[i];
+    const int64_t numel = t.numel;
     const int64_t elem = element_size(dtypes[i]);
     dense[i] = numel > 0 ? dense_span(t) : nullptr;
     first_chunk[i] = static_cast<int64_t>(chunks.size());
@@ -416,7 +418,7 @@ void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const Result
   if (total_bytes > 0) {
     // Each task owns the chunks that start inside its byte range; which thread computes a chunk never
     // changes the chunk's result.
-    at::parallel_for(0, total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
+    torch::stable::parallel_for(0, total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
       auto c =
           std::lower_bound(chunk_start_byte.begin(), chunk_start_byte.end(), byte_begin) - chunk_start_byte.begin();
       const int64_t num_chunks = static_cast<int64_t>(chunks.size());

@@ -1,25 +1,22 @@
 // CPU backend of the scan: one call over a whole list of CPU tensors.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <optional>
 #include <vector>
 
 #include "../common/scan_rules.h"
+#include "../torch_api.h"
 
 namespace nanscan::cpu {
-
-// Tensors with more dimensions than this are rejected by the op layer (the strided reader keeps an
-// index per dimension on the stack).
-constexpr int64_t kMaxDims = 64;
 
 // Fills `out` for `tensors` (all on the CPU, dtypes[i] the tag of tensors[i]). Work is split into
 // byte-sized chunks fixed by the tensor sizes alone, scanned in parallel, and combined in chunk order,
 // so the result does not depend on the thread count. Non-contiguous tensors are read in place.
 // With `multiply_dense_by`, every dense tensor is first multiplied in place (fused into the same pass;
 // the caller multiplies non-dense ones beforehand), and the statistics are of the products.
-void scan(at::TensorList tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
+// Tensors have at most kMaxDims (ops.h) dimensions: the strided reader keeps an index per dimension
+// on the stack.
+void scan(const std::vector<TensorInfo>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
           std::optional<float> multiply_dense_by = std::nullopt);
 
 }  // namespace nanscan::cpu

@@ -9,6 +9,7 @@ for n in (10, 1000, 10000):
     ts = [torch.zeros(4) for _ in range(n)]
     for name, f in (
         ("stable noop", torch.ops.proto.noop_list.default),
+        ("stable raw+meta", torch.ops.proto.noop_list_raw.default),
         ("legacy noop", torch.ops.legacy.noop_list.default),
         ("stable check", torch.ops.proto.check_list.default),
         ("legacy check", torch.ops.legacy.check_list.default),

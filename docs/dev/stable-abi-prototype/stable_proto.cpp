@@ -231,3 +231,37 @@ void scale_nograd_(std::vector<Tensor> tensors, Tensor coef) {
 }
 STABLE_TORCH_LIBRARY_FRAGMENT(proto, m) { m.def("scale_nograd_(Tensor(a!)[] tensors, Tensor coef) -> ()"); }
 STABLE_TORCH_LIBRARY_IMPL(proto, CPU, m) { m.impl("scale_nograd_", TORCH_BOX(&scale_nograd_)); }
+
+// The same no-op list op with a hand-written boxed kernel: the list's tensor handles are read and
+// released one by one, without a torch::stable::Tensor (a shared_ptr control block) per element.
+static void noop_list_raw(StableIValue* stack, uint64_t, uint64_t) {
+  auto list = sd::to<StableListHandle>(stack[0]);
+  size_t n = 0;
+  torch_list_size(list, &n);
+  thread_local std::vector<AtenTensorHandle> handles;
+  handles.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    StableIValue e;
+    torch_list_get_item(list, i, &e);
+    handles[i] = sd::to<AtenTensorHandle>(e);
+  }
+  // per-tensor metadata as nanscan needs it
+  int64_t sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    int32_t dt, dev, idx; int64_t dim, numel; void* p; int64_t* sz;
+    aoti_torch_get_dtype(handles[i], &dt);
+    aoti_torch_get_device_type(handles[i], &dev);
+    aoti_torch_get_device_index(handles[i], &idx);
+    aoti_torch_get_dim(handles[i], &dim);
+    aoti_torch_get_numel(handles[i], &numel);
+    aoti_torch_get_sizes(handles[i], &sz);
+    aoti_torch_get_strides(handles[i], &sz);
+    aoti_torch_get_data_ptr(handles[i], &p);
+    sum += dt + dev + idx + dim + numel;
+  }
+  for (size_t i = 0; i < n; ++i) aoti_torch_delete_tensor_object(handles[i]);
+  torch_delete_list(list);
+  (void)sum;
+}
+STABLE_TORCH_LIBRARY_FRAGMENT(proto, m) { m.def("noop_list_raw(Tensor[] tensors) -> ()"); }
+STABLE_TORCH_LIBRARY_IMPL(proto, CPU, m) { m.impl("noop_list_raw", &noop_list_raw); }
