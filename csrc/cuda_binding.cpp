@@ -2,7 +2,9 @@
 // declares the shim's CUDA calls): validation (shared with the CPU op), device guard, current
 // stream, allocation through the caching allocator (except the cache of long lists' metadata: see
 // OwnedDeviceBlob). Registers the CUDA kernels of the schemas in ops.cpp.
-// Built only when torch has CUDA (see setup.py).
+// One library per CUDA major, nanscan/_C_cuda<major> (setup.py builds it for each toolkit it is
+// given, with or without a CUDA torch; nanscan/_ops.py loads the one of torch's CUDA).
+#include <Python.h>
 #include <cuda_runtime.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -72,8 +74,9 @@ std::vector<cuda::TensorArg> tensor_args(const TensorListArg& tensors, const std
   return args;
 }
 
-// The GPU architectures this build holds kernels for, for the error below: setup.py writes them into a
-// header in the build tree (TORCH_CUDA_ARCH_LIST as it built); a build without it says so.
+// The GPU architectures this build holds kernels for, for the error below and the module's
+// cuda_archs: setup.py writes them into a header in the build tree (TORCH_CUDA_ARCH_LIST as it
+// built); a build without it says so.
 #if __has_include("nanscan_cuda_archs.h")
 #include "nanscan_cuda_archs.h"
 #else
@@ -375,6 +378,37 @@ void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outp
 
 }  // namespace
 }  // namespace nanscan
+
+// The module nanscan/_ops.py imports (its name, e.g. _C_cuda13, is setup.py's NANSCAN_CUDA_MODULE):
+// importing it runs the registration below. cuda_archs: the TORCH_CUDA_ARCH_LIST the kernels were
+// compiled for (tests/test_build.py compares it with the fatbinary); cuda_major: the CUDA major of
+// the toolkit, whose libcudart.so.<major> the library needs.
+#ifndef NANSCAN_CUDA_MODULE
+#error "setup.py names the module: NANSCAN_CUDA_MODULE=_C_cuda<major>"
+#endif
+#define NANSCAN_CONCAT_(a, b) a##b
+#define NANSCAN_CONCAT(a, b) NANSCAN_CONCAT_(a, b)
+#define NANSCAN_STRING_(a) #a
+#define NANSCAN_STRING(a) NANSCAN_STRING_(a)
+
+PyMODINIT_FUNC NANSCAN_CONCAT(PyInit_, NANSCAN_CUDA_MODULE)(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
+                                   NANSCAN_STRING(NANSCAN_CUDA_MODULE),
+                                   nullptr,
+                                   -1,
+                                   nullptr,
+                                   nullptr,
+                                   nullptr,
+                                   nullptr,
+                                   nullptr};
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && (PyModule_AddStringConstant(module, "cuda_archs", NANSCAN_CUDA_ARCHS) != 0 ||
+                            PyModule_AddIntConstant(module, "cuda_major", CUDART_VERSION / 1000) != 0)) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}
 
 STABLE_TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
   m.impl("scan", &nanscan::scan_cuda);

@@ -1,24 +1,32 @@
 #include "torch_api.h"
 
-#include <dlfcn.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
 #include <numeric>
 
+// torch's message of the exception it caught last on this thread arrived in 2.13
+// (torch_exception_get_what_without_backtrace), after the 2.10 this library targets: declared weak,
+// it is the running torch's where it has one, and null on 2.10-2.12 (a weak reference, not dlsym:
+// dlsym's symbol version on a glibc of 2.34 or later would raise the wheel's glibc floor).
+extern "C" __attribute__((weak)) const char* torch_exception_get_what_without_backtrace();
+
+// Built against a glibc of 2.32 or later, libstdc++'s headers read glibc's __libc_single_threaded
+// (a GLIBC_2.32 symbol) to skip the atomic reference counts of shared_ptr in a single-threaded
+// process; that one reference would keep the library from loading on the glibc 2.28 that
+// manylinux_2_28 promises. A definition inside the library, always 0 ("threads may exist": the
+// atomic path, correct in every process), resolves it here; it is hidden like every symbol of ours.
+extern "C" {
+char __libc_single_threaded = 0;  // NOLINT: the name is glibc's
+}
+
 namespace nanscan {
 namespace {
 
-// The message of the exception torch caught last on this thread, where the running torch can say
-// it: torch_exception_get_what_without_backtrace arrived in 2.13, after the 2.10 this library
-// targets, so it is looked up at run time rather than linked (a 2.10-2.12 torch has none).
 std::string last_torch_error() {
-  using GetWhat = const char* (*)();
-  static const auto get_what =
-      reinterpret_cast<GetWhat>(dlsym(RTLD_DEFAULT, "torch_exception_get_what_without_backtrace"));
-  if (get_what == nullptr) return {};
-  const char* what = get_what();
+  if (torch_exception_get_what_without_backtrace == nullptr) return {};
+  const char* what = torch_exception_get_what_without_backtrace();
   return what != nullptr ? std::string(what) : std::string();
 }
 
@@ -37,12 +45,11 @@ void call_aten(const char* op, const char* overload, StableIValue* stack) {
 }
 
 const DTypeCodes& dtype_codes() {
-  static const DTypeCodes codes{aoti_torch_dtype_float32(),       aoti_torch_dtype_float64(),
-                                aoti_torch_dtype_float16(),       aoti_torch_dtype_bfloat16(),
-                                aoti_torch_dtype_float8_e4m3fn(), aoti_torch_dtype_float8_e5m2(),
-                                aoti_torch_dtype_bool(),          aoti_torch_dtype_uint8(),
-                                aoti_torch_dtype_int8(),          aoti_torch_dtype_int16(),
-                                aoti_torch_dtype_int32(),         aoti_torch_dtype_int64()};
+  static const DTypeCodes codes{
+      aoti_torch_dtype_float32(),  aoti_torch_dtype_float64(),       aoti_torch_dtype_float16(),
+      aoti_torch_dtype_bfloat16(), aoti_torch_dtype_float8_e4m3fn(), aoti_torch_dtype_float8_e5m2(),
+      aoti_torch_dtype_bool(),     aoti_torch_dtype_uint8(),         aoti_torch_dtype_int8(),
+      aoti_torch_dtype_int16(),    aoti_torch_dtype_int32(),         aoti_torch_dtype_int64()};
   return codes;
 }
 
@@ -124,10 +131,10 @@ std::string device_name(int32_t device_type, int32_t device_index) {
 
 std::string layout_name(int32_t layout) {
   const std::pair<int32_t, const char*> names[] = {
-      {aoti_torch_layout_strided(), "Strided"},       {aoti_torch_layout_sparse_coo(), "Sparse"},
-      {aoti_torch_layout_sparse_csr(), "SparseCsr"},  {aoti_torch_layout_sparse_csc(), "SparseCsc"},
-      {aoti_torch_layout_sparse_bsr(), "SparseBsr"},  {aoti_torch_layout_sparse_bsc(), "SparseBsc"},
-      {aoti_torch_layout__mkldnn(), "Mkldnn"},        {aoti_torch_layout_jagged(), "Jagged"},
+      {aoti_torch_layout_strided(), "Strided"},      {aoti_torch_layout_sparse_coo(), "Sparse"},
+      {aoti_torch_layout_sparse_csr(), "SparseCsr"}, {aoti_torch_layout_sparse_csc(), "SparseCsc"},
+      {aoti_torch_layout_sparse_bsr(), "SparseBsr"}, {aoti_torch_layout_sparse_bsc(), "SparseBsc"},
+      {aoti_torch_layout__mkldnn(), "Mkldnn"},       {aoti_torch_layout_jagged(), "Jagged"},
   };
   for (const auto& [c, name] : names) {
     if (c == layout) return name;

@@ -40,8 +40,8 @@ std::string concat(const Parts&... parts) {
   return out.str();
 }
 
-#define NANSCAN_CHECK(cond, ...)                                 \
-  do {                                                           \
+#define NANSCAN_CHECK(cond, ...)                                  \
+  do {                                                            \
     if (!(cond)) ::nanscan::fail(::nanscan::concat(__VA_ARGS__)); \
   } while (0)
 

@@ -27,13 +27,64 @@ The ops themselves are declared once, in csrc/ops.cpp:
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Callable, Iterable
 from functools import reduce
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _C  # loading the library registers the ops
+# The oldest torch whose stable ABI the libraries are built on (csrc/torch_api.h, setup.py's
+# TORCH_TARGET_VERSION): an older one lacks C calls they make, and loading them there would fail with
+# the dynamic linker's "undefined symbol", which names neither cause nor fix.
+OLDEST_TORCH = (2, 10)
+
+
+def _torch_release(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+if _torch_release(torch.__version__) < OLDEST_TORCH:
+    raise ImportError(
+        f"nanscan needs torch {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]} or newer (its compiled library is built on "
+        f"PyTorch's stable ABI of {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}); this is torch {torch.__version__}. "
+        f'Upgrade torch (pip install "torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}")'
+    )
+
+from . import _C  # noqa: E402  (loading the library registers the ops and their CPU kernels)
+
+
+def cuda_libraries_held() -> list[str]:
+    """The CUDA libraries this install holds: ``_C_cuda13`` ... (none for a CPU-only build)."""
+    found = {re.match(r"(_C_cuda\d+)\.", p.name) for p in Path(_C.__file__).parent.glob("_C_cuda*.so")}
+    return sorted(m.group(1) for m in found if m is not None)
+
+
+def _load_cuda_library() -> ModuleType | None:
+    """The CUDA library of the running torch's CUDA major (importing it registers the CUDA kernels),
+    or None: a CPU torch, or an install without that major's library (``_built_without_cuda`` then
+    answers for CUDA tensors)."""
+    if torch.version.cuda is None:
+        return None
+    name = f"_C_cuda{torch.version.cuda.split('.')[0]}"
+    if name not in cuda_libraries_held():
+        return None
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError as error:
+        raise ImportError(
+            f"nanscan could not load its CUDA library {name} with torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}): {error}. Reinstall nanscan for this torch (pip install --no-build-isolation "
+            "--force-reinstall nanscan, or a wheel built with tools/build_wheel.sh)"
+        ) from error
+
+
+# The loaded CUDA library (its cuda_archs and cuda_major say what it holds), or None.
+cuda_library = _load_cuda_library()
 
 scan_op = torch.ops.nanscan.scan.default
 scale_op = torch.ops.nanscan.scale_.default
@@ -131,20 +182,24 @@ _LIBRARY.impl("_record_composite_", _record_composite_inplace_or_view, "ADInplac
 
 
 def _built_without_cuda(*args: Any) -> Any:
+    held = ", ".join(cuda_libraries_held()) or "none (a CPU-only build)"
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
     raise RuntimeError(
-        "nanscan: this nanscan was built without its CUDA backend, so it cannot read CUDA tensors. Reinstall it "
-        "against a CUDA build of torch, with a CUDA toolkit (CUDA_HOME): pip install --no-build-isolation -e . "
-        "(setup.py prints which backends it builds, and why)"
+        f"nanscan: this install holds no CUDA library for torch {torch.__version__} ({cuda}), "
+        f"so it cannot read CUDA tensors; it holds: {held}. Reinstall it with the CUDA backend: a wheel built "
+        "with tools/build_wheel.sh, or pip install --no-build-isolation -e . against this CUDA torch with a CUDA "
+        "toolkit (CUDA_HOME; setup.py prints which libraries it builds, and why)"
     )
 
 
-if not _C.with_cuda:
-    # A build without the CUDA backend (torch without CUDA, or NANSCAN_CPU_ONLY=1) still answers for
-    # CUDA tensors, and says why it cannot: otherwise the first CUDA call fails with the dispatcher's
-    # "Could not run 'nanscan::scan' with arguments from the 'CUDA' backend", which names neither
-    # cause nor fix.
+if cuda_library is None:
+    # An install without the CUDA library of torch's CUDA (a CPU-only build, NANSCAN_CPU_ONLY=1, or a
+    # wheel without that major) still answers for CUDA tensors, and says why it cannot: otherwise the
+    # first CUDA call fails with the dispatcher's "Could not run 'nanscan::scan' with arguments from
+    # the 'CUDA' backend", which names neither cause nor fix.
     for _name in ("scan", "scale_", "unscale_scan_"):
         _LIBRARY.impl(_name, _built_without_cuda, "CUDA")
+
 
 _Fake = TypeVar("_Fake", bound=Callable[..., Any])
 

@@ -16,18 +16,29 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
-from nanscan import _C
+from nanscan import _C, _ops
 
 REQUIRED = os.environ.get("NANSCAN_REQUIRE_CUDA_BUILD") == "1"
 OLDEST_ARCH = (7, 5)  # setup.py's floor (tools/cuda_toolkit.py OLDEST_ARCH)
 
 needs_cuda_build = pytest.mark.skipif(
-    not _C.with_cuda and not REQUIRED, reason="a CPU-only build of nanscan (NANSCAN_REQUIRE_CUDA_BUILD unset)"
+    _ops.cuda_library is None and not REQUIRED,
+    reason="no CUDA library of torch's CUDA in this install (NANSCAN_REQUIRE_CUDA_BUILD unset)",
 )
+
+
+def cuda_library() -> ModuleType:
+    """The CUDA library nanscan loaded for this torch's CUDA; a failure where a CUDA build is required."""
+    assert _ops.cuda_library is not None, (
+        f"NANSCAN_REQUIRE_CUDA_BUILD=1, but no CUDA library of torch's CUDA {torch.version.cuda} was loaded; "
+        f"the install holds {_ops.cuda_libraries_held()}"
+    )
+    return _ops.cuda_library
 
 
 def undefined_symbols(library: str) -> list[str]:
@@ -44,21 +55,42 @@ def test_the_library_imports_no_cpp_symbol_of_torch() -> None:
     """Built on torch's stable ABI (csrc/torch_api.h), the library calls torch only through its C
     functions (aoti_torch_*, torch_*), whose signatures torch keeps from 2.10 on: a C++ symbol of
     c10, ATen or torch would tie it to the release it was built against."""
-    imported = undefined_symbols(_C.__file__)
-    tied = [name for name in imported if re.search(r"\b(c10|at|torch|caffe2)::", name)]
-    assert not tied, f"{_C.__file__} imports {len(tied)} C++ symbols of torch: {tied[:10]}"
-    assert any(name.startswith("aoti_torch_") for name in imported), "the shim's C calls are not where expected"
+    for library in libraries():
+        imported = undefined_symbols(library)
+        tied = [name for name in imported if re.search(r"\b(c10|at|torch|caffe2)::", name)]
+        assert not tied, f"{library} imports {len(tied)} C++ symbols of torch: {tied[:10]}"
+        assert any(name.startswith("aoti_torch_") for name in imported), f"{library}: no shim call where expected"
 
 
-def test_the_library_is_built_for_pythons_limited_api() -> None:
-    """One build for every CPython from 3.10 (the wheel's abi3 tag): the file says so."""
-    assert Path(_C.__file__).name.endswith(".abi3.so"), _C.__file__
+def libraries() -> list[str]:
+    """Every compiled library of this install: _C and the CUDA ones."""
+    return [_C.__file__, *(str(p) for p in sorted(Path(_C.__file__).parent.glob("_C_cuda*.so")))]
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="no binutils (readelf)")
+def test_a_cuda_library_needs_torchs_cuda_library_and_one_cudart() -> None:
+    """The CUDA calls of torch's stable shim (the current stream, the device guard) live in
+    libtorch_cuda.so: the library must name it, whether it was linked against torch's or against the
+    stand-in a CPU torch's build makes (setup.py), and its own CUDA major's libcudart.so.N."""
+    for library in libraries()[1:]:
+        dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True).stdout
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+        major = re.search(r"_C_cuda(\d+)\.", Path(library).name)
+        assert major is not None, library
+        assert "libtorch_cuda.so" in needed, (library, needed)
+        assert [n for n in needed if n.startswith("libcudart")] == [f"libcudart.so.{major.group(1)}"], (library, needed)
+
+
+def test_the_libraries_are_built_for_pythons_limited_api() -> None:
+    """One build for every CPython from 3.10 (the wheel's abi3 tag): the files say so."""
+    for library in libraries():
+        assert Path(library).name.endswith(".abi3.so"), library
 
 
 def built_archs() -> tuple[set[str], set[str]]:
-    """(the SASS architectures, the PTX ones) the build says it holds, from ``_C.cuda_archs``."""
+    """(the SASS architectures, the PTX ones) the CUDA library says it holds, from its ``cuda_archs``."""
     sass, ptx = set(), set()
-    for entry in filter(None, _C.cuda_archs.split(";")):
+    for entry in filter(None, cuda_library().cuda_archs.split(";")):
         number = entry.removesuffix("+PTX").replace(".", "")
         sass.add(f"sm_{number}")
         if entry.endswith("+PTX"):
@@ -68,12 +100,13 @@ def built_archs() -> tuple[set[str], set[str]]:
 
 @needs_cuda_build
 def test_a_cuda_build_registers_its_kernels_for_the_cuda_key() -> None:
-    assert _C.with_cuda, "NANSCAN_REQUIRE_CUDA_BUILD=1, but this nanscan was built without its CUDA backend"
+    library = cuda_library()
+    assert library.cuda_major == int(torch.version.cuda.split(".")[0]), (library.cuda_major, torch.version.cuda)
     for op in ("scan", "scale_", "unscale_scan_"):
         dump = torch._C._dispatch_dump(f"nanscan::{op}")
         cuda = [line for line in dump.splitlines() if line.startswith("CUDA:")]
-        # The real kernels are registered by cuda_binding.cpp; a CPU-only build's stand-ins (which
-        # say "built without its CUDA backend") by ops.cpp.
+        # The real kernels are registered by cuda_binding.cpp; the stand-ins of an install without
+        # them (which say "holds no CUDA library") by nanscan/_ops.py.
         assert len(cuda) == 1 and "cuda_binding.cpp" in cuda[0], dump
 
 
@@ -116,16 +149,17 @@ def test_the_fatbinary_holds_every_architecture_of_the_build() -> None:
         if REQUIRED:
             pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump (the 'build-check' extra)")
         pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
-    library = _C.__file__
+    library = cuda_library().__file__
 
     def listed(kind: str) -> set[str]:
         out = subprocess.run([tool, f"--list-{kind}", library], capture_output=True, text=True, timeout=120, check=True)
         return set(re.findall(r"\.(sm_\d+a?)\.(?:cubin|ptx)", out.stdout))
 
     sass, ptx = built_archs()
-    assert sass, f"_C.cuda_archs is {_C.cuda_archs!r}"
-    assert listed("elf") == sass, (listed("elf"), _C.cuda_archs)
-    assert listed("ptx") == ptx, (listed("ptx"), _C.cuda_archs)
+    archs = cuda_library().cuda_archs
+    assert sass, f"cuda_archs is {archs!r}"
+    assert listed("elf") == sass, (listed("elf"), archs)
+    assert listed("ptx") == ptx, (listed("ptx"), archs)
     # PTX for the newest architecture: GPUs newer than the build still run (their driver compiles it).
     newest = max(sass, key=lambda a: int(re.sub(r"\D", "", a)))
     assert ptx == {newest}, (ptx, newest)
@@ -143,8 +177,11 @@ def test_a_default_build_covers_every_architecture_torch_was_built_for() -> None
         if flag.startswith("sm_") and tuple(divmod(int(flag[3:]), 10)) >= OLDEST_ARCH
     }
     sass, _ = built_archs()
-    assert wanted <= sass, f"torch {torch.__version__} holds {sorted(wanted)}; the build {_C.cuda_archs!r}"
+    assert wanted <= sass, f"torch {torch.__version__} holds {sorted(wanted)}; the build {cuda_library().cuda_archs!r}"
 
 
-def test_a_cpu_build_says_it_holds_no_architecture() -> None:
-    assert (_C.cuda_archs == "") == (not _C.with_cuda), (_C.with_cuda, _C.cuda_archs)
+def test_the_cuda_libraries_held_are_the_ones_on_disk() -> None:
+    on_disk = sorted(p.name.split(".")[0] for p in Path(_C.__file__).parent.glob("_C_cuda*.so"))
+    assert _ops.cuda_libraries_held() == on_disk
+    if _ops.cuda_library is not None:
+        assert _ops.cuda_library.__name__ == f"nanscan._C_cuda{torch.version.cuda.split('.')[0]}"

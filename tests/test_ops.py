@@ -233,12 +233,13 @@ def test_names_must_match_the_tensors() -> None:
 
 
 def test_a_build_without_cuda_says_so_at_the_first_cuda_call() -> None:
-    """Without its CUDA backend, nanscan registers CUDA kernels that name the cause and the fix, in
-    place of the dispatcher's "Could not run 'nanscan::scan' with arguments from the 'CUDA' backend"."""
-    from nanscan import _C
+    """Without the CUDA library of torch's CUDA, nanscan registers CUDA kernels that name the cause,
+    what the install holds and the fix, in place of the dispatcher's "Could not run 'nanscan::scan'
+    with arguments from the 'CUDA' backend"."""
+    from nanscan import _ops
 
-    if _C.with_cuda:
-        pytest.skip("this build has the CUDA backend")
+    if _ops.cuda_library is not None:
+        pytest.skip("this install has the CUDA library of torch's CUDA")
     cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)  # the CUDA kernels, called on CPU tensors
     t = torch.ones(3)
     calls = [
@@ -247,6 +248,6 @@ def test_a_build_without_cuda_says_so_at_the_first_cuda_call() -> None:
         lambda: torch.ops.nanscan.unscale_scan_.default.redispatch(cuda, [t], torch.tensor(0.5)),
     ]
     for call in calls:
-        with pytest.raises(RuntimeError, match=r"built without its CUDA backend.*CUDA_HOME"):
+        with pytest.raises(RuntimeError, match=r"holds no CUDA library for torch .*; it holds: .*CUDA_HOME"):
             call()
     assert torch.equal(t, torch.ones(3))

@@ -156,7 +156,7 @@ def cuda_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setattr(cuda_toolkit, "DEFAULT_HOME", tmp_path / "no-cuda")
-    monkeypatch.setattr(cuda_toolkit.find_toolkit, "__defaults__", (tmp_path / "no-cuda",))
+    monkeypatch.setattr(cuda_toolkit.find_toolkit, "__defaults__", (tmp_path / "no-cuda", True))
     setup["site_dirs"] = list
     for name in ("CUDA_HOME", "CUDA_PATH", "NANSCAN_CPU_ONLY"):
         monkeypatch.delenv(name, raising=False)
@@ -165,21 +165,85 @@ def cuda_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any
 
 def test_cuda_torch_without_a_toolkit_fails_loudly_with_the_pip_command(cuda_torch: dict[str, Any]) -> None:
     with pytest.raises(SystemExit, match=r"no CUDA 13 toolkit was found.*pip install .*NANSCAN_CPU_ONLY=1"):
-        cuda_torch["cuda_toolkit_for_build"]()
+        cuda_torch["cuda_toolkits_for_build"]()
 
 
 def test_opt_out_builds_the_cpu_backend(cuda_torch: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NANSCAN_CPU_ONLY", "1")
-    assert cuda_torch["cuda_toolkit_for_build"]() == (None, "NANSCAN_CPU_ONLY=1")
+    assert cuda_torch["cuda_toolkits_for_build"]() == ([], "NANSCAN_CPU_ONLY=1")
 
 
-def test_a_toolkit_found_says_where(
+def test_a_toolkit_found_is_torchs_major(
     cuda_torch: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     home = toolkit_dir(tmp_path / "cuda", "13.0")
     monkeypatch.setenv("CUDA_HOME", str(home))
-    toolkit, reason = cuda_torch["cuda_toolkit_for_build"]()
-    assert toolkit.home == home and f"toolkit CUDA 13.0 at {home} ($CUDA_HOME)" in reason
+    [toolkit], reason = cuda_torch["cuda_toolkits_for_build"]()
+    assert toolkit.home == home and toolkit.found_by == "$CUDA_HOME" and "torch has CUDA 13.0" in reason
+
+
+def test_a_wheel_builds_every_major_asked_for_without_a_cuda_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """NANSCAN_CUDA_MAJORS on a CPU torch: one toolkit per major, each by the search (here CUDA 13 by
+    $CUDA_HOME and CUDA 12 by NVIDIA's pip components), a $CUDA_HOME of the other major passed over."""
+    setup = setup_functions()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(cuda_toolkit.find_toolkit, "__defaults__", (tmp_path / "no-cuda", True))
+    home13 = toolkit_dir(tmp_path / "cuda13", "13.0")
+    nvidia = tmp_path / "site" / "nvidia"
+    fake_nvcc(nvidia / "cuda_nvcc" / "bin" / "nvcc", "12.9")
+    setup["site_dirs"] = lambda: [tmp_path / "site"]
+    monkeypatch.delenv("NANSCAN_CPU_ONLY", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(home13))
+    monkeypatch.setenv("NANSCAN_CUDA_MAJORS", "12,13")
+    toolkits, reason = setup["cuda_toolkits_for_build"]()
+    assert [t.version for t in toolkits] == [(12, 9), (13, 0)], toolkits
+    assert toolkits[0].home == nvidia / "cuda_nvcc" and toolkits[1].home == home13
+    assert reason == "NANSCAN_CUDA_MAJORS=12,13"
+    monkeypatch.setenv("NANSCAN_CUDA_MAJORS", "11")
+    with pytest.raises(SystemExit, match=r"no CUDA 11 toolkit was found.*nvidia-cuda-nvcc-cu11==11\.\*"):
+        setup["cuda_toolkits_for_build"]()
+
+
+def test_a_library_without_a_cuda_torch_of_its_major_gets_torchs_architectures_of_that_major(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    setup = setup_functions()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    nvcc = fake_nvcc(tmp_path / "cuda" / "bin" / "nvcc", "12.6", archs="compute_75 compute_80 compute_86 compute_90")
+    toolkit = cuda_toolkit.Toolkit(home=nvcc.parent.parent, version=(12, 6), found_by="test")
+    # torch's CUDA 12 list, cut to what this nvcc knows (12.6: no sm_100 or sm_120), PTX for the newest
+    assert setup["arch_list_for"](toolkit, None) == "7.5;8.0;8.6;9.0+PTX"
+    assert setup["arch_list_for"](toolkit, "8.0") == "8.0"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("readelf") is None, reason="needs cc and readelf")
+def test_a_cpu_torch_links_cuda_libraries_against_stand_ins_named_as_torchs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A CPU torch has no libtorch_cuda.so: the stand-ins carry its soname and the calls the CUDA
+    library makes, so that the library records the name and the real one binds it on a CUDA torch."""
+    setup = setup_functions()
+    setup["ROOT"] = str(tmp_path)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "cpu-torch" / "__init__.py"))
+    [directory] = setup["torch_cuda_stub_dir"]()
+    for name in ("libtorch_cuda.so", "libc10_cuda.so"):
+        dynamic = subprocess.run(
+            ["readelf", "-d", str(Path(directory, name))], capture_output=True, text=True, check=True
+        )
+        assert f"Library soname: [{name}]" in dynamic.stdout
+    symbols = subprocess.run(
+        ["nm", "-D", str(Path(directory, "libtorch_cuda.so"))], capture_output=True, text=True, check=True
+    )
+    assert set(setup["TORCH_CUDA_CALLS"]) <= {line.split()[-1] for line in symbols.stdout.splitlines()}
+    # A torch with its own libtorch_cuda.so needs none.
+    (tmp_path / "cuda-torch" / "lib").mkdir(parents=True)
+    (tmp_path / "cuda-torch" / "lib" / "libtorch_cuda.so").write_bytes(b"")
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "cuda-torch" / "__init__.py"))
+    assert setup["torch_cuda_stub_dir"]() == []
 
 
 def test_pips_runtime_is_linked_through_a_directory_of_its_own(cuda_torch: dict[str, Any], tmp_path: Path) -> None:
@@ -236,8 +300,10 @@ def test_the_source_distribution_holds_what_the_build_reads(tmp_path: Path) -> N
 def test_cpu_torch_builds_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     setup = setup_functions()
     monkeypatch.setattr(torch.version, "cuda", None)
-    toolkit, reason = setup["cuda_toolkit_for_build"]()
-    assert toolkit is None and "has no CUDA support" in reason
+    monkeypatch.delenv("NANSCAN_CUDA_MAJORS", raising=False)
+    monkeypatch.delenv("NANSCAN_CPU_ONLY", raising=False)
+    toolkits, reason = setup["cuda_toolkits_for_build"]()
+    assert toolkits == [] and "has no CUDA support" in reason
 
 
 @pytest.mark.skipif(

@@ -75,17 +75,20 @@ else
   status=1
 fi
 
-# The binding needs torch's CUDA headers. A CPU build of torch ships them except one header that its
-# CMake generates; an empty stand-in for it is enough to syntax-check the binding against the real API.
-if python -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then
-  mkdir -p "$out/stub/c10/cuda/impl"
-  echo "#define C10_CUDA_BUILD_SHARED_LIBS" >"$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
-fi
+# The binding, against torch's stable headers as setup.py compiles it (the target version, USE_CUDA for
+# the shim's CUDA calls): a CPU torch's headers declare them too, so no CUDA torch is needed.
 includes=$(python -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))")
+stable_flags=$(python -c "
+import ast
+tree = ast.parse(open('setup.py').read())
+for node in tree.body:
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', '') == 'TORCH_TARGET_VERSION':
+        print('-DTORCH_TARGET_VERSION=' + node.value.value)
+")
 # shellcheck disable=SC2086
-if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Wno-unused-parameter -Werror $includes -I"$out/stub" \
-    -I"$CUDA_HOME/include" csrc/cuda_binding.cpp 2>"$out/binding.log"; then
-  echo "check_cuda_build: ok csrc/cuda_binding.cpp (syntax and types against torch's headers)"
+if g++ -std=c++20 -fsyntax-only -Wall -Wextra -Wno-unused-parameter -Werror $includes $stable_flags -DUSE_CUDA \
+    -DNANSCAN_CUDA_MODULE=_C_cuda_check -I"$CUDA_HOME/include" csrc/cuda_binding.cpp 2>"$out/binding.log"; then
+  echo "check_cuda_build: ok csrc/cuda_binding.cpp (syntax and types against torch's stable headers)"
 else
   echo "check_cuda_build: FAILED csrc/cuda_binding.cpp" >&2
   grep -v "^In file included" "$out/binding.log" | head -40 >&2

@@ -60,14 +60,26 @@ class Toolkit:
     cudart: Path | None = None
 
 
+# The GPU architectures torch's own CUDA builds hold, per CUDA major (``torch._C._cuda_getArchFlags()``
+# of torch 2.14.1+cu130, and of the cu128/cu129 builds), for a library built without a CUDA torch of
+# that major (a wheel's CUDA 12 library, built beside a CUDA 13 or a CPU torch).
+TORCH_ARCH_FLAGS = {
+    12: "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120",
+    13: "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120",
+}
+
+
 def find_toolkit(
     torch_cuda: str,
     environ: Mapping[str, str],
     site_dirs: Sequence[Path],
     default_home: Path = DEFAULT_HOME,
+    named_must_match: bool = True,
 ) -> Toolkit:
-    """The toolkit for a torch built with CUDA ``torch_cuda`` (``torch.version.cuda``), by the search
-    in the module notes. ``site_dirs``: the active environment's site-packages directories."""
+    """The toolkit for a torch built with CUDA ``torch_cuda`` (``torch.version.cuda``, or a major
+    alone: "12"), by the search in the module notes. ``site_dirs``: the active environment's
+    site-packages directories. ``named_must_match``: a ``$CUDA_HOME`` of another CUDA major is an error
+    (a build for torch's CUDA); else it is passed over (a build of several majors, each searched)."""
     major = int(torch_cuda.split(".")[0])
     looked: list[str] = []
     for variable in ("CUDA_HOME", "CUDA_PATH"):
@@ -80,6 +92,9 @@ def find_toolkit(
                 f"${variable}={value} holds no bin/nvcc: point it at a CUDA {major} toolkit, or unset it "
                 "to let the build search"
             )
+        if toolkit.version[0] != major and not named_must_match:
+            looked.append(f"{value} (${variable}: CUDA {_dotted(toolkit.version)})")
+            continue
         if toolkit.version[0] != major:
             raise ToolkitNotFound(
                 f"${variable}={value} is CUDA {_dotted(toolkit.version)}, but torch was built with CUDA {torch_cuda}: "
@@ -99,10 +114,24 @@ def find_toolkit(
     )
 
 
+def first_toolkit(
+    environ: Mapping[str, str], site_dirs: Sequence[Path], default_home: Path = DEFAULT_HOME
+) -> Toolkit | None:
+    """The first toolkit the search finds, of any CUDA major (a wheel's build on a CPU torch, where no
+    torch says which major to look for); None when there is none."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        value = environ.get(variable)
+        toolkit = _toolkit_at(Path(value), f"${variable}") if value else None
+        if toolkit is not None:
+            return toolkit
+    return next(iter(_candidates(environ, site_dirs, default_home, [])), None)
+
+
 def install_command(torch_cuda: str) -> str:
-    """The pip command that installs NVIDIA's toolkit packages of torch's CUDA version."""
-    major, minor = torch_cuda.split(".")[:2]
-    pin = f"=={major}.{minor}.*"
+    """The pip command that installs NVIDIA's toolkit packages of torch's CUDA version (or major)."""
+    parts = torch_cuda.split(".")
+    major = parts[0]
+    pin = f"=={major}.{parts[1]}.*" if len(parts) > 1 else f"=={major}.*"
     if int(major) >= 13:
         packages = ["nvidia-cuda-nvcc", "nvidia-cuda-cccl", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"]
     else:
@@ -240,3 +269,23 @@ def nvcc_gpu_archs(toolkit: Toolkit) -> list[str]:
 
 def _dotted(version: tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
+
+
+def _site_dirs() -> list[Path]:
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return [Path(d) for d in dict.fromkeys([paths["purelib"], paths["platlib"], *site.getsitepackages()])]
+
+
+if __name__ == "__main__":
+    # tools/build_wheel.sh asks which CUDA major to build when it is not told: that of the first
+    # toolkit found here (nothing printed when there is none).
+    import sys
+
+    if sys.argv[1:] != ["first-major"]:
+        sys.exit("usage: python tools/cuda_toolkit.py first-major")
+    found = first_toolkit(os.environ, _site_dirs())
+    if found is not None:
+        print(found.version[0])

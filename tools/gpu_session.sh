@@ -43,8 +43,9 @@
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
-# first command with `gzip -c nanscan/_C*.so > $OUT/C.so.gz`, gunzip that into nanscan/ here, and
-# name the .so in the device tool's `carry` (it is git-ignored, so it does not travel otherwise);
+# first command with `tar czf $OUT/libs.tgz nanscan/_C*.so` (the CPU library and the CUDA one),
+# untar that here, and name the two .so files in the device tool's `carry` (they are git-ignored, so
+# they do not travel otherwise);
 # later commands then run with NANSCAN_PREBUILT=1. A bare machine has no editable install either:
 # scripts run from the checkout find nanscan with `PYTHONPATH=$PWD`.
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
@@ -72,7 +73,7 @@ PY="${PYTHON:-python3}"
 build() {
   # NANSCAN_PREBUILT=1: a library built by an earlier command (carried in) is used as it is.
   if [ "${NANSCAN_PREBUILT:-0}" = 1 ]; then
-    "$PY" -c "import nanscan, torch; nanscan.scan([torch.ones(3, device='cuda')]); print('prebuilt:', nanscan._C.__file__)"
+    "$PY" -c "import nanscan, torch; nanscan.scan([torch.ones(3, device='cuda')]); print('prebuilt:', nanscan._C.__file__, nanscan._ops.cuda_library.__file__)"
     return
   fi
   echo "== build ($(date -u +%FT%TZ))"
@@ -253,14 +254,14 @@ magnitudes() {
 # The small-tensor path (issue 25, item 3; NOTES.md entry 34): the build with it and one without it
 # (NANSCAN_SUB_WARP_MIN_RUN=5) side by side, test_cuda.py, memcheck and racecheck (its shared-memory
 # slots), then the scan rows of both builds; the library stays built, and a copy of it goes to
-# $out/C.so.gz for a later command to carry (~6 minutes on the H100 machine).
+# $out/libs.tgz for a later command to carry (~6 minutes on the H100 machine).
 subwarp() {
   local copy
   copy="$(mktemp -d)"
   variant_build "$copy" NANSCAN_SUB_WARP_MIN_RUN=5 >"$out/variant_bg.log" 2>&1 &
   local background=$!
   build || return 1
-  gzip -c nanscan/_C*.so >"$out/C.so.gz"
+  tar czf "$out/libs.tgz" nanscan/_C*.so
   export NANSCAN_PREBUILT=1
   timeout 100 "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
   timeout 60 "$self" sanitize memcheck racecheck || echo "sanitize: exit $?"
@@ -283,7 +284,7 @@ capabilities() {
 
 # One lend: the stages in the order of their need, each bounded (seconds), so that a slow one leaves
 # time to the next; the built library stays for the next command on the same warm machine, and a
-# copy goes to $out/C.so.gz for one on a fresh machine (a bare machine's build took over 120 s on
+# copy goes to $out/libs.tgz for one on a fresh machine (a bare machine's build took over 120 s on
 # 2026-11-26). What the fifth session left unrun: test_cuda.py on the final library, the four
 # sanitizer tools on the small-tensor path, and the activation watch measured on one model (NOTES.md
 # entry 35). The whole suite is the next command's (`NANSCAN_PREBUILT=1 tools/gpu_session.sh
@@ -291,7 +292,7 @@ capabilities() {
 # unchanged since the fourth session). ~6 minutes on the H100 machine.
 lend() {
   build || return 1
-  gzip -c nanscan/_C*.so >"$out/C.so.gz"
+  tar czf "$out/libs.tgz" nanscan/_C*.so
   export NANSCAN_PREBUILT=1
   timeout 80 "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
   timeout 120 "$self" sanitize || echo "sanitize: exit $?"
@@ -316,18 +317,18 @@ scan_variants() {
   local variants=("$@") ncu NANSCAN_PREBUILT=0  # every variant is built here, whatever the caller set
   [ ${#variants[@]} -gt 0 ] || variants=(NANSCAN_SCAN_MIN_BLOCKS=0 NANSCAN_SCAN_MIN_BLOCKS=4)
   ncu="$(find_ncu)"
-  rm -f /tmp/nanscan_default_C.so
+  rm -rf /tmp/nanscan_default
   for variant in default "${variants[@]}"; do
     echo "== scan kernels: $variant"
     rm -rf build nanscan/_C*.so
     if [ "$variant" = default ]; then
       build || return 1
-      cp nanscan/_C*.so /tmp/nanscan_default_C.so
+      mkdir -p /tmp/nanscan_default && cp nanscan/_C*.so /tmp/nanscan_default/
     else
       NVCC_APPEND_FLAGS="-D$variant" build || return 1
     fi
-    # Each build kept, for a later command to carry the one the measurements favour.
-    cp nanscan/_C*.so "/tmp/nanscan_${variant}_C.so"
+    # Each build's CUDA library kept, for a later command to carry the one the measurements favour.
+    cp nanscan/_C_cuda*.so "/tmp/nanscan_${variant}_C_cuda.so"
     "$PY" benchmarks/bench_scan.py --device cuda --models gpt2-small,llama-1b,many_small_10000x1024 \
         --dtype float32,bfloat16 --methods "nanscan.scan(checksum)" --max-repeats 20 --min-time 0.2 \
         2>>"$out/variants.err" | tee "$out/variant_$variant.txt" | grep -E "^== |^ceiling_sum|^nanscan.scan" ||
@@ -342,7 +343,7 @@ scan_variants() {
   done
   echo "== the default build back in place, for what follows"
   rm -rf build nanscan/_C*.so
-  cp /tmp/nanscan_default_C.so "nanscan/_C.$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))' | sed 's/^\.//')"
+  cp /tmp/nanscan_default/*.so nanscan/
   NANSCAN_PREBUILT=1 build
 }
 

@@ -1,0 +1,139 @@
+// The ops' argument checks and outputs, shared by the CPU library (ops.cpp) and every CUDA library
+// (cuda_binding.cpp): one definition of each rule, compiled into each library (their symbols are
+// hidden, so the copies never meet).
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+#include "torch_api.h"
+
+namespace nanscan {
+
+void check_stack(uint64_t num_args, uint64_t num_outputs, uint64_t expected_args, uint64_t expected_outputs,
+                 const char* op) {
+  NANSCAN_CHECK(num_args == expected_args && num_outputs == expected_outputs, op, ": registered with ", num_args,
+                " arguments and ", num_outputs, " outputs, but its kernel takes ", expected_args, " and returns ",
+                expected_outputs);
+}
+
+std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* op) {
+  NANSCAN_CHECK(!tensors.empty(), op, ": expected at least one tensor");
+  std::vector<DType> tags;
+  tags.reserve(tensors.size());
+  const TensorInfo& first = tensors[0];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorInfo& t = tensors[i];
+    NANSCAN_CHECK(t.defined, op, ": tensors[", i, "] is undefined (None)");
+    NANSCAN_CHECK(t.strided(), op, ": tensors[", i, "] has layout ", layout_name(t.layout),
+                  "; only dense (strided) tensors can be scanned");
+    NANSCAN_CHECK(t.same_device(first), op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+                  first.device(), "; call once per device (nanscan.scan groups by device for you)");
+    NANSCAN_CHECK(t.dim <= kMaxDims, op, ": tensors[", i, "] has ", t.dim, " dimensions; at most ", kMaxDims,
+                  " are supported");
+    const std::optional<DType> tag = dtype_tag(t.dtype);
+    NANSCAN_CHECK(tag.has_value(), op, ": tensors[", i, "] has dtype ", dtype_name(t.dtype),
+                  "; supported: float32, float64, float16, bfloat16, float8_e4m3fn, float8_e5m2");
+    tags.push_back(*tag);
+  }
+  return tags;
+}
+
+void check_multipliable(const std::vector<DType>& tags, const char* op) {
+  for (size_t i = 0; i < tags.size(); ++i) {
+    NANSCAN_CHECK(tags[i] != DType::Float8E4M3FN && tags[i] != DType::Float8E5M2, op, ": tensors[", i,
+                  "] is float8; torch cannot multiply float8 tensors either");
+  }
+}
+
+// torch's own rule and message (ATen's assert_no_internal_overlap): a tensor that is not dense and
+// has a dimension of stride 0 and size > 1 repeats an element.
+void check_writable(const TensorInfo& t) {
+  if (t.numel <= 1 || t.dense()) return;
+  for (int64_t d = 0; d < t.dim; ++d) {
+    NANSCAN_CHECK(!(t.strides[d] == 0 && t.sizes[d] > 1),
+                  "unsupported operation: more than one element of the written-to tensor refers to a single memory "
+                  "location. Please clone() the tensor before performing the operation.");
+  }
+}
+
+void check_writable(const TensorListArg& tensors) {
+  for (const TensorInfo& t : tensors.infos()) check_writable(t);
+}
+
+std::vector<DType> check_scale_inputs(const TensorListArg& tensors, const TensorInfo& coef, const char* op) {
+  NANSCAN_CHECK(coef.numel == 1, op, ": coef must have one element, got shape ", shape_string(coef.sizes, coef.dim));
+  NANSCAN_CHECK(dtype_tag(coef.dtype).has_value(), op, ": coef has unsupported dtype ", dtype_name(coef.dtype));
+  if (tensors.empty()) return {};
+  std::vector<DType> tags = check_scan_inputs(tensors, op);
+  check_multipliable(tags, op);
+  check_writable(tensors);
+  NANSCAN_CHECK(coef.same_device(tensors[0]), op, ": coef is on ", coef.device(), " but the tensors are on ",
+                tensors[0].device());
+  return tags;
+}
+
+void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const char* op) {
+  NANSCAN_CHECK(inv_scale.numel == 1 && inv_scale.dtype == dtype_codes().float32, op,
+                ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ",
+                dtype_name(inv_scale.dtype), " of shape ", shape_string(inv_scale.sizes, inv_scale.dim));
+  NANSCAN_CHECK(inv_scale.same_device(first), op, ": inv_scale is on ", inv_scale.device(), " but the tensors are on ",
+                first.device());
+}
+
+DType norm_dtype_of(const std::vector<DType>& tags) {
+  // The float lattice of torch's promote_types, float8 counted as float32: float64 wins, then
+  // float32; float16 with bfloat16 gives float32; one half type alone stays itself.
+  const auto counted = [](DType t) { return t == DType::Float8E4M3FN || t == DType::Float8E5M2 ? DType::Float32 : t; };
+  DType dtype = counted(tags[0]);
+  for (DType tag : tags) {
+    const DType t = counted(tag);
+    if (t == dtype) continue;
+    if (t == DType::Float64 || dtype == DType::Float64) {
+      dtype = DType::Float64;
+    } else {
+      dtype = DType::Float32;  // two different types among float32, float16, bfloat16
+    }
+  }
+  return dtype;
+}
+
+ScanOutputs allocate_scan_outputs(const std::vector<DType>& tags, const TensorInfo& like, ScanOptions options) {
+  const int64_t num_tensors = static_cast<int64_t>(tags.size());
+  const int64_t count_rows = 2 + (options.half_range ? 2 : 0) + (options.checksum ? 1 : 0);
+  const DTypeCodes& c = dtype_codes();
+  const int32_t type = like.device_type;
+  const int32_t index = like.device_index;
+  return ScanOutputs{empty({count_rows, num_tensors}, c.int64, type, index),
+                     empty({3, num_tensors}, c.float64, type, index), empty({}, c.float64, type, index),
+                     empty({}, c.boolean, type, index), empty({}, dtype_code(norm_dtype_of(tags)), type, index)};
+}
+
+void return_outputs(StableIValue* stack, ScanOutputs o) {
+  set_output(stack, 0, std::move(o.counts));
+  set_output(stack, 1, std::move(o.stats));
+  set_output(stack, 2, std::move(o.total_norm));
+  set_output(stack, 3, std::move(o.finite));
+  set_output(stack, 4, std::move(o.total_norm_cast));
+}
+
+ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors, ScanOptions options) {
+  int32_t cast_dtype = 0;
+  NANSCAN_SHIM(aoti_torch_get_dtype(o.total_norm_cast.get(), &cast_dtype));
+  return ResultPointers{static_cast<int64_t*>(o.counts.data()),
+                        static_cast<double*>(o.stats.data()),
+                        static_cast<double*>(o.total_norm.data()),
+                        static_cast<bool*>(o.finite.data()),
+                        num_tensors,
+                        options.half_range,
+                        options.checksum,
+                        o.total_norm_cast.data(),
+                        *dtype_tag(cast_dtype)};
+}
+
+ScanOptions scan_options(bool fp16_range, bool checksum) {
+  NANSCAN_CHECK(!(fp16_range && checksum), "nanscan.scan: fp16_range and checksum are separate scans; ask for one");
+  return ScanOptions{fp16_range, checksum};
+}
+
+}  // namespace nanscan

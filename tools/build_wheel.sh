@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# nanscan's one wheel (issue 34): tagged cp310-abi3 and manylinux_2_28 x86_64, for every torch from
+# 2.10 on (the stable ABI, csrc/torch_api.h) and every CPython from 3.10 (the limited API). It holds
+# the CPU library (nanscan/_C) and one CUDA library per CUDA major (nanscan/_C_cuda12, _C_cuda13),
+# each linked to the libcudart.so.N that a torch of that major loads; nanscan loads the one of the
+# running torch's CUDA (nanscan/_ops.py).
+#
+#   bash tools/build_wheel.sh                       # CUDA: the major of the first toolkit found (none: CPU only)
+#   bash tools/build_wheel.sh --majors 12,13        # every major torch ships
+#   bash tools/build_wheel.sh --majors 12,13 --install-toolkits   # missing toolkits from NVIDIA's pip packages
+#   bash tools/build_wheel.sh --out DIR             # where the wheel goes (default: dist/)
+#
+# Run it in an environment with torch (any from 2.10, CPU or CUDA: the build reads only its headers)
+# and the "test" extra's ninja. A CUDA major needs a toolkit of that major, found by
+# tools/cuda_toolkit.py's search ($CUDA_HOME, nvcc on PATH, NVIDIA's pip packages, /usr/local/cuda);
+# --install-toolkits pip-installs the missing ones into this environment (CUDA 12's are several
+# directories under site-packages/nvidia, which the search reads). The kernels are built for every
+# architecture torch's builds of each major hold, from sm_75 on (setup.py; TORCH_CUDA_ARCH_LIST
+# overrides). The wheel is then repaired with auditwheel (nothing grafted: torch's and CUDA's runtime
+# libraries are the ones torch itself loads) and checked with abi3audit, both installed into a venv
+# of their own at the versions of pyproject.toml's "wheel" extra.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+majors=""
+out="dist"
+install_toolkits=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --majors) majors="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --install-toolkits) install_toolkits=1; shift ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "build_wheel.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+PY=${PYTHON:-python}
+"$PY" -c "import torch" 2>/dev/null || { echo "build_wheel.sh: no torch in $("$PY" -c 'import sys; print(sys.prefix)')" >&2; exit 1; }
+if [ -z "$majors" ]; then
+  majors=$("$PY" tools/cuda_toolkit.py first-major)
+  echo "build_wheel.sh: CUDA majors: ${majors:-none (no toolkit found: a CPU-only wheel)}"
+fi
+if [ "$install_toolkits" = 1 ] && [ -n "$majors" ]; then
+  for major in ${majors//,/ }; do
+    if ! NANSCAN_CUDA_MAJORS=$major "$PY" -c "
+import os, sys
+sys.path.insert(0, 'tools')
+import cuda_toolkit
+cuda_toolkit.find_toolkit('$major', os.environ, cuda_toolkit._site_dirs(), named_must_match=False)
+" 2>/dev/null; then
+      command=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import cuda_toolkit; print(cuda_toolkit.install_command('$major'))")
+      echo "build_wheel.sh: no CUDA $major toolkit; $command"
+      eval "$PY -m $command --quiet --disable-pip-version-check"
+    fi
+  done
+fi
+
+tools_venv=$(mktemp -d)
+raw=$(mktemp -d)
+trap 'rm -rf "$tools_venv" "$raw"' EXIT
+wheel_tools=$("$PY" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['wheel']))")
+"$PY" -m venv "$tools_venv"
+# shellcheck disable=SC2086
+"$tools_venv/bin/python" -m pip install --quiet --disable-pip-version-check $wheel_tools
+
+# A clean build: objects of an earlier build (another torch, other architectures) are not reused.
+rm -rf build
+start=$SECONDS
+NANSCAN_CUDA_MAJORS="$majors" "$PY" -m pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps \
+  -w "$raw" .
+echo "build_wheel.sh: built in $((SECONDS - start)) s"
+built=("$raw"/nanscan-*.whl)
+mkdir -p "$out"
+# Not grafted into the wheel: torch's libraries and CUDA's runtime, which the process has loaded
+# before nanscan (import torch), by the same sonames.
+PATH="$tools_venv/bin:$PATH" auditwheel repair --plat manylinux_2_28_x86_64 --strip \
+  --exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libcudart.so.*' -w "$out" "${built[0]}"
+wheel=$(ls -t "$out"/nanscan-*manylinux*.whl | head -n 1)
+"$tools_venv/bin/abi3audit" --strict --summary "$wheel"
+echo "build_wheel.sh: $wheel"
+"$PY" -m zipfile -l "$wheel" | grep -E '\.so' || true
