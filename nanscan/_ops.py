@@ -146,39 +146,34 @@ def _unscale_scan_inplace_or_view(keyset: Any, tensors: list[torch.Tensor], inv_
     return outputs
 
 
-def _record_inplace_or_view(
-    keyset: Any,
-    rows: torch.Tensor,
-    counter: torch.Tensor,
-    sources: list[torch.Tensor],
-    attribution: torch.Tensor | None,
-    attribution_sources: list[torch.Tensor],
-) -> None:
-    written = [rows, counter] if attribution is None else [rows, counter, attribution]
-    _refuse_inference(written)
-    record_op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, rows, counter, sources, attribution, attribution_sources)
-    if rows.device.type == "cpu":  # elsewhere the composite writes through ATen's in-place ops
-        _increment_version(written)
+def _record_at_inplace_or_view(op: Any, direct_cpu_kernel: bool) -> Callable[..., None]:
+    """The ADInplaceOrView kernel of a record op: ``direct_cpu_kernel``, whether its CPU kernel writes
+    the rows and the counter itself (record_), or, as the composite does everywhere, through ATen's
+    in-place ops (_record_composite_), which bump the versions already."""
 
+    def kernel(
+        keyset: Any,
+        rows: torch.Tensor,
+        counter: torch.Tensor,
+        sources: list[torch.Tensor],
+        attribution: torch.Tensor | None,
+        attribution_sources: list[torch.Tensor],
+    ) -> None:
+        written = [rows, counter] if attribution is None else [rows, counter, attribution]
+        _refuse_inference(written)
+        op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, rows, counter, sources, attribution, attribution_sources)
+        if direct_cpu_kernel and rows.device.type == "cpu":
+            _increment_version(written)
 
-def _record_composite_inplace_or_view(
-    keyset: Any,
-    rows: torch.Tensor,
-    counter: torch.Tensor,
-    sources: list[torch.Tensor],
-    attribution: torch.Tensor | None,
-    attribution_sources: list[torch.Tensor],
-) -> None:
-    _refuse_inference([rows, counter] if attribution is None else [rows, counter, attribution])
-    _record_composite_op.redispatch(
-        keyset & _BELOW_INPLACE_OR_VIEW, rows, counter, sources, attribution, attribution_sources
-    )
+    return kernel
 
 
 _LIBRARY.impl("scale_", _scale_inplace_or_view, "ADInplaceOrView", with_keyset=True)
 _LIBRARY.impl("unscale_scan_", _unscale_scan_inplace_or_view, "ADInplaceOrView", with_keyset=True)
-_LIBRARY.impl("record_", _record_inplace_or_view, "ADInplaceOrView", with_keyset=True)
-_LIBRARY.impl("_record_composite_", _record_composite_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+_LIBRARY.impl("record_", _record_at_inplace_or_view(record_op, True), "ADInplaceOrView", with_keyset=True)
+_LIBRARY.impl(
+    "_record_composite_", _record_at_inplace_or_view(_record_composite_op, False), "ADInplaceOrView", with_keyset=True
+)
 
 
 def _built_without_cuda(*args: Any) -> Any:

@@ -185,3 +185,13 @@ def test_the_cuda_libraries_held_are_the_ones_on_disk() -> None:
     assert _ops.cuda_libraries_held() == on_disk
     if _ops.cuda_library is not None:
         assert _ops.cuda_library.__name__ == f"nanscan._C_cuda{torch.version.cuda.split('.')[0]}"
+
+
+def test_a_torch_below_the_floor_is_refused_by_name_before_the_library_loads() -> None:
+    """On a torch older than 2.10 the library would fail to load with the dynamic linker's "undefined
+    symbol"; nanscan refuses first, naming the torch it found and what to do."""
+    script = "import torch; torch.__version__ = '2.9.1+cu128'\ntry:\n    import nanscan\nexcept ImportError as e:\n"
+    script += "    print(e)\nelse:\n    print('imported')\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "nanscan needs torch 2.10 or newer" in done.stdout and "this is torch 2.9.1+cu128" in done.stdout, done
+    assert "undefined symbol" not in done.stdout + done.stderr

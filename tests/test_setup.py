@@ -125,7 +125,8 @@ def test_the_search_order_skips_toolkits_of_another_cuda_major(tmp_path: Path) -
         find_toolkit("11.8", **where)
     message = str(error.value)
     assert "no CUDA 11 toolkit was found" in message and f"{on_path} (CUDA 13.0" in message
-    assert 'pip install "nvidia-cuda-nvcc-cu11==11.8.*"' in message and "NANSCAN_CPU_ONLY=1" in message
+    assert "Install a CUDA 11 toolkit" in message and "pip packages hold no nvcc" in message
+    assert "NANSCAN_CPU_ONLY=1" in message
     with pytest.raises(ToolkitNotFound, match=r'pip install "nvidia-cuda-nvcc==13.2.\*" "nvidia-cuda-cccl==13.2.\*"'):
         find_toolkit("13.2", **nothing_here(tmp_path))
 
@@ -204,7 +205,7 @@ def test_a_wheel_builds_every_major_asked_for_without_a_cuda_torch(
     assert toolkits[0].home == nvidia / "cuda_nvcc" and toolkits[1].home == home13
     assert reason == "NANSCAN_CUDA_MAJORS=12,13"
     monkeypatch.setenv("NANSCAN_CUDA_MAJORS", "11")
-    with pytest.raises(SystemExit, match=r"no CUDA 11 toolkit was found.*nvidia-cuda-nvcc-cu11==11\.\*"):
+    with pytest.raises(SystemExit, match=r"no CUDA 11 toolkit was found.*Install a CUDA 11 toolkit"):
         setup["cuda_toolkits_for_build"]()
 
 

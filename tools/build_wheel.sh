@@ -7,14 +7,15 @@
 #
 #   bash tools/build_wheel.sh                       # CUDA: the major of the first toolkit found (none: CPU only)
 #   bash tools/build_wheel.sh --majors 12,13        # every major torch ships
-#   bash tools/build_wheel.sh --majors 12,13 --install-toolkits   # missing toolkits from NVIDIA's pip packages
+#   bash tools/build_wheel.sh --majors 12,13 --install-toolkits   # a missing CUDA 13 toolkit from NVIDIA's pip packages
 #   bash tools/build_wheel.sh --out DIR             # where the wheel goes (default: dist/)
 #
 # Run it in an environment with torch (any from 2.10, CPU or CUDA: the build reads only its headers)
 # and the "test" extra's ninja. A CUDA major needs a toolkit of that major, found by
 # tools/cuda_toolkit.py's search ($CUDA_HOME, nvcc on PATH, NVIDIA's pip packages, /usr/local/cuda);
-# --install-toolkits pip-installs the missing ones into this environment (CUDA 12's are several
-# directories under site-packages/nvidia, which the search reads). The kernels are built for every
+# --install-toolkits pip-installs a missing one into this environment where NVIDIA's pip packages hold
+# nvcc (CUDA 13 on; CUDA 12's hold ptxas alone, so a CUDA 12 toolkit must come from NVIDIA's installer
+# or a distribution's package). The kernels are built for every
 # architecture torch's builds of each major hold, from sm_75 on (setup.py; TORCH_CUDA_ARCH_LIST
 # overrides). The wheel is then repaired with auditwheel (nothing grafted: torch's and CUDA's runtime
 # libraries are the ones torch itself loads) and checked with abi3audit, both installed into a venv
@@ -49,7 +50,12 @@ sys.path.insert(0, 'tools')
 import cuda_toolkit
 cuda_toolkit.find_toolkit('$major', os.environ, cuda_toolkit._site_dirs(), named_must_match=False)
 " 2>/dev/null; then
-      command=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import cuda_toolkit; print(cuda_toolkit.install_command('$major'))")
+      command=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import cuda_toolkit; print(cuda_toolkit.install_command('$major') or '')")
+      if [ -z "$command" ]; then
+        advice=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import cuda_toolkit; print(cuda_toolkit.install_advice('$major'))")
+        echo "build_wheel.sh: no CUDA $major toolkit found, and pip cannot give one: $advice, then set CUDA_HOME or put its nvcc on PATH" >&2
+        exit 1
+      fi
       echo "build_wheel.sh: no CUDA $major toolkit; $command"
       eval "$PY -m $command --quiet --disable-pip-version-check"
     fi

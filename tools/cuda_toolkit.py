@@ -98,7 +98,7 @@ def find_toolkit(
         if toolkit.version[0] != major:
             raise ToolkitNotFound(
                 f"${variable}={value} is CUDA {_dotted(toolkit.version)}, but torch was built with CUDA {torch_cuda}: "
-                f"point it at a CUDA {major} toolkit, or {install_command(torch_cuda)}"
+                f"point it at a CUDA {major} toolkit, or {install_advice(torch_cuda)}"
             )
         return toolkit
     for toolkit in _candidates(environ, site_dirs, default_home, looked):
@@ -109,7 +109,7 @@ def find_toolkit(
     raise ToolkitNotFound(
         f"torch was built with CUDA {torch_cuda} and no CUDA {major} toolkit was found (looked at $CUDA_HOME, "
         f"$CUDA_PATH, nvcc on PATH, NVIDIA's pip packages and {default_home}; found: {searched}). "
-        f"Install one into this environment: {install_command(torch_cuda)}; or set CUDA_HOME to a toolkit; or set "
+        f"{install_advice(torch_cuda)[0].upper()}{install_advice(torch_cuda)[1:]}; or set CUDA_HOME to a toolkit; or set "
         "NANSCAN_CPU_ONLY=1 to build the CPU backend only"
     )
 
@@ -127,16 +127,29 @@ def first_toolkit(
     return next(iter(_candidates(environ, site_dirs, default_home, [])), None)
 
 
-def install_command(torch_cuda: str) -> str:
-    """The pip command that installs NVIDIA's toolkit packages of torch's CUDA version (or major)."""
+def install_command(torch_cuda: str) -> str | None:
+    """The pip command that installs NVIDIA's toolkit packages of torch's CUDA version (or major), from
+    CUDA 13 on; None before: CUDA 12's pip packages hold no nvcc (``nvidia-cuda-nvcc-cu12`` ships
+    ptxas, NVVM and headers alone: 12.4.131, 12.6.85, 12.8.93 and 12.9.86 looked at, 2026-11-26)."""
     parts = torch_cuda.split(".")
     major = parts[0]
+    if int(major) < 13:
+        return None
     pin = f"=={major}.{parts[1]}.*" if len(parts) > 1 else f"=={major}.*"
-    if int(major) >= 13:
-        packages = ["nvidia-cuda-nvcc", "nvidia-cuda-cccl", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"]
-    else:
-        packages = [f"nvidia-cuda-nvcc-cu{major}", f"nvidia-cuda-cccl-cu{major}", f"nvidia-cuda-runtime-cu{major}"]
+    packages = ["nvidia-cuda-nvcc", "nvidia-cuda-cccl", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"]
     return "pip install " + " ".join(f'"{name}{pin}"' for name in packages)
+
+
+def install_advice(torch_cuda: str) -> str:
+    """How to get a toolkit of this CUDA version: NVIDIA's pip packages where they hold nvcc."""
+    command = install_command(torch_cuda)
+    if command is not None:
+        return f"install one into this environment: {command}"
+    major = torch_cuda.split(".")[0]
+    return (
+        f"install a CUDA {major} toolkit (NVIDIA's installer, or your distribution's package: NVIDIA's CUDA {major} "
+        "pip packages hold no nvcc)"
+    )
 
 
 def _candidates(
