@@ -343,7 +343,18 @@ def fsdp1_mixed_precision_and_a_bf16_unit(world: int) -> None:
     backward(ours)
     backward(theirs)
     report = nanscan.check(ours, max_norm=1e9)
-    want = theirs.clip_grad_norm_(1e9)
+    try:
+        want = theirs.clip_grad_norm_(1e9)
+    except ValueError as error:
+        # torch 2.10's FSDP clip refuses gradients of mixed dtypes ("Requires uniform dtype"); later
+        # ones promote them. The reference is then what that clip computes, by hand: each rank's
+        # local shards' sum of squares, summed over the ranks, in float64, returned as float32.
+        if "uniform dtype" not in str(error):
+            raise
+        local = [p.grad.detach().double().pow(2).sum() for p in theirs.parameters() if p.grad is not None]
+        squares = torch.stack(local).sum() if local else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(squares)
+        want = squares.sqrt().float()
     dtypes = {report.total_norm_tensor.dtype, want.dtype}
     assert report.names == ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"], report.names
     assert dtypes == {torch.float32}, dtypes

@@ -14,8 +14,10 @@
 # wheel holds the CUDA library of the release's CUDA major, tests/test_build.py must find it loaded
 # and registered (NANSCAN_REQUIRE_CUDA_BUILD=1); where it does not, CUDA calls must say so. A release
 # below the floor (2.10) must refuse to import with a message that names it, not a linker error.
-# The public index is read directly (PIP_CONFIG_FILE=/dev/null, the system's CA bundle): a site's pip
-# configuration may cap torch's version.
+# The public index is read directly (PIP_CONFIG_FILE=/dev/null, the system's CA bundle, no
+# PIP_FIND_LINKS): a site's pip configuration may cap torch's version or offer a local CPU build of the
+# same version (2.13.0+cpu, which pip prefers). A release's test log is kept in the directory printed
+# at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +44,7 @@ echo "check_wheel.sh: $(basename "$wheel"); CUDA libraries: ${held:-none}"
 
 rows=()
 status=0
+logs=$(mktemp -d /tmp/check_wheel_logs.XXXXXX)
 for release in $releases; do
   work=$(mktemp -d)
   start=$SECONDS
@@ -49,7 +52,7 @@ for release in $releases; do
   python -m venv "$work/venv"
   py="$work/venv/bin/python"
   # shellcheck disable=SC2086
-  if ! PIP_CONFIG_FILE=/dev/null "$py" -m pip install --quiet --disable-pip-version-check "torch==$release" numpy \
+  if ! PIP_CONFIG_FILE=/dev/null env -u PIP_FIND_LINKS "$py" -m pip install --quiet --disable-pip-version-check "torch==$release" numpy \
       pytest hypothesis $build_check >"$work/pip.log" 2>&1; then
     tail -5 "$work/pip.log"
     rows+=("| $release | | | could not install torch | ✗ |")
@@ -87,6 +90,7 @@ for release in $releases; do
     fi
     result=$(grep -E "passed|failed|error" "$work/pytest.log" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
     rows+=("| $release | $cuda | $loaded | $result | $mark | $((SECONDS - start)) s |")
+    cp "$work/pytest.log" "$logs/torch-$release.log"
     [ "$mark" = "✓" ] || grep -E "^(FAILED|ERROR)" "$work/pytest.log" | head -20
   fi
   cd - >/dev/null
@@ -98,4 +102,5 @@ echo
 echo "| torch | CUDA | nanscan library loaded | tests ($([ "${tests[*]}" = tests ] && echo all || echo "${#tests[@]} files")) | | time |"
 echo "| --- | --- | --- | --- | --- | --- |"
 printf '%s\n' "${rows[@]}"
+echo "check_wheel.sh: the test logs are in $logs"
 exit $status
