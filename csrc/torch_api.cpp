@@ -106,16 +106,6 @@ std::string dtype_name(int32_t code) {
   return concat("dtype #", code);
 }
 
-int32_t cpu_device_type() {
-  static const int32_t code = aoti_torch_device_type_cpu();
-  return code;
-}
-
-int32_t cuda_device_type() {
-  static const int32_t code = aoti_torch_device_type_cuda();
-  return code;
-}
-
 std::string device_name(int32_t device_type, int32_t device_index) {
   const std::pair<int32_t, const char*> names[] = {
       {aoti_torch_device_type_cpu(), "cpu"},   {aoti_torch_device_type_cuda(), "cuda"},

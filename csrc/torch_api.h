@@ -71,9 +71,6 @@ std::string layout_name(int32_t layout);
 // "[2, 3]"
 std::string shape_string(const int64_t* sizes, int64_t dim);
 
-int32_t cpu_device_type();
-int32_t cuda_device_type();
-
 // ---- tensors ------------------------------------------------------------------------------------
 
 // Whether the elements fill one contiguous span of memory in some order of the dimensions (torch's
