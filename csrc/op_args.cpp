@@ -62,6 +62,8 @@ void check_writable(const TensorListArg& tensors) {
 }
 
 std::vector<DType> check_scale_inputs(const TensorListArg& tensors, const TensorInfo& coef, const char* op) {
+  NANSCAN_CHECK(coef.defined && coef.strided(), op, ": coef must be a dense (strided) tensor, got ",
+                coef.defined ? layout_name(coef.layout) : std::string("None"));
   NANSCAN_CHECK(coef.numel == 1, op, ": coef must have one element, got shape ", shape_string(coef.sizes, coef.dim));
   NANSCAN_CHECK(dtype_tag(coef.dtype).has_value(), op, ": coef has unsupported dtype ", dtype_name(coef.dtype));
   if (tensors.empty()) return {};
@@ -74,6 +76,8 @@ std::vector<DType> check_scale_inputs(const TensorListArg& tensors, const Tensor
 }
 
 void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const char* op) {
+  NANSCAN_CHECK(inv_scale.defined && inv_scale.strided(), op, ": inv_scale must be a dense (strided) tensor, got ",
+                inv_scale.defined ? layout_name(inv_scale.layout) : std::string("None"));
   NANSCAN_CHECK(inv_scale.numel == 1 && inv_scale.dtype == dtype_codes().float32, op,
                 ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ",
                 dtype_name(inv_scale.dtype), " of shape ", shape_string(inv_scale.sizes, inv_scale.dim));

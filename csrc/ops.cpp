@@ -95,12 +95,15 @@ struct RecordArgs {
     counter = TensorInfo::of(counter_tensor.get());
     if (attribution_tensor.has_value()) attribution = TensorInfo::of(attribution_tensor->get());
     NANSCAN_CHECK(rows.defined, kRecordOp, ": rows is undefined (None)");
-    NANSCAN_CHECK(rows.dim != 2 || rows.size(0) > 0, kRecordOp, ": rows has no row to write (capacity 0)");
+    NANSCAN_CHECK(!rows.strided() || rows.dim != 2 || rows.size(0) > 0, kRecordOp,
+                  ": rows has no row to write (capacity 0)");
     check_record_block(rows, "rows", sources, "sources", rows);
     NANSCAN_CHECK(counter.defined && counter.strided() && counter.dtype == dtype_codes().int64 && counter.numel == 1,
                   kRecordOp, ": counter must be a one-element int64 tensor, got ",
                   counter.defined ? dtype_name(counter.dtype) : std::string("None"), " of shape ",
-                  counter.defined ? shape_string(counter.sizes, counter.dim) : std::string("[]"));
+                  !counter.defined    ? std::string("[]")
+                  : counter.strided() ? shape_string(counter.sizes, counter.dim)
+                                      : layout_name(counter.layout));
     NANSCAN_CHECK(counter.same_device(rows), kRecordOp, ": counter is on ", counter.device(), " but rows are on ",
                   rows.device());
     if (attribution.has_value()) {

@@ -133,6 +133,7 @@ std::string layout_name(int32_t layout) {
 }
 
 std::string shape_string(const int64_t* sizes, int64_t dim) {
+  if (sizes == nullptr) return "(not strided: no sizes read)";  // a caller's slip, never a crash
   std::ostringstream out;
   out << "[";
   for (int64_t d = 0; d < dim; ++d) out << (d > 0 ? ", " : "") << sizes[d];

@@ -81,7 +81,9 @@ bool is_non_overlapping_and_dense(const int64_t* sizes, const int64_t* strides, 
 bool is_contiguous(const int64_t* sizes, const int64_t* strides, int64_t dim);
 
 // A tensor's metadata, read through the shim once: every later read is a field. Borrowed pointers
-// (sizes, strides) stay valid while the tensor's handle lives.
+// (sizes, strides) stay valid while the tensor's handle lives. Sizes, strides, numel and data are read
+// for strided tensors only (null and 0 otherwise: a sparse tensor has no strides, a nested one no
+// sizes), so every check reads them after it has checked strided().
 struct TensorInfo {
   AtenTensorHandle handle = nullptr;
   bool defined = false;

@@ -232,6 +232,26 @@ def test_names_must_match_the_tensors() -> None:
         nanscan.scan([torch.ones(2), torch.ones(3)], names=["a", "b", "c"])
 
 
+def test_tensors_without_strides_reaching_a_kernel_are_refused_by_name() -> None:
+    """The dispatcher sends a call with a sparse argument to the sparse backend, which nanscan does not
+    register; called on the CPU kernels directly, the library reads a tensor's sizes only once it knows
+    the tensor is strided, and refuses the rest by name, with nothing written."""
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    t = torch.ones(3)
+    sparse_factor = torch.tensor([0.5]).to_sparse()
+    with pytest.raises(RuntimeError, match=r"nanscan.scale_: coef must be a dense \(strided\) tensor, got Sparse"):
+        torch.ops.nanscan.scale_.default.redispatch(cpu, [t], sparse_factor)
+    with pytest.raises(RuntimeError, match=r"inv_scale must be a dense \(strided\) tensor, got Sparse"):
+        torch.ops.nanscan.unscale_scan_.default.redispatch(cpu, [t], sparse_factor)
+    rows, counter = torch.zeros(4, 3), torch.zeros((), dtype=torch.int64)
+    record = torch.ops.nanscan.record_.default
+    with pytest.raises(RuntimeError, match=r"rows has layout Sparse; expected a dense \(strided\) tensor"):
+        record.redispatch(cpu, rows.to_sparse(), counter, [t], None, [])
+    with pytest.raises(RuntimeError, match=r"counter must be a one-element int64 tensor, got Long of shape Sparse"):
+        record.redispatch(cpu, rows, torch.tensor([1]).to_sparse(), [t], None, [])
+    assert torch.equal(t, torch.ones(3)) and not rows.any() and counter.item() == 0
+
+
 def test_a_build_without_cuda_says_so_at_the_first_cuda_call() -> None:
     """Without the CUDA library of torch's CUDA, nanscan registers CUDA kernels that name the cause,
     what the install holds and the fix, in place of the dispatcher's "Could not run 'nanscan::scan'
