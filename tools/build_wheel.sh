@@ -65,7 +65,7 @@ fi
 tools_venv=$(mktemp -d)
 raw=$(mktemp -d)
 trap 'rm -rf "$tools_venv" "$raw"' EXIT
-wheel_tools=$("$PY" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['wheel']))")
+wheel_tools=$("$PY" tools/extra.py wheel)
 "$PY" -m venv "$tools_venv"
 # shellcheck disable=SC2086
 "$tools_venv/bin/python" -m pip install --quiet --disable-pip-version-check $wheel_tools

@@ -38,7 +38,8 @@ done
 wheel="$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
 export PIP_CERT="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
 # cuobjdump (the "build-check" extra), for tests/test_build.py's look at the fatbinary.
-build_check=$(python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['build-check']))")
+PY=${PYTHON:-python}
+build_check=$("$PY" tools/extra.py build-check)
 held=$(python -m zipfile -l "$wheel" | grep -oE '_C_cuda[0-9]+' | sort -u | tr '\n' ' ')
 echo "check_wheel.sh: $(basename "$wheel"); CUDA libraries: ${held:-none}"
 
