@@ -65,7 +65,7 @@ std::vector<cuda::TensorArg> tensor_args(const TensorListArg& tensors, const std
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorInfo& t = tensors[i];
     const void* data = t.data;
-    if (t.numel > 0 && !t.dense()) {
+    if (t.numel > 0 && !t.dense) {
       copies.push_back(contiguous(t.handle));
       data = copies.back().data();
     }
@@ -277,7 +277,7 @@ void multiply_in_place(const TensorListArg& tensors, const std::vector<DType>& t
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorInfo& t = tensors[i];
     if (t.numel == 0) continue;
-    if (t.dense()) {
+    if (t.dense) {
       dense.push_back(cuda::TensorArg{t.data, t.numel, tags[i]});
       continue;
     }
@@ -364,7 +364,7 @@ void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outp
   check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
   const CudaDeviceGuard guard(tensors[0].device_index);
   for (const TensorInfo& t : tensors.infos()) {
-    if (t.numel > 0 && !t.dense()) {
+    if (t.numel > 0 && !t.dense) {
       multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None,
                         current_stream(tensors[0].device_index));
       return_outputs(stack, scan_and_maybe_multiply(tensors, tags, ScanOptions{}, nullptr));

@@ -49,7 +49,7 @@ void check_multipliable(const std::vector<DType>& tags, const char* op) {
 // torch's own rule and message (ATen's assert_no_internal_overlap): a tensor that is not dense and
 // has a dimension of stride 0 and size > 1 repeats an element.
 void check_writable(const TensorInfo& t) {
-  if (t.numel <= 1 || t.dense()) return;
+  if (t.numel <= 1 || t.dense) return;
   for (int64_t d = 0; d < t.dim; ++d) {
     NANSCAN_CHECK(!(t.strides[d] == 0 && t.sizes[d] > 1),
                   "unsupported operation: more than one element of the written-to tensor refers to a single memory "

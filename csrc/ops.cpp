@@ -152,7 +152,7 @@ void unscale_scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outpu
     // The kernel fuses the multiply for dense tensors; the rare strided view is multiplied here.
     const NoGradGuard no_grad;
     for (const TensorInfo& t : tensors.infos()) {
-      if (t.numel > 0 && !t.dense()) mul_(t.handle, inv_scale.handle);
+      if (t.numel > 0 && !t.dense) mul_(t.handle, inv_scale.handle);
     }
   }
   ScanOutputs out = allocate_scan_outputs(tags, tensors[0], ScanOptions{});

@@ -198,6 +198,7 @@ TensorInfo TensorInfo::of(AtenTensorHandle handle) {
   NANSCAN_SHIM(aoti_torch_get_data_ptr(handle, &t.data));
   t.sizes = sizes;
   t.strides = strides;
+  t.dense = is_non_overlapping_and_dense(sizes, strides, t.dim);
   return t;
 }
 

@@ -96,6 +96,9 @@ struct TensorInfo {
   const int64_t* sizes = nullptr;
   const int64_t* strides = nullptr;
   void* data = nullptr;
+  // The elements fill one span of memory in some order of the dimensions (is_non_overlapping_and_dense):
+  // worked out once here, where the validation, the multiply and the kernels each ask.
+  bool dense = false;
 
   static TensorInfo of(AtenTensorHandle handle);
   bool strided() const;
@@ -103,7 +106,6 @@ struct TensorInfo {
     return device_type == other.device_type && device_index == other.device_index;
   }
   std::string device() const { return device_name(device_type, device_index); }
-  bool dense() const { return is_non_overlapping_and_dense(sizes, strides, dim); }
   int64_t size(int64_t d) const { return sizes[d]; }
 };
 

@@ -348,7 +348,7 @@ struct Chunk {
 
 // The tensor's elements as one contiguous memory span, when it is dense in any permutation of its
 // dimensions (contiguous, transposed, channels-last, ...): order does not change the statistics.
-const void* dense_span(const TensorInfo& t) { return t.dense() ? t.data : nullptr; }
+const void* dense_span(const TensorInfo& t) { return t.dense ? t.data : nullptr; }
 
 // The only function with hot loops; compiled for several x86 levels and picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
