@@ -264,10 +264,6 @@ const cuda::ListPlan& plan_of(const std::vector<cuda::TensorArg>& args) {
   return plan;
 }
 
-torch::stable::Tensor stable(AtenTensorHandle t) {
-  return torch::stable::Tensor(torch::stable::detail::to<AtenTensorHandle>(borrow(t)));
-}
-
 // Multiplies dense tensors with the CUDA kernel (it exits at once when *coef is 1) and non-dense ones
 // with ATen (rare for gradients).
 void multiply_in_place(const TensorListArg& tensors, const std::vector<DType>& tags, const TensorInfo& coef,

@@ -160,11 +160,6 @@ void unscale_scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outpu
   return_outputs(stack, std::move(out));
 }
 
-// A torch::stable::Tensor of the same tensor (a new handle), for torch::stable's op wrappers.
-torch::stable::Tensor stable(AtenTensorHandle t) {
-  return torch::stable::Tensor(torch::stable::detail::to<AtenTensorHandle>(borrow(t)));
-}
-
 // A list argument for an ATen op: new handles of the same tensors (the op takes ownership).
 StableIValue list_of(const TensorListArg& tensors) {
   StableListHandle list = nullptr;

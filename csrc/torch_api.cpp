@@ -273,12 +273,8 @@ void mul_(AtenTensorHandle self, AtenTensorHandle other) {
 }
 
 OwnedTensor contiguous(AtenTensorHandle self) {
-  AtenTensorHandle copy = nullptr;
-  NANSCAN_SHIM(aoti_torch_new_tensor_handle(self, &copy));
-  const torch::stable::Tensor result = torch::stable::contiguous(torch::stable::Tensor(copy));
-  AtenTensorHandle owned = nullptr;
-  NANSCAN_SHIM(aoti_torch_new_tensor_handle(result.get(), &owned));
-  return OwnedTensor(owned);
+  const torch::stable::Tensor result = torch::stable::contiguous(stable(self));
+  return OwnedTensor(torch::stable::detail::to<AtenTensorHandle>(borrow(result.get())));
 }
 
 }  // namespace nanscan

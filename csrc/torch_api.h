@@ -14,6 +14,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/stableivalue_conversions.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
 #include <optional>
@@ -180,6 +181,11 @@ inline StableIValue borrow(AtenTensorHandle t) {  // a new handle of the same te
   NANSCAN_SHIM(aoti_torch_new_tensor_handle(t, &copy));
   return torch::stable::detail::from(copy);
 }
+// A torch::stable::Tensor of the same tensor (a new handle), for torch::stable's op wrappers.
+inline torch::stable::Tensor stable(AtenTensorHandle t) {
+  return torch::stable::Tensor(torch::stable::detail::to<AtenTensorHandle>(borrow(t)));
+}
+
 // Runs ATen ops as below autograd: nanscan's kernels are not differentiable (the Autograd key falls
 // through to them: nanscan/_ops.py), and torch's in-place ops refuse leaves that require grad
 // while grad mode is on.
