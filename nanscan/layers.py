@@ -8,6 +8,10 @@ than asked for, the deepest names lose one more component at a time (``transform
 neighbouring numbers into ranges instead (``transformer.h.0-3``), and names that cannot be cut any
 further are merged with their neighbours in order.
 
+``check_state``'s names of optimizer state, ``<parameter>:<key>`` (``fc.weight:exp_avg_sq``), are
+grouped among the names of their key, and their groups say it (``fc:exp_avg_sq``): a layer's weights
+and its Adam moments are different quantities, not one vector. Each key gets its share of the groups.
+
 A group's norm is the L2 norm of its members' gradients taken together: the square root of the sum of
 their squared norms, NaN if any member's is NaN, else Inf if any member's is Inf.
 """
@@ -44,6 +48,24 @@ def group_layers(names: Sequence[str], max_groups: int = MAX_GROUPS) -> list[Gro
     notes), in the order of each group's first member."""
     if max_groups < 1:
         raise ValueError(f"nanscan: max_groups must be at least 1, got {max_groups}")
+    by_key: dict[str, list[int]] = {}  # "" for parameters, else the state key after ":"
+    for i, name in enumerate(names):
+        by_key.setdefault(name.partition(":")[2], []).append(i)
+    if len(by_key) == 1 and "" in by_key:
+        return _group_parameters(names, max_groups)
+    share = max(1, max_groups // len(by_key))
+    groups: list[Group] = []
+    for key, members in by_key.items():
+        suffix = f":{key}" if key else ""
+        groups += [
+            Group(group.name + suffix, tuple(members[j] for j in group.members))
+            for group in _group_parameters([names[i].partition(":")[0] for i in members], share)
+        ]
+    return groups
+
+
+def _group_parameters(names: Sequence[str], max_groups: int) -> list[Group]:
+    """``group_layers`` for names of parameters alone."""
     keys = [tuple(layer_name(name).split(".")) for name in names]
     while len(set(keys)) > max_groups:
         depth = max(map(len, keys))

@@ -12,7 +12,17 @@ One figure, three panels sharing the step axis (four with an activation watch's 
   of log10 activation amax, module by step: a step with no sampled forward shows the last sampled
   one's (and says so), values over fp16's 65504 in orange, NaN/Inf outputs red, fp16's limit marked
   on its colour bar, the first module whose outputs went non-finite named; above ``MAX_ROWS``
-  modules, the ``MAX_ROWS`` with the largest amax (every non-finite one among them), in model order.
+  modules, the ``MAX_ROWS`` with the largest amax (every non-finite one among them), in model order;
+* when the records carry an update watch's figures (``Recorder(updates=watch)``), a heatmap of log10
+  update ratio ‖Δw‖/‖w‖, parameter by step: a record after no measured optimizer step shows the last
+  measured one's (and says so), NaN/Inf ratios red, spikes (a ratio at or above the recorder's spike
+  factor times its running median) ringed, 1e-3 (the ratio of healthy training, by rule of thumb)
+  marked on its colour bar; above ``MAX_ROWS`` parameters a row is a layer, its ratio that of its
+  parameters' update and weight norms each combined as one L2 norm.
+
+A run of ``check_state`` records (subject ``"state"``) is drawn the same way, its norms those of the
+weights and the optimizer state (rows ``fc.weight``, ``fc.weight:exp_avg_sq``; grouped, ``fc`` and
+``fc:exp_avg_sq``).
 
 Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
 layer (``nanscan.layers``: a group's norm is its members' norms combined as one L2 norm, NaN or Inf
@@ -39,7 +49,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .layers import Group, group_layers, group_norms, group_reduce, layer_name
-from .records import FP16_MAX, StepRecord, iter_jsonl, ranks_label
+from .records import FP16_MAX, StepRecord, UpdateRecord, iter_jsonl, ranks_label
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -56,6 +66,7 @@ SKIPPED_COLOR = "#555555"
 SPIKE_COLOR = "#ff9f1c"
 THRESHOLD_COLOR = "#444444"
 OVER_FP16_COLOR = "#ff7f00"
+UPDATE_SPIKE_COLOR = "#39d353"
 DPI = 110
 LABEL_FONT = 6.5
 MARKED_CELLS = 300
@@ -93,6 +104,8 @@ class Run:
     first_nonfinite: tuple[int, list[str]] | None
     first_ranks: dict[str, list[int]] | None = None
     activations: Activations | None = None
+    updates: Updates | None = None
+    subject: str = "gradients"
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,20 @@ class Activations:
     amax: NDArray[np.float64]
     nonfinite: NDArray[np.bool_]
     first_nonfinite: tuple[int, list[str]] | None
+
+
+@dataclass(frozen=True)
+class Updates:
+    """The update ratios of a run's records, parameter (row, the union of the update names in order of
+    first appearance) by record (column): ``update_norm`` and ``weight_norm`` NaN where the record
+    holds none; ``measured`` the records after a measured optimizer step; ``spike`` where a ratio
+    reached its spike factor times its running median."""
+
+    names: list[str]
+    update_norm: NDArray[np.float64]
+    weight_norm: NDArray[np.float64]
+    spike: NDArray[np.bool_]
+    measured: NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -141,7 +168,12 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
     first_ranks: dict[str, list[int]] | None = None
     named_ranks: set[int] = set()  # every rank any record names, for _has_ranks
     activation_columns: list[tuple[int, dict[str, tuple[float, bool]]]] = []  # (record index, module -> figures)
+    update_columns: list[tuple[int, UpdateRecord]] = []
+    subjects: set[str] = set()
     for record in records:
+        subjects.add(record.subject)
+        if record.updates is not None:
+            update_columns.append((len(steps), record.updates))
         if record.activations is not None:
             figures = record.activations
             activation_columns.append(
@@ -204,7 +236,31 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         first_nonfinite=first,
         first_ranks=first_ranks if _has_ranks(named_ranks) else None,
         activations=_activations(activation_columns, len(steps)),
+        updates=_updates(update_columns, len(steps)),
+        subject="state" if subjects == {"state"} else "gradients",
     )
+
+
+def _updates(columns: list[tuple[int, UpdateRecord]], records: int) -> Updates | None:
+    """The update-ratio grid of a run (None when no record holds update figures)."""
+    if not columns:
+        return None
+    row: dict[str, int] = {}
+    for _, figures in columns:
+        for name in figures.names:
+            row.setdefault(name, len(row))
+    shape = (len(row), records)
+    update_norm, weight_norm = np.full(shape, np.nan), np.full(shape, np.nan)
+    spike = np.zeros(shape, dtype=bool)
+    measured = np.zeros(records, dtype=bool)
+    for j, figures in columns:
+        rows = np.array([row[name] for name in figures.names], dtype=np.intp)
+        update_norm[rows, j] = figures.update_norm
+        weight_norm[rows, j] = figures.weight_norm
+        multiple = np.asarray(figures.spike_ratio, dtype=np.float64)
+        spike[rows, j] = (multiple >= figures.spike_factor) & (multiple != np.inf)
+        measured[j] = True
+    return Updates(list(row), update_norm, weight_norm, spike, measured)
 
 
 def _activations(columns: list[tuple[int, dict[str, tuple[float, bool]]]], records: int) -> Activations | None:
@@ -374,14 +430,17 @@ def _save_png(figure: Figure, path: Path) -> None:
 
 
 def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figure:
-    acts = run.activations
-    figure = figure_class(figsize=(12, 8 if acts is None else 11))
+    acts, updates = run.activations, run.updates
+    extra = (acts is not None) + (updates is not None)  # panels below the gradient heatmap
+    figure = figure_class(figsize=(12, 8 + 3 * extra))
     labels = [_row_label(group) for group in grid.groups] + (
         [] if acts is None else [_module_label(m) for m in acts.modules]
     )
+    if updates is not None:
+        labels += [_row_label(group) for group in _update_groups(updates)]
     label_chars = max(len(label) for label in labels)
     left = min(0.32, 0.03 + label_chars * LABEL_FONT * 0.6 / (12 * 72))
-    ratios = [0.45, 5, 2] if acts is None else [0.45, 5, 3.2, 2]
+    ratios = [0.45, 5] + [3.2] * extra + [2]
     layout = figure.add_gridspec(
         len(ratios),
         2,
@@ -391,18 +450,23 @@ def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figur
         wspace=0.015,
         left=left,
         right=0.93,
-        top=0.9 if acts is None else 0.92,
-        bottom=0.07 if acts is None else 0.055,
+        top=(0.9, 0.92, 0.935)[extra],
+        bottom=(0.07, 0.055, 0.045)[extra],
     )
     strip = figure.add_subplot(layout[0, 0])
     heat = figure.add_subplot(layout[1, 0], sharex=strip)
     totals = figure.add_subplot(layout[len(ratios) - 1, 0], sharex=strip)
     colorbar_axes = figure.add_subplot(layout[1, 1])
     _draw_strip(strip, grid)
-    _draw_heatmap(figure, heat, colorbar_axes, grid)
+    _draw_heatmap(figure, heat, colorbar_axes, grid, run.subject)
+    panel = 2
     if acts is not None:
-        activation_axes = figure.add_subplot(layout[2, 0], sharex=strip)
-        _draw_activations(figure, activation_axes, figure.add_subplot(layout[2, 1]), acts, run, grid.per_column)
+        activation_axes = figure.add_subplot(layout[panel, 0], sharex=strip)
+        _draw_activations(figure, activation_axes, figure.add_subplot(layout[panel, 1]), acts, run, grid.per_column)
+        panel += 1
+    if updates is not None:
+        update_axes = figure.add_subplot(layout[panel, 0], sharex=strip)
+        _draw_updates(figure, update_axes, figure.add_subplot(layout[panel, 1]), updates, grid.per_column)
     _draw_totals(totals, run)
     _label_steps(totals, run)
     strip.set_xlim(-0.5, len(run.steps) - 0.5)
@@ -410,7 +474,7 @@ def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figur
         _annotate_first(heat, totals, run, grid)
     figure.suptitle(title, x=left, ha="left", y=0.985, fontsize=12, fontweight="bold")
     figure.text(left, 0.94, _summary(run, grid), fontsize=8.5, color="#333333")
-    _draw_legend(figure, acts is not None)
+    _draw_legend(figure, acts is not None, updates is not None)
     return figure
 
 
@@ -495,6 +559,77 @@ def _draw_activations(
         )
 
 
+def _update_groups(updates: Updates) -> list[Group]:
+    """The update panel's rows: a parameter each, or above ``MAX_ROWS`` a layer each."""
+    if len(updates.names) <= MAX_ROWS:
+        return [Group(name, (i,)) for i, name in enumerate(updates.names)]
+    return group_layers(updates.names, MAX_ROWS)
+
+
+def _draw_updates(figure: Figure, ax: Axes, colorbar_axes: Axes, updates: Updates, per_column: int) -> None:
+    """log10 update ratio, parameter (or layer) by step, held between measured steps and binned as the
+    gradient heatmap's columns are (the largest ratio of a bin, any flag raised in it)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_rgba
+
+    groups = _update_groups(updates)
+    update_norm, weight_norm = updates.update_norm, updates.weight_norm
+    if len(groups) < len(updates.names):
+        update_norm, weight_norm = group_norms(update_norm, groups), group_norms(weight_norm, groups)
+    spike = group_reduce(updates.spike, groups, np.logical_or).astype(bool)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_ratio = np.log10(update_norm / weight_norm)
+    # Red: a NaN or Inf among the norms (the weights went non-finite); a weight of norm 0 (inf or NaN
+    # ratio with finite norms) is blank, and a weight that did not move (ratio 0) sits at the floor.
+    bad = updates.measured & ~(np.isfinite(update_norm) & np.isfinite(weight_norm))
+    zero = np.isneginf(log_ratio)
+    log_ratio[~np.isfinite(log_ratio)] = np.nan
+    log_ratio, bad = _hold(log_ratio, bad, updates.measured)
+    zero = _hold(log_ratio, zero, updates.measured)[1]  # spikes are not held: ringed where measured
+    if per_column > 1:
+        starts = np.arange(0, log_ratio.shape[1], per_column)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # bins with nothing measured stay NaN
+            log_ratio = np.fmax.reduceat(log_ratio, starts, axis=1)
+        bad, spike, zero = (np.logical_or.reduceat(f, starts, axis=1).astype(bool) for f in (bad, spike, zero))
+    rows_total = len(groups)
+    extent = (-0.5, log_ratio.shape[1] * per_column - 0.5, rows_total - 0.5, -0.5)
+    known = log_ratio[np.isfinite(log_ratio)]
+    low, high = np.percentile(known, [0.5, 99.5]) if known.size else (-4.0, -2.0)
+    if high - low < 0.5:
+        low, high = (low + high) / 2 - 0.25, (low + high) / 2 + 0.25
+    log_ratio[zero & np.isnan(log_ratio)] = low
+    colormap = colormaps["magma"].with_extremes(bad=(0, 0, 0, 0))  # nothing measured yet: blank
+    image = ax.imshow(
+        log_ratio, cmap=colormap, vmin=low, vmax=high, aspect="auto", interpolation="nearest", extent=extent
+    )
+    overlay = np.zeros((*log_ratio.shape, 4))
+    overlay[bad] = to_rgba(NAN_COLOR)
+    ax.imshow(overlay, aspect="auto", interpolation="nearest", extent=extent)
+    rows, cols = np.nonzero(spike & ~bad)
+    if 0 < rows.size <= SPIKE_MARKS:
+        centre = (np.arange(log_ratio.shape[1], dtype=np.float64) + 0.5) * per_column - 0.5
+        ax.scatter(centre[cols], rows, s=24, facecolors="none", edgecolors=UPDATE_SPIKE_COLOR, linewidths=1.0, zorder=3)
+    ax.set_ylim(rows_total - 0.5, -0.5)
+    bar = figure.colorbar(image, cax=colorbar_axes)
+    if low <= -3 <= high:
+        bar.ax.axhline(-3, color=UPDATE_SPIKE_COLOR, linewidth=1.4)
+    bar.set_label("log10 ‖Δw‖/‖w‖" + (" (green line: 1e-3)" if low <= -3 <= high else ""), fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    height_points = ax.get_position().height * figure.get_figheight() * 72
+    every = max(1, math.ceil(rows_total * LABEL_FONT * 1.3 / height_points))
+    labelled = range(0, rows_total, every)
+    ax.set_yticks(list(labelled), [_row_label(groups[r]) for r in labelled], fontsize=LABEL_FONT)
+    ax.tick_params(axis="x", labelbottom=False)
+    measured = int(updates.measured.sum())
+    lines = ["update ratio" + (" (layers)" if rows_total < len(updates.names) else "")]
+    if every > 1:
+        lines[0] += f", 1 in {every} labelled"
+    total = updates.measured.size
+    lines.append(f"{measured} of {total} steps measured" + (", held between" if measured < total else ""))
+    ax.set_ylabel("\n".join(lines), fontsize=8)
+
+
 def _worst_modules(acts: Activations, most: int) -> list[int]:
     """Row indices of at most ``most`` modules, in model order: every one whose outputs went
     non-finite, then those with the largest amax over the run."""
@@ -508,15 +643,22 @@ def _worst_modules(acts: Activations, most: int) -> list[int]:
 
 
 def _held(amax: NDArray[np.float64], nonfinite: NDArray[np.bool_]) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
-    """The grid with each record that holds no figures (no forward sampled since the record before)
-    showing the last sampled record's, as a sampled metric is drawn between its samples; records
-    before the first sample stay blank."""
-    sampled = np.isfinite(amax).any(axis=0)
-    source = np.where(sampled, np.arange(amax.shape[1]), -1)
+    """The activation grid held between samples (``_hold``): a record holds figures where some
+    module's amax is known."""
+    return _hold(amax, nonfinite, np.asarray(np.isfinite(amax).any(axis=0)))
+
+
+def _hold(
+    values: NDArray[np.float64], flags: NDArray[np.bool_], sampled: NDArray[np.bool_]
+) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
+    """The grid with each record that holds no figures (``sampled`` false: nothing sampled since the
+    record before) showing the last sampled record's, as a sampled metric is drawn between its
+    samples; records before the first sample stay blank."""
+    source = np.where(sampled, np.arange(values.shape[1]), -1)
     np.maximum.accumulate(source, out=source)  # each column's latest sampled column, or -1
-    filled = amax[:, np.maximum(source, 0)]
+    filled = values[:, np.maximum(source, 0)]
     filled[:, source < 0] = np.nan
-    return filled, nonfinite[:, np.maximum(source, 0)] & (source >= 0)
+    return filled, flags[:, np.maximum(source, 0)] & (source >= 0)
 
 
 def _summary(run: Run, grid: Grid) -> str:
@@ -557,7 +699,7 @@ def _draw_strip(ax: Axes, grid: Grid) -> None:
         spine.set_visible(False)
 
 
-def _draw_heatmap(figure: Figure, ax: Axes, colorbar_axes: Axes, grid: Grid) -> None:
+def _draw_heatmap(figure: Figure, ax: Axes, colorbar_axes: Axes, grid: Grid, subject: str = "gradients") -> None:
     from matplotlib import colormaps
     from matplotlib.colors import to_rgba
 
@@ -586,7 +728,8 @@ def _draw_heatmap(figure: Figure, ax: Axes, colorbar_axes: Axes, grid: Grid) -> 
     ]
     bar = figure.colorbar(image, cax=colorbar_axes, extend=extend)
     floor = f"; a zero norm is drawn at the floor ({low:.1f})" if has_zero else ""
-    bar.set_label(f"log10 gradient norm{floor}", fontsize=8)
+    what = "gradient norm" if subject == "gradients" else "norm of weights / optimizer state"
+    bar.set_label(f"log10 {what}{floor}", fontsize=8)
     bar.ax.tick_params(labelsize=7)
     _mark_cells(ax, grid)
     _separate_blocks(ax, grid)
@@ -788,7 +931,7 @@ def _first_ranks_text(ranks: dict[str, list[int]] | None, names: list[str]) -> t
     return heading, {name: f" ({ranks_label(ranks[name])})" for name in names[:FIRST_NAMES] if ranks.get(name)}
 
 
-def _draw_legend(figure: Figure, activations: bool = False) -> None:
+def _draw_legend(figure: Figure, activations: bool = False, updates: bool = False) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -810,6 +953,19 @@ def _draw_legend(figure: Figure, activations: bool = False) -> None:
     ]
     if activations:
         handles.append(Patch(facecolor=OVER_FP16_COLOR, label="output over fp16's 65504"))
+    if updates:
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="o",
+                linestyle="none",
+                markerfacecolor="none",
+                markeredgecolor=UPDATE_SPIKE_COLOR,
+                markersize=5,
+                label="update ratio spike",
+            )
+        )
     figure.legend(
         handles=handles,
         loc="upper right",

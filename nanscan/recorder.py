@@ -22,8 +22,10 @@ GPT-2-small's 148 parameters at capacity 100: 358 KB), plus ``capacity * 8 * (3 
 world)`` with a rank attribution (GPT-2-small on 64 ranks, capacity 100: 406 KB more), plus
 ``capacity * 16 * modules`` with an activation watch (``activations=``: per watched module the
 amax and the NaN, Inf and overflow counts of the forwards sampled since the record before, NaN
-when none was; GPT-2-small's ~160 modules at capacity 100: 256 KB), the same again in pinned host
-memory on a GPU, and the last ``history`` records on the host.
+when none was; GPT-2-small's ~160 modules at capacity 100: 256 KB), plus ``capacity * (8 *
+parameters + 4)`` with an update watch (``updates=``: per parameter the optimizer holds, ‖Δw‖ and ‖w‖
+of the last step measured since the record before; GPT-2-small at capacity 100: 119 KB), the same
+again in pinned host memory on a GPU, and the last ``history`` records on the host.
 
 The append is device-only and one op, ``nanscan::record_`` (nanscan._ops): the record's statistics
 go, cast to each row's dtype, into the ring at the slot of the device counter, which it advances;
@@ -91,17 +93,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ._ops import RECORD_SOURCE_DTYPES, record_op
 from .activations import ActivationWatch
 from .layouts.reduce import Attribution
-from .records import ActivationRecord, StepRecord
+from .records import ActivationRecord, StepRecord, UpdateRecord
 from .report import Report
 from .sinks import Sink
+
+if TYPE_CHECKING:
+    from .updates import UpdateWatch
 
 # A record's per-parameter rows, then its per-step columns, in its float32 row of the ring buffer.
 # The running median is stored, not the spike ratio: the ratio is one division per block at the read
@@ -113,6 +119,9 @@ _STEP_COLUMNS = ("total_norm", "finite", "clip_coef", "max_norm", "skipped", "lo
 # Per watched module, after the step columns of a recorder with an activation watch: the figures of
 # the forwards sampled since the record before (NaN when none was).
 _ACTIVATION_ROWS = ("amax", "nan_count", "inf_count", "overflow")
+# With an update watch, after those: the optimizer steps the watch measured since the record before
+# (NaN when none), then per watched parameter ‖Δw‖ and ‖w‖ of the last of them.
+_UPDATE_ROWS = ("update_norm", "weight_norm")
 # Per parameter, in the float64 attribution row: nanscan.layouts.reduce.Attribution's rows, then its
 # per-rank row (``world`` values).
 _ATTRIBUTION_ROWS = ("count", "rank_sum", "rank_square_sum")
@@ -157,6 +166,7 @@ class FirstNonfinite:
         steps: the record indices of those steps.
         ranks: per such parameter, the ranks whose local data held its NaN/Inf
             (``StepRecord.nonfinite_ranks``).
+        subject: ``"gradients"``, or ``"state"`` for a recorder of ``check_state`` reports.
     """
 
     step: int
@@ -165,6 +175,7 @@ class FirstNonfinite:
     total_norm_history: list[float]
     steps: list[int]
     ranks: dict[str, list[int]]
+    subject: str = "gradients"
 
     def summary(self) -> str:
         """Up to three of the parameters, each with its ranks: ``2.weight (rank 1), ...``."""
@@ -172,7 +183,8 @@ class FirstNonfinite:
         return shown + (f" (+{len(self.parameters) - 3} more)" if len(self.parameters) > 3 else "")
 
     def __str__(self) -> str:
-        lines = [f"first non-finite gradients at step {self.step}: {self.summary()}"]
+        what = "gradients" if self.subject == "gradients" else "weights/optimizer state"
+        lines = [f"first non-finite {what} at step {self.step}: {self.summary()}"]
         for name in self.parameters[:3]:
             norms = " ".join(f"{v:.3g}" for v in self.norm_history[name][-8:])
             lines.append(f"  {name}: norms before: {norms or '(no history)'}")
@@ -219,15 +231,21 @@ class _Ring:
         spike_window: int,
         world: int | None,
         modules: Sequence[str] | None = None,
+        updated: Sequence[str] | None = None,
+        subject: str = "gradients",
     ) -> None:
         self.names = names
         self.device = device
         self.capacity = capacity
         self.world = world
         self.modules = modules
+        self.updated = updated
+        self.subject = subject
         n = len(names)
         self.step_columns_end = len(_PARAM_ROWS) * n + len(_STEP_COLUMNS)
-        self.row_length = self.step_columns_end + (0 if modules is None else len(_ACTIVATION_ROWS) * len(modules))
+        self.activations_end = self.step_columns_end + (0 if modules is None else len(_ACTIVATION_ROWS) * len(modules))
+        update_columns = 0 if updated is None else 1 + len(_UPDATE_ROWS) * len(updated)
+        self.row_length = self.activations_end + update_columns
         # Float64, as the reduction computes them: the rank sums are integers up to world^3, exact
         # in float64 (to 2^53) where a float32 row would round them (above 2^24) and so name the
         # wrong ranks; copied as they are, they give Attribution.ranks the Report's very inputs.
@@ -249,6 +267,10 @@ class _Ring:
             None
             if modules is None
             else torch.full((len(_ACTIVATION_ROWS) * len(modules),), math.nan, dtype=torch.float32, device=device)
+        )
+        # A record's update columns when no optimizer step was measured since the record before.
+        self.no_updates = (
+            None if updated is None else torch.full((update_columns,), math.nan, dtype=torch.float32, device=device)
         )
         self._constants: dict[tuple[float | None, ...], torch.Tensor] = {}
 
@@ -307,6 +329,13 @@ class Recorder:
             reduced (two all-reduces on the appends that follow a sampled forward; every rank must
             run as many forwards). Not inside a captured CUDA graph. One recorder per watch: an
             append takes the figures it records.
+        updates: a ``nanscan.watch_updates(optimizer, model)`` watch whose update ratios each record
+            also keeps: per parameter ‖Δw‖ and ‖w‖ of the last optimizer step it measured since the
+            record before (``StepRecord.updates``; None for a record after no measured step). Their
+            quotient, the ratio, is tested for spikes against its median over the ``spike_window``
+            measured steps before, as gradient norms are (``update_spikes``). Already reduced over
+            ranks by the watch's scan: no collective. Not inside a captured CUDA graph. One recorder
+            per watch.
 
     While a recorder is open, a SIGTERM reads out its records before the process ends as it would
     have without nanscan (module notes: what survives which end of a job).
@@ -334,11 +363,19 @@ class Recorder:
         warn: bool = True,
         flush_on_nonfinite: bool = True,
         activations: ActivationWatch | None = None,
+        updates: UpdateWatch | None = None,
     ) -> None:
+        from .updates import UpdateWatch  # updates -> state -> recorder: imported when first needed
+
         if activations is not None and not isinstance(activations, ActivationWatch):
             raise TypeError(
                 "nanscan.Recorder: activations must be a nanscan.watch_activations(model) watch, got "
                 f"{type(activations).__name__}"
+            )
+        if updates is not None and not isinstance(updates, UpdateWatch):
+            raise TypeError(
+                "nanscan.Recorder: updates must be a nanscan.watch_updates(optimizer, model) watch, got "
+                f"{type(updates).__name__}"
             )
         for name, value in (("every", every), ("spike_window", spike_window), ("history", history)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -361,6 +398,7 @@ class Recorder:
         for sink in self.sinks:
             _check_sink(sink)
         self.activations = activations
+        self.updates = updates
         self.every = every
         self.capacity = capacity
         self.spike_factor = float(spike_factor)
@@ -370,6 +408,12 @@ class Recorder:
         self.records: deque[StepRecord] = deque(maxlen=history)
         self.first_nonfinite: FirstNonfinite | None = None
         self.spikes: deque[tuple[int, str, float]] = deque(maxlen=1000)  # (step, parameter, ratio), latest
+        # Update-ratio spikes, the same way: (step, parameter, ratio over its median), the latest.
+        self.update_spikes: deque[tuple[int, str, float]] = deque(maxlen=1000)
+        # The update ratios of the last spike_window measured steps read, oldest first: the window
+        # each new one's median is taken over, on the host at the read (measured steps are sampled
+        # and few; the device keeps none of this).
+        self._ratio_history: deque[np.ndarray[Any, np.dtype[np.float64]]] = deque(maxlen=spike_window)
         self.lost = 0  # records overwritten before they were read (see the module notes)
         self.skipped = 0  # skipped steps among the records read
         self.read = 0  # records handed to the sinks
@@ -422,13 +466,20 @@ class Recorder:
         world = None if attribution is None else attribution.any_by_rank.numel()
         ring = self._ring
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if ring is None or ring.device != device or ring.world != world or not _same_names(ring.names, names):
+        subject = report.subject
+        if (
+            ring is None
+            or ring.device != device
+            or ring.world != world
+            or ring.subject != subject
+            or not _same_names(ring.names, names)
+        ):
             if capturing:
                 raise RuntimeError(
                     "nanscan.Recorder: the parameters changed during CUDA graph capture; record one step "
                     "before capturing, so the buffer exists"
                 )
-            self._start_layout(names, device, world)
+            self._start_layout(names, device, world, subject)
             ring = self._ring
             assert ring is not None
         elif not capturing:
@@ -469,6 +520,19 @@ class Recorder:
             else:
                 amax, counts = taken
                 sources += [amax, counts[: len(_ACTIVATION_ROWS) - 1]]  # NaN, Inf, overflow: rows as they lie
+        if ring.updated is not None:
+            if capturing:
+                raise RuntimeError(
+                    "nanscan.Recorder: a recorder with an update watch cannot be captured in a CUDA graph "
+                    "(the watch's step hooks run in Python); record it outside the graph"
+                )
+            assert self.updates is not None and ring.no_updates is not None
+            measured = self.updates._take_recent()
+            if measured is None:
+                sources.append(ring.no_updates)
+            else:
+                norms, steps = measured
+                sources += [ring.constant(steps), _on_ring(norms, ring)]  # ‖Δw‖ then ‖w‖: rows as they lie
         if capturing or ring.since_median >= self._median_every:
             # Inside a captured graph every replay refreshes the median; eagerly, every few records.
             with torch.no_grad():
@@ -512,15 +576,18 @@ class Recorder:
         ring.median.copy_(torch.where((known >= self.spike_min_history) & (median > 0), median, math.nan))
         ring.since_median = 0
 
-    def _start_layout(self, names: Sequence[str], device: torch.device, world: int | None) -> None:
-        """A new buffer for a new list of parameters (or device, or attribution): the old one is read
-        out first."""
+    def _start_layout(self, names: Sequence[str], device: torch.device, world: int | None, subject: str) -> None:
+        """A new buffer for a new list of parameters (or device, attribution or subject): the old one is
+        read out first."""
         if self._ring is not None:
             self.flush(wait=True)
             assert self._ring is not None
             self._next_step = self._ring.decoded
         modules = None if self.activations is None else tuple(self.activations.names)
-        self._ring = _Ring(names, device, self.capacity, self._next_step, self.spike_window, world, modules)
+        updated = None if self.updates is None else tuple(self.updates.names)
+        self._ring = _Ring(
+            names, device, self.capacity, self._next_step, self.spike_window, world, modules, updated, subject
+        )
 
     # ------------------------------------------------------------------------------------- reading
 
@@ -585,10 +652,13 @@ class Recorder:
             torch.div(params[:, _NORM_ROW], ratios, out=ratios)
             columns = block[:, len(_PARAM_ROWS) * n : ring.step_columns_end].tolist()
             activations = _Activations(ring, block)
+            updates = _Updates(ring, block, self)
             spiked = ((ratios >= self.spike_factor) & (ratios != math.inf)).any(dim=1).tolist()
             ranks = _Ranks(ring, attribution, slots, params)
             for k, step in enumerate(range(first, end)):
-                record = _record(step, ring.names, columns[k], params, k, self.spike_factor, ranks, activations.of(k))
+                record = _record(
+                    step, ring, columns[k], params, k, self.spike_factor, ranks, activations.of(k), updates.of(k)
+                )
                 # Marked read before a sink (or a warning turned error) can raise: a record is handed
                 # on once, never again at the next read.
                 ring.decoded = step + 1
@@ -612,12 +682,18 @@ class Recorder:
         for name, ratio in spikes.items():
             self.spikes.append((record.step, name, ratio))
         if spikes and self.warn:
-            worst = sorted(spikes.items(), key=lambda item: -item[1])[:3]
-            shown = ", ".join(f"{name} {ratio:.1f}x" for name, ratio in worst)
-            more = f" (+{len(spikes) - 3} more)" if len(spikes) > 3 else ""
+            what = "gradient" if record.subject == "gradients" else "state"
             _warn(
-                f"nanscan.Recorder: gradient norm spike at step {record.step} (norm over its median of the "
-                f"{self.spike_window} steps before): {shown}{more}"
+                f"nanscan.Recorder: {what} norm spike at step {record.step} (norm over its median of the "
+                f"{self.spike_window} steps before): {_worst(spikes)}"
+            )
+        update_spikes = {} if record.updates is None else record.updates.spikes
+        for name, multiple in update_spikes.items():
+            self.update_spikes.append((record.step, name, multiple))
+        if update_spikes and self.warn:
+            _warn(
+                f"nanscan.Recorder: update ratio spike at step {record.step} (‖Δw‖/‖w‖ over its median of the "
+                f"{self.spike_window} measured steps before): {_worst(update_spikes)}"
             )
         self.records.append(record)
         for sink in self.sinks:
@@ -628,6 +704,7 @@ class Recorder:
         before = [r for r in self.records if _same_names(r.names, record.names)]
         index = {name: i for i, name in enumerate(record.names)}
         return FirstNonfinite(
+            subject=record.subject,
             step=record.step,
             parameters=bad,
             norm_history={name: [r.norm[index[name]] for r in before] for name in bad},
@@ -685,6 +762,11 @@ class Recorder:
         if self.spikes:
             step, name, ratio = max(self.spikes, key=lambda s: s[2])
             parts.append(f"{len(self.spikes)} norm spikes (largest: {name} at step {step}, {ratio:.1f}x its median)")
+        if self.update_spikes:
+            step, name, ratio = max(self.update_spikes, key=lambda s: s[2])
+            parts.append(
+                f"{len(self.update_spikes)} update ratio spikes (largest: {name} at step {step}, {ratio:.1f}x its median)"
+            )
         if self.lost:
             parts.append(f"{self.lost} records lost (overwritten before read)")
         return "; ".join(parts)
@@ -729,7 +811,7 @@ class _Activations:
         if self.modules is None:
             return
         m = len(self.modules)
-        self.rows = block[:, ring.step_columns_end :].view(-1, len(_ACTIVATION_ROWS), m)
+        self.rows = block[:, ring.step_columns_end : ring.activations_end].view(-1, len(_ACTIVATION_ROWS), m)
         self.sampled = (~self.rows[:, 0, 0].isnan()).tolist()  # m >= 1: the model itself is watched
 
     def of(self, k: int) -> ActivationRecord | None:
@@ -743,6 +825,53 @@ class _Activations:
             inf_count=[int(v) for v in inf],
             overflow=[int(v) for v in overflow],
         )
+
+
+class _Updates:
+    """The update columns of a block of records (a recorder with an update watch): per record an
+    UpdateRecord, or None where no optimizer step was measured since the record before. The spike
+    ratio of each measured step is worked out here, in record order, against the recorder's window
+    of the measured steps read before (``Recorder._ratio_history``)."""
+
+    def __init__(self, ring: _Ring, block: torch.Tensor, recorder: Recorder) -> None:
+        self.names = ring.updated
+        self.records: dict[int, UpdateRecord] = {}
+        if self.names is None:
+            return
+        n = len(self.names)
+        columns = block[:, ring.activations_end :].to(torch.float64).numpy()
+        for k in np.flatnonzero(~np.isnan(columns[:, 0])).tolist():
+            update_norm, weight_norm = columns[k, 1 : 1 + n], columns[k, 1 + n :]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = update_norm / weight_norm
+                multiple = ratio / _lower_median(recorder._ratio_history, recorder.spike_min_history, n)
+            recorder._ratio_history.append(ratio)
+            self.records[k] = UpdateRecord(
+                names=self.names,
+                steps=int(columns[k, 0]),
+                update_norm=update_norm.tolist(),
+                weight_norm=weight_norm.tolist(),
+                spike_ratio=multiple.tolist(),
+                spike_factor=recorder.spike_factor,
+            )
+
+    def of(self, k: int) -> UpdateRecord | None:
+        return self.records.get(k)
+
+
+def _lower_median(
+    history: Iterable[np.ndarray[Any, np.dtype[np.float64]]], min_history: int, n: int
+) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """Per column, the lower median of the known (not NaN) values of ``history``'s rows, as the
+    gradient norms' running median takes it; NaN where fewer than ``min_history`` are known, or the
+    median is 0 (a ratio against it is then NaN, never a spike)."""
+    rows = list(history)
+    if len(rows) < min_history:
+        return np.full(n, np.nan)
+    window = np.sort(np.stack(rows), axis=0)  # NaN sorts last
+    known = (~np.isnan(window)).sum(axis=0)
+    median = np.take_along_axis(window, np.maximum(known - 1, 0)[None, :] // 2, axis=0)[0]
+    return np.where((known >= min_history) & (median > 0), median, np.nan)
 
 
 class _Column:
@@ -761,20 +890,21 @@ class _Column:
 
 def _record(
     step: int,
-    names: Sequence[str],
+    ring: _Ring,
     columns: list[float],
     params: torch.Tensor,
     k: int,
     spike_factor: float,
     ranks: _Ranks,
     activations: ActivationRecord | None,
+    updates: UpdateRecord | None,
 ) -> StepRecord:
     total_norm, finite, clip_coef, max_norm, skipped, loss_scale = columns
     # Callables in place of the lists (StepRecord converts them when first read); typed as the lists.
     lists = [cast("list[Any]", _Column(params, k, row)) for row in range(len(_PARAM_ROWS))]
     return StepRecord(
         step=step,
-        names=names,
+        names=ring.names,
         nan_count=lists[0],
         inf_count=lists[1],
         min=lists[2],
@@ -790,7 +920,17 @@ def _record(
         spike_factor=spike_factor,
         nonfinite_ranks={} if finite else ranks.of(k),
         activations=activations,
+        updates=updates,
+        subject=ring.subject,
+        update_names=ring.updated,
     )
+
+
+def _worst(multiples: dict[str, float]) -> str:
+    """The three largest of a record's spikes, ``name 14.2x, ...``, and how many more."""
+    worst = sorted(multiples.items(), key=lambda item: -item[1])[:3]
+    shown = ", ".join(f"{name} {ratio:.1f}x" for name, ratio in worst)
+    return shown + (f" (+{len(multiples) - 3} more)" if len(multiples) > 3 else "")
 
 
 def _ranks_text(ranks: list[int] | None) -> str:

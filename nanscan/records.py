@@ -9,10 +9,10 @@ and for a step with a NaN/Inf, the ranks whose local data held it, per parameter
 The JSONL file (``JSONLSink``, read back by ``read_jsonl``) is one JSON object per line, strict JSON
 (non-finite floats are the strings ``"nan"``, ``"inf"`` and ``"-inf"``), of two kinds:
 
-* ``{"kind": "layout", "schema": 3, "names": [...]}``: the parameter names, in the order of the
+* ``{"kind": "layout", "schema": 4, "subject": "gradients", "names": [...]}``: the parameter names, in the order of the
   per-parameter arrays of the step lines after it. Written before the first step and again whenever
   the parameters change (a parameter that gains or loses its gradient).
-* ``{"kind": "step", "schema": 3, "step": 12, "total_norm": "nan", "finite": false, "clip_coef": null,
+* ``{"kind": "step", "schema": 4, "step": 12, "total_norm": "nan", "finite": false, "clip_coef": null,
   "max_norm": null, "skipped": true, "loss_scale": null, "spike_factor": 10.0,
   "nonfinite": ["h.3.attn.weight"], "spikes": {"h.2.mlp.weight": 14.2},
   "nonfinite_ranks": {"h.3.attn.weight": [5]}, "nan_count": [...], "inf_count": [...], "min": [...],
@@ -31,10 +31,25 @@ the layout's order: the largest finite |value| of its outputs and its counts of 
 over fp16's 65504 over those forwards. A layout line without ``modules`` has steps without
 ``activations``.
 
+Schema 4 adds two things:
+
+* ``"subject"`` on the layout line: ``"gradients"`` (``check``, the GradScaler) or ``"state"``
+  (``check_state``: the per-parameter arrays are then of the weights' and the optimizer state's
+  values, named ``fc.weight`` and ``fc.weight:exp_avg_sq``). Absent in older schemas: gradients.
+* With an update watch (``Recorder(updates=watch)``, ``nanscan.watch_updates``), ``"update_names"``
+  on the layout line (the optimizer's parameters, in its order; not always the parameters of the
+  per-parameter arrays, which are those with a gradient) and ``"updates"`` on each step line: null
+  when no optimizer step was measured since the record before, else ``{"steps": 1, "update_norm":
+  [...], "weight_norm": [...], "spike_ratio": [...]}``: per parameter ‖Δw‖ and ‖w‖ of the last
+  measured step (``steps``: how many were measured since the record before; the figures are the
+  last one's), and the update ratio ‖Δw‖/‖w‖ over its running median (NaN until enough history).
+  The ratio itself is their quotient, not stored.
+
 A field may be added in a later schema version; none is renamed or removed within one. Schema 2 added
-``nonfinite_ranks``, schema 3 ``modules`` and ``activations``; ``read_jsonl`` reads schema 1 and 2
-files too (their records' ``nonfinite_ranks`` and ``activations`` are None where they have none). A
-file may hold lines of several, appended by several nanscan versions.
+``nonfinite_ranks``, schema 3 ``modules`` and ``activations``, schema 4 ``subject``,
+``update_names`` and ``updates``; ``read_jsonl`` reads schemas 1 to 3 too (their records'
+``nonfinite_ranks``, ``activations`` and ``updates`` are None where they have none). A file may hold
+lines of several, appended by several nanscan versions.
 """
 
 from __future__ import annotations
@@ -47,10 +62,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA = 3
-READABLE_SCHEMAS = (1, 2, 3)  # schema 1: no nonfinite_ranks (read as None); 1 and 2: no activations
+SCHEMA = 4
+# Schema 1: no nonfinite_ranks (read as None); 1 and 2: no activations; 1 to 3: no subject, no updates.
+READABLE_SCHEMAS = (1, 2, 3, 4)
 PER_PARAMETER = ("nan_count", "inf_count", "min", "max", "norm", "spike_ratio")
 PER_MODULE = ("amax", "nan_count", "inf_count", "overflow")
+PER_UPDATE = ("update_norm", "weight_norm", "spike_ratio")
+SUBJECTS = ("gradients", "state")
 FP16_MAX = 65504.0
 
 
@@ -110,6 +128,79 @@ class ActivationRecord:
 
 
 @dataclass(frozen=True)
+class UpdateRecord:
+    """One record's update ratios (``Recorder(updates=watch)``): per parameter the optimizer, its
+    last step measured since the record before.
+
+    Attributes:
+        names: the parameter names, in the optimizer's order.
+        steps: optimizer steps measured since the record before (the figures are the last one's).
+        update_norm: per parameter ‖Δw‖ of that step.
+        weight_norm: per parameter ‖w‖ after it.
+        spike_ratio: per parameter the ratio over its median over the recorder's window of earlier
+            measured steps (NaN until the window holds enough of them, or when the median is 0).
+        spike_factor: the spike ratio at or above which a ratio counts as a spike.
+    """
+
+    names: Sequence[str]
+    steps: int
+    update_norm: list[float]
+    weight_norm: list[float]
+    spike_ratio: list[float]
+    spike_factor: float = math.inf
+
+    @property
+    def ratio(self) -> list[float]:
+        """Per parameter ‖Δw‖/‖w‖ (inf for weights of norm 0 that moved, NaN for 0/0 and NaN norms)."""
+        return [_quotient(u, w) for u, w in zip(self.update_norm, self.weight_norm, strict=True)]
+
+    @property
+    def spikes(self) -> dict[str, float]:
+        """Parameters whose ratio reached ``spike_factor`` times its running median: name -> that multiple."""
+        return {
+            name: multiple
+            for name, multiple in zip(self.names, self.spike_ratio, strict=True)
+            if multiple >= self.spike_factor and multiple != math.inf
+        }
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Parameters whose update or weight norm is NaN or Inf (a NaN/Inf in the weights after the step)."""
+        return [
+            name
+            for name, u, w in zip(self.names, self.update_norm, self.weight_norm, strict=True)
+            if not (math.isfinite(u) and math.isfinite(w))
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        line: dict[str, Any] = {"steps": self.steps}
+        for key in PER_UPDATE:
+            line[key] = [_encode(v) for v in getattr(self, key)]
+        return line
+
+    @classmethod
+    def from_json(cls, value: object, names: Sequence[str], spike_factor: float) -> UpdateRecord:
+        if type(value) is not dict:
+            raise ValueError(f"updates is {value!r:.60}, not an object")
+        try:
+            steps = _decode_int(value["steps"], "updates.steps")
+            columns = {key: _decode_list(value[key], f"updates.{key}") for key in PER_UPDATE}
+        except KeyError as missing:
+            raise ValueError(f"updates without its field {missing}") from None
+        if any(len(values) != len(names) for values in columns.values()):
+            lengths = sorted({len(values) for values in columns.values()})
+            raise ValueError(f"updates of {lengths} values where its layout has {len(names)} update names")
+        return cls(names=names, steps=steps, spike_factor=spike_factor, **columns)
+
+
+def _quotient(numerator: float, denominator: float) -> float:
+    """``numerator / denominator`` as the device divides: x/0 is inf (NaN for 0/0), not an error."""
+    if denominator == 0:
+        return math.nan if numerator == 0 or math.isnan(numerator) else math.inf
+    return numerator / denominator
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One recorded step, on the host.
 
@@ -133,6 +224,12 @@ class StepRecord:
             made by hand).
         activations: the activation figures of the forwards sampled since the record before, from a
             recorder with an activation watch; None when no forward was sampled, or without a watch.
+        updates: the update ratios of the last optimizer step measured since the record before, from
+            a recorder with an update watch; None when none was measured, or without a watch.
+        subject: what the per-parameter lists are of: ``"gradients"`` (``check``, the GradScaler), or
+            ``"state"`` (``check_state``: the weights' and the optimizer state's values).
+        update_names: the parameters of the recorder's update watch, at every record of a recorder
+            with one (``updates`` or not); None without.
 
     A per-parameter field may be given as a callable that returns its list: it is called on the
     field's first reading, and its list kept. The recorder's records are made so, from the block of
@@ -157,10 +254,14 @@ class StepRecord:
     spike_factor: float
     nonfinite_ranks: dict[str, list[int]] | None = None
     activations: ActivationRecord | None = None
+    updates: UpdateRecord | None = None
+    subject: str = "gradients"
+    update_names: Sequence[str] | None = None
 
     @property
     def nonfinite(self) -> list[str]:
-        """Names of the parameters whose gradient held a NaN or an Inf this step."""
+        """Names of the parameters whose gradient (or, for a ``"state"`` record, whose values) held a NaN
+        or an Inf this step."""
         return [name for name, nan, inf in zip(self.names, self.nan_count, self.inf_count, strict=True) if nan or inf]
 
     @property
@@ -174,9 +275,10 @@ class StepRecord:
             if ratio >= self.spike_factor and ratio != math.inf
         }
 
-    def to_json(self, with_activations: bool = False) -> dict[str, Any]:
+    def to_json(self, with_activations: bool = False, with_updates: bool = False) -> dict[str, Any]:
         """The step line of the JSONL schema (module notes), without the layout's names; with
-        ``activations`` when its layout line names modules (``with_activations``)."""
+        ``activations`` when its layout line names modules (``with_activations``), ``updates`` when it
+        has update names (``with_updates``)."""
         line: dict[str, Any] = {
             "kind": "step",
             "schema": SCHEMA,
@@ -196,12 +298,21 @@ class StepRecord:
             line[key] = [_encode(v) for v in getattr(self, key)]
         if with_activations:
             line["activations"] = None if self.activations is None else self.activations.to_json()
+        if with_updates:
+            line["updates"] = None if self.updates is None else self.updates.to_json()
         return line
 
     @classmethod
-    def from_json(cls, line: dict[str, Any], names: Sequence[str], modules: Sequence[str] | None = None) -> StepRecord:
-        """A step line of the JSONL schema, with the names (and the watched modules, if any) of the
-        layout line before it. A line this version cannot read (another schema, a field missing or of
+    def from_json(
+        cls,
+        line: dict[str, Any],
+        names: Sequence[str],
+        modules: Sequence[str] | None = None,
+        update_names: Sequence[str] | None = None,
+        subject: str = "gradients",
+    ) -> StepRecord:
+        """A step line of the JSONL schema, with the names (the watched modules, the update names and
+        the subject, if any) of the layout line before it. A line this version cannot read (another schema, a field missing or of
         the wrong type, arrays of another length than the layout's) raises ValueError saying what is
         wrong (``iter_jsonl`` adds where)."""
         _check_schema(line, "step")
@@ -210,6 +321,7 @@ class StepRecord:
             if any(len(values) != len(names) for values in columns.values()):
                 lengths = sorted({len(values) for values in columns.values()})
                 raise ValueError(f"arrays of {lengths} values where its layout has {len(names)} names")
+            spike_factor = _decode(line.get("spike_factor", math.inf), "spike_factor")
             return cls(
                 step=_decode_int(line["step"], "step"),
                 names=names,
@@ -225,9 +337,12 @@ class StepRecord:
                 max_norm=_decode_optional(line["max_norm"], "max_norm"),
                 skipped=_decode_bool(line["skipped"], "skipped"),
                 loss_scale=_decode_optional(line["loss_scale"], "loss_scale"),
-                spike_factor=_decode(line.get("spike_factor", math.inf), "spike_factor"),
+                spike_factor=spike_factor,
                 nonfinite_ranks=_decode_ranks(line.get("nonfinite_ranks"), names),
                 activations=_decode_activations(line.get("activations"), modules),
+                updates=_decode_updates(line.get("updates"), update_names, spike_factor),
+                subject=subject,
+                update_names=update_names,
             )
         except KeyError as missing:
             raise ValueError(f"a step line without its field {missing}") from None
@@ -328,6 +443,15 @@ def _decode_activations(value: object, modules: Sequence[str] | None) -> Activat
     return ActivationRecord.from_json(value, modules)
 
 
+def _decode_updates(value: object, names: Sequence[str] | None, spike_factor: float) -> UpdateRecord | None:
+    """A step line's ``updates`` (schema 4; null or absent: none)."""
+    if value is None:
+        return None
+    if names is None:
+        raise ValueError("updates in a step whose layout line has no update_names")
+    return UpdateRecord.from_json(value, names, spike_factor)
+
+
 def _as_list(value: object, field: str) -> list[Any]:
     """A JSON array of a line, or an error naming its field."""
     if type(value) is not list:
@@ -348,11 +472,19 @@ def _check_schema(line: dict[str, Any], kind: str) -> None:
         )
 
 
-def layout_line(names: Sequence[str], modules: Sequence[str] | None = None) -> dict[str, Any]:
-    """The layout line of the JSONL schema (``modules``: the watched modules' names, if any)."""
-    line: dict[str, Any] = {"kind": "layout", "schema": SCHEMA, "names": list(names)}
+def layout_line(
+    names: Sequence[str],
+    modules: Sequence[str] | None = None,
+    update_names: Sequence[str] | None = None,
+    subject: str = "gradients",
+) -> dict[str, Any]:
+    """The layout line of the JSONL schema (``modules``: the watched modules' names, ``update_names``:
+    an update watch's parameters, if any; ``subject``: what the per-parameter arrays are of)."""
+    line: dict[str, Any] = {"kind": "layout", "schema": SCHEMA, "subject": subject, "names": list(names)}
     if modules is not None:
         line["modules"] = list(modules)
+    if update_names is not None:
+        line["update_names"] = list(update_names)
     return line
 
 
@@ -364,6 +496,8 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
     else that is not a line of the schema, anywhere, raises ValueError naming the file and line."""
     names: Sequence[str] | None = None
     modules: Sequence[str] | None = None
+    update_names: Sequence[str] | None = None
+    subject = "gradients"
     with Path(path).open() as f:
         for number, text in enumerate(f, 1):
             if not text.strip():
@@ -392,10 +526,15 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
                     names = tuple(str(name) for name in _as_list(line.get("names"), "names"))
                     listed = line.get("modules")
                     modules = None if listed is None else tuple(str(m) for m in _as_list(listed, "modules"))
+                    listed = line.get("update_names")
+                    update_names = None if listed is None else tuple(str(n) for n in _as_list(listed, "update_names"))
+                    subject = line.get("subject", "gradients")
+                    if subject not in SUBJECTS:
+                        raise ValueError(f"subject is {subject!r}, not one of {', '.join(SUBJECTS)}")
                 elif kind == "step":
                     if names is None:
                         raise ValueError("a step before any layout line")
-                    record = StepRecord.from_json(line, names, modules)
+                    record = StepRecord.from_json(line, names, modules, update_names, subject)
                 else:
                     raise ValueError(f"unknown line kind {kind!r}")
             except ValueError as error:

@@ -49,6 +49,8 @@ class Report:
         norm_type: the norm type of ``total_norm`` (and of the clipping, when ``max_norm`` was given).
         max_norm: the clipping threshold, or None when ``check`` did not clip.
         clip_coef_tensor: the device tensor the gradients were multiplied by (1 means untouched), or None.
+        subject: what was scanned: ``"gradients"``, or ``"state"`` (``check_state``: the weights' and
+            the optimizer state's values), as a recorder's records say.
     """
 
     def __init__(
@@ -60,8 +62,11 @@ class Report:
         max_norm: float | None = None,
         clip_coef: torch.Tensor | None = None,
         replicas: ReplicaCheck | None = None,
+        *,
+        subject: str = "gradients",
     ) -> None:
         self._names = stats.names if stats.names is not None else names
+        self.subject = subject
         self.replicas = replicas
         self.stats = stats
         self.total_norm_tensor = total_norm

@@ -97,22 +97,40 @@ class JSONLSink(_FileSink):
         super().__init__(path)
         self._names: object = None
         self._modules: Sequence[str] | None = None
+        self._update_names: Sequence[str] | None = None
+        self._subject = "gradients"
         self._layout_written = False
 
     def __call__(self, record: StepRecord) -> None:
         file = self._open_file()
         # The watched modules: a record with activations names them; one without (no forward sampled
         # since the record before) is of the same recorder's layout, so its step line goes under the
-        # modules last written, with "activations": null.
+        # modules last written, with "activations": null. Every record of a recorder with an update
+        # watch names the watch's parameters.
         modules = record.activations.modules if record.activations is not None else self._modules
-        new_names = record.names is not self._names and list(record.names) != list(self._names or ())  # type: ignore[call-overload]
-        new_modules = modules is not None and (self._modules is None or list(modules) != list(self._modules))
-        if new_names or new_modules or not self._layout_written:
-            file.write(json.dumps(layout_line(record.names, modules), allow_nan=False) + "\n")
+        updated = record.updates.names if record.updates is not None else record.update_names
+        if (
+            not self._layout_written
+            or _changed(record.names, self._names)
+            or (modules is not None and _changed(modules, self._modules))
+            or (updated is not None and _changed(updated, self._update_names))
+            or record.subject != self._subject
+        ):
+            line = layout_line(record.names, modules, updated, record.subject)
+            file.write(json.dumps(line, allow_nan=False) + "\n")
             self._layout_written = True
         self._names = record.names
         self._modules = modules
-        file.write(json.dumps(record.to_json(with_activations=modules is not None), allow_nan=False) + "\n")
+        self._update_names = updated
+        self._subject = record.subject
+        line = record.to_json(with_activations=modules is not None, with_updates=updated is not None)
+        file.write(json.dumps(line, allow_nan=False) + "\n")
+
+
+def _changed(names: Sequence[str], before: object) -> bool:
+    """Whether a list of names differs from the one written before (the same object, as a recorder
+    hands every record of a layout, at the cost of one identity test)."""
+    return names is not before and (before is None or list(names) != list(before))  # type: ignore[call-overload]
 
 
 class CSVSink(_FileSink):
@@ -120,7 +138,11 @@ class CSVSink(_FileSink):
     ``step, parameter`` and the per-parameter statistics, then the step's totals repeated on each of
     its rows, then ``nonfinite_ranks``: on the row of a parameter whose gradient held a NaN/Inf, the
     ranks whose local data held it, space-separated (``"1 3"``; empty on every other row, and where
-    the record has no ranks). Non-finite values are written as Python writes them (``nan``, ``inf``).
+    the record has no ranks); ``subject`` (``gradients``, or ``state`` for ``check_state``'s records);
+    then, from a recorder with an update watch, the parameter's update ratio ‖Δw‖/‖w‖ and its spike
+    ratio at the records after a measured optimizer step (empty elsewhere; a parameter the optimizer
+    updates that has no gradient this step gets a row of its own with only these). Non-finite values
+    are written as Python writes them (``nan``, ``inf``).
 
     Appends to an existing file only if its header is this one: a file begun by a nanscan with other
     columns is refused, rather than given rows that do not match its header. A step's rows are
@@ -144,6 +166,9 @@ class CSVSink(_FileSink):
         "skipped",
         "loss_scale",
         "nonfinite_ranks",
+        "subject",
+        "update_ratio",
+        "update_spike_ratio",
     )
 
     def __init__(self, path: str | Path) -> None:
@@ -173,8 +198,26 @@ class CSVSink(_FileSink):
             "" if record.loss_scale is None else record.loss_scale,
         )
         ranks = record.nonfinite_ranks or {}
+        updates: dict[str, tuple[float, float]] = {}
+        if record.updates is not None:
+            figures = record.updates
+            updates = dict(zip(figures.names, zip(figures.ratio, figures.spike_ratio, strict=True), strict=True))
+        no_update = ("", "")
         self._writer.writerows(
-            (record.step, name, nan, inf, lo, hi, norm, ratio, *totals, " ".join(map(str, ranks.get(name, ()))))
+            (
+                record.step,
+                name,
+                nan,
+                inf,
+                lo,
+                hi,
+                norm,
+                ratio,
+                *totals,
+                " ".join(map(str, ranks.get(name, ()))),
+                record.subject,
+                *updates.pop(name, no_update),
+            )
             for name, nan, inf, lo, hi, norm, ratio in zip(
                 record.names,
                 record.nan_count,
@@ -185,4 +228,8 @@ class CSVSink(_FileSink):
                 record.spike_ratio,
                 strict=True,
             )
+        )
+        # What is left: parameters the optimizer updated that have no gradient row this step.
+        self._writer.writerows(
+            (record.step, name, *[""] * 6, *totals, "", record.subject, *figures) for name, figures in updates.items()
         )

@@ -74,7 +74,7 @@ def check_state(
         tensors += states
     with torch.no_grad():
         result = scan(tensors, names)
-    report = Report(names, result, result.total_norm, 2.0)
+    report = Report(names, result, result.total_norm, 2.0, subject="state")
     if recorder is not None:
         recorder.append(report)
     return report

@@ -86,7 +86,11 @@ class UpdateWatch:
         self._sampled = 0  # of which measured
         self._sampling = False
         self._copies: list[torch.Tensor] = []
+        # The last measured step's norms, on the device: ‖Δw‖ per parameter, then ‖w‖ (the scan's
+        # output as it lies), and their quotient.
+        self._norms: torch.Tensor | None = None
         self._ratio: torch.Tensor | None = None
+        self._recent = 0  # steps measured since a recorder last took the norms (_take_recent)
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
             optimizer.register_step_post_hook(self._after),
@@ -130,8 +134,10 @@ class UpdateWatch:
             # The copies (DTensors where the parameters are) go to the scan whole: it reduces them.
             result = scan(self._copies + params)
         n = len(params)
+        self._norms = result.norm
         self._ratio = result.norm[:n] / result.norm[n:]
         self._sampled += 1
+        self._recent += 1
 
     # ----------------------------------------------------------------------------------- results
 
@@ -155,6 +161,25 @@ class UpdateWatch:
     def nbytes(self) -> int:
         """Memory held for the copies of the weights (0 before the first sampled step)."""
         return sum(c.numel() * c.element_size() for c in self._copies)
+
+    @property
+    def update_norm(self) -> torch.Tensor | None:
+        """The last measured step's ‖Δw‖ per parameter, a device tensor (no sync), or None."""
+        return None if self._norms is None else self._norms[: len(self.names)]
+
+    @property
+    def weight_norm(self) -> torch.Tensor | None:
+        """The last measured step's ‖w‖ per parameter (after the step), a device tensor, or None."""
+        return None if self._norms is None else self._norms[len(self.names) :]
+
+    def _take_recent(self) -> tuple[torch.Tensor, int] | None:
+        """For a recorder's row: the last measured step's norms (‖Δw‖ then ‖w‖, float32 or float64
+        [2 * parameters], on the parameters' device) and how many steps were measured since the last
+        take; None when none was. No sync: the count is the host's own."""
+        if self._recent == 0 or self._norms is None:
+            return None
+        steps, self._recent = self._recent, 0
+        return self._norms, steps
 
     def ratios(self) -> dict[str, float]:
         """The last measured step's ratios by parameter name (one sync); empty before the first."""

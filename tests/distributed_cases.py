@@ -818,6 +818,17 @@ def update_ratios_of_fsdp2_are_the_whole_parameters(world: int) -> None:
     assert list(ratios) == ["0.weight", "0.bias", "2.weight", "2.bias"], ratios
     for (name, got), b, a in zip(ratios.items(), before, after, strict=True):
         assert_close(got, ((a - b).norm() / a.norm()).item(), f"{name} ratio", 1e-6)
+    # A recorder with the watch keeps the same whole-parameter figures on every rank, with no
+    # collective of its own (the watch's scan reduced them).
+    records: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder([records.append], every=1, warn=False, updates=updates)
+    backward(model, 16)
+    nanscan.check(model, recorder=recorder)
+    recorder.close()
+    recorded = records[0].updates
+    assert recorded is not None and recorded.steps == 1 and list(recorded.names) == list(ratios), recorded
+    for name, got, want in zip(recorded.names, recorded.ratio, ratios.values(), strict=True):
+        assert_close(got, want, f"{name} recorded ratio", 1e-6)  # float32 norms in the record
     updates.remove()
 
 

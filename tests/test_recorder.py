@@ -466,8 +466,10 @@ def test_ranks_round_trip_through_jsonl_and_csv_and_schema_1_still_reads(tmp_pat
     assert [r.nonfinite_ranks for r in back] == [r.nonfinite_ranks for r in recorder.records]
     assert [r.to_json() for r in back] == [r.to_json() for r in recorder.records]
     rows = csv_path.read_text().splitlines()
-    assert rows[0].endswith(",loss_scale,nonfinite_ranks")
-    assert [row.rsplit(",", 1)[1] for row in rows if row.startswith("1,")] == ["", "0", "3 6", ""]
+    header = rows[0].split(",")
+    assert header[-4:] == ["nonfinite_ranks", "subject", "update_ratio", "update_spike_ratio"]
+    ranks = header.index("nonfinite_ranks")
+    assert [row.split(",")[ranks] for row in rows if row.startswith("1,")] == ["", "0", "3 6", ""]
     # A file of schema 1 (no nonfinite_ranks) reads, its records' ranks unknown (None).
     old = tmp_path / "old.jsonl"
     old.write_text(

@@ -19,6 +19,20 @@ Tags, under ``prefix`` (default ``nanscan``), at ``global_step = record.step``:
   beside it ``nonfinite_norms``, the count of the NaN/Inf norms the histogram cannot hold. Both are
   built from the recorded statistics, not from a copy of the gradients.
 
+From a recorder with an update watch (``Recorder(updates=watch)``), at the records after a measured
+optimizer step:
+
+* ``update_ratio/<layer>``: each layer's ‖Δw‖/‖w‖, its parameters' update and weight norms each
+  combined as one L2 norm (the layers of the gradient norms), and ``param_update_ratio/<name>`` per
+  parameter when ``per_parameter``;
+* ``log10_update_ratio``: a histogram of log10 of the finite, non-zero per-parameter ratios;
+* ``update_spikes``: parameters whose ratio reached the spike factor times its running median.
+
+The records of ``check_state`` (subject ``"state"``: the weights' and the optimizer state's values)
+go under ``<prefix>/state/``, with ``state_norm/<layer>``, ``param_state_norm/<name>`` and
+``log10_state_norm`` in place of the gradient tags, so that a sink shared by a gradient recorder and
+a state recorder keeps the two apart.
+
 TensorBoard is imported when a sink is made, not with nanscan (``pip install tensorboard``).
 """
 
@@ -84,13 +98,15 @@ class TensorBoardSink:
         self.histograms = histograms
         self._global_step = global_step
         self._closed = False
-        self._names: Sequence[str] | None = None
-        self._layers: list[Group] = []
+        self._layer_cache: dict[str, tuple[Sequence[str], list[Group]]] = {}
 
     def __call__(self, record: StepRecord) -> None:
         if self._closed:
             raise ValueError("nanscan.TensorBoardSink: the sink is closed")
         step = record.step if self._global_step is None else self._global_step(record)
+        gradients = record.subject == "gradients"
+        prefix = self.prefix if gradients else f"{self.prefix}/state"
+        what = "grad" if gradients else "state"
         norm = np.asarray(record.norm, dtype=np.float64)
         nan_count = sum(record.nan_count)
         inf_count = sum(record.inf_count)
@@ -108,18 +124,43 @@ class TensorBoardSink:
             scalars["loss_scale"] = record.loss_scale
         for rank, count in parameters_by_rank(record.nonfinite_ranks).items():
             scalars[f"nonfinite_rank/{rank}"] = float(count)
-        layers = self._layers_of(record.names)
+        layers = self._layers_of("norms", record.names)
         for layer, layer_norm in zip(layers, group_norms(norm, layers), strict=True):
-            scalars[f"grad_norm/{layer.name}"] = float(layer_norm)
-        per_parameter = self.per_parameter if self.per_parameter is not None else len(record.names) <= MAX_GROUPS
-        if per_parameter:
+            scalars[f"{what}_norm/{layer.name}"] = float(layer_norm)
+        if self._per_parameter(record.names):
             scalars.update(
-                (f"param_grad_norm/{name}", value) for name, value in zip(record.names, record.norm, strict=True)
+                (f"param_{what}_norm/{name}", value) for name, value in zip(record.names, record.norm, strict=True)
             )
+        ratio = None if record.updates is None else self._update_scalars(record, scalars)
         for tag, value in scalars.items():
-            self.writer.add_scalar(f"{self.prefix}/{tag}", value, step)
+            self.writer.add_scalar(f"{prefix}/{tag}", value, step)
         if self.histograms:
-            self._write_histogram(norm, step)
+            self._write_histogram(f"{prefix}/log10_{what}_norm", norm, step)
+            self.writer.add_scalar(f"{prefix}/nonfinite_norms", float(np.count_nonzero(~np.isfinite(norm))), step)
+            if ratio is not None:
+                self._write_histogram(f"{prefix}/log10_update_ratio", ratio, step)
+
+    def _update_scalars(self, record: StepRecord, scalars: dict[str, float]) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """Adds a record's update-ratio tags to ``scalars``; returns the per-parameter ratios."""
+        updates = record.updates
+        assert updates is not None
+        update_norm = np.asarray(updates.update_norm, dtype=np.float64)
+        weight_norm = np.asarray(updates.weight_norm, dtype=np.float64)
+        layers = self._layers_of("updates", updates.names)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = update_norm / weight_norm
+            layer_ratio = group_norms(update_norm, layers) / group_norms(weight_norm, layers)
+        for layer, value in zip(layers, layer_ratio, strict=True):
+            scalars[f"update_ratio/{layer.name}"] = float(value)
+        if self._per_parameter(updates.names):
+            scalars.update(
+                (f"param_update_ratio/{name}", float(r)) for name, r in zip(updates.names, ratio, strict=True)
+            )
+        scalars["update_spikes"] = float(len(updates.spikes))
+        return ratio
+
+    def _per_parameter(self, names: Sequence[str]) -> bool:
+        return self.per_parameter if self.per_parameter is not None else len(names) <= MAX_GROUPS
 
     def flush(self) -> None:
         self.writer.flush()
@@ -134,20 +175,21 @@ class TensorBoardSink:
         else:
             self.writer.flush()
 
-    def _layers_of(self, names: Sequence[str]) -> list[Group]:
-        # A recorder hands every record of one layout the same names object: group once per layout.
-        if names is not self._names and (self._names is None or list(names) != list(self._names)):
-            self._layers = group_layers(names, MAX_GROUPS)
-        self._names = names
-        return self._layers
+    def _layers_of(self, key: str, names: Sequence[str]) -> list[Group]:
+        """The layers of a list of names (``key``: which list: the norms' or the updates'). A recorder
+        hands every record of one layout the same names object: grouped once per layout."""
+        cached = self._layer_cache.get(key)
+        if cached is None or (names is not cached[0] and list(names) != list(cached[0])):
+            cached = (names, group_layers(names, MAX_GROUPS))
+        self._layer_cache[key] = (names, cached[1])
+        return cached[1]
 
-    def _write_histogram(self, norm: np.ndarray[Any, np.dtype[np.float64]], step: int) -> None:
-        finite = np.isfinite(norm)
-        # log10 of 0 has no bin: a zero norm (a parameter whose gradient is all zeros) is left out.
-        positive = norm[finite & (norm > 0)]
+    def _write_histogram(self, tag: str, values: np.ndarray[Any, np.dtype[np.float64]], step: int) -> None:
+        # log10 of 0 has no bin: a zero (a parameter whose gradient is all zeros, a weight that did
+        # not move) is left out, as are NaN and Inf.
+        positive = values[np.isfinite(values) & (values > 0)]
         if positive.size:
-            self.writer.add_histogram(f"{self.prefix}/log10_grad_norm", np.log10(positive), step)
-        self.writer.add_scalar(f"{self.prefix}/nonfinite_norms", float(np.count_nonzero(~finite)), step)
+            self.writer.add_histogram(tag, np.log10(positive), step)
 
 
 def _summary_writer_class() -> Callable[[str | None], Writer]:
