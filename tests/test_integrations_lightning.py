@@ -221,6 +221,81 @@ def test_under_lightnings_fsdp1_strategy_the_optimizers_parameters_are_checked_w
     assert report.total_norm == pytest.approx(nanscan.check(root).total_norm)
 
 
+class CorruptMoment(Callback):
+    """After the optimizer step of batch ``at``: an Inf in ``net.0.weight``'s ``exp_avg_sq``, as one bf16
+    overflow leaves Adam's second moment (the gradients are finite again the step after)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.at:
+            trainer.optimizers[0].state[pl_module.net[0].weight]["exp_avg_sq"][0, 0] = math.inf
+
+
+def test_state_checks_every_n_steps_reach_the_loggers_and_name_the_bad_moment(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    states: list[nanscan.records.StepRecord] = []
+    state_recorder = nanscan.Recorder(sinks=[states.append], every=2, warn=False)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callback = NanscanCallback(check_state_every=2, state_recorder=state_recorder)
+    trainer([callback, CorruptMoment(4)], logger=logger, log_every_n_steps=1).fit(Tiny(True), loader())
+
+    # Fused AdamW: the NaN step is skipped on the device, its step still called: 8 steps, 4 checks.
+    assert [r.subject for r in states] == ["state"] * 4
+    assert states[0].names[:4] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert "net.0.weight:exp_avg_sq" in states[0].names and not any(n.endswith(":step") for n in states[0].names)
+    assert [r.nonfinite for r in states] == [[], [], ["net.0.weight:exp_avg_sq"], ["net.0.weight:exp_avg_sq"]]
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        logged = {int(row["step"]): row for row in csv.DictReader(f) if row.get("nanscan/state/total_norm")}
+    assert sorted(logged) == [1, 3, 5, 7]  # beside the gradients of the step each check followed
+    assert [float(logged[s]["nanscan/state/nonfinite_tensors"]) for s in (1, 3, 5, 7)] == [0, 0, 1, 1]
+    assert float(logged[1]["nanscan/state/total_norm"]) == pytest.approx(states[0].total_norm, rel=1e-6)
+
+
+def test_state_checks_without_a_recorder_warn_and_a_stateless_optimizer_has_its_weights_checked() -> None:
+    torch.manual_seed(0)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"NanscanCallback: after optimizer step 6, NaN/Inf in the weights or the optimizer state: "
+        r"net\.0\.weight:exp_avg_sq$",
+    ):
+        trainer([NanscanCallback(check_state_every=3), CorruptMoment(4)]).fit(Tiny(True), loader())
+
+    states: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder(sinks=[states.append], every=10, warn=False)
+    trainer([NanscanCallback(check_state_every=1, state_recorder=recorder)]).fit(Tiny(False), loader())
+    # SGD keeps no state: the weights alone, after each of the 7 steps taken (the NaN one held back).
+    assert len(states) == STEPS - 1 and all(r.names == states[0].names for r in states)
+    assert states[0].names == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+
+
+def test_bad_state_settings_are_refused() -> None:
+    recorder = nanscan.Recorder(every=1)
+    with pytest.raises(ValueError, match="check_state_every must be a positive int or None, got 0"):
+        NanscanCallback(check_state_every=0)
+    with pytest.raises(ValueError, match="a state_recorder records the state checks: set check_state_every too"):
+        NanscanCallback(state_recorder=recorder)
+    with pytest.raises(ValueError, match="a recorder of their own"):
+        NanscanCallback(recorder=recorder, check_state_every=1, state_recorder=recorder)
+    with pytest.raises(TypeError, match=r"state_recorder must be a nanscan\.Recorder"):
+        NanscanCallback(check_state_every=1, state_recorder=[])  # type: ignore[arg-type]
+    recorder.close()
+
+
+def test_state_checks_under_fsdp1_are_refused_before_the_first_step(world_of_one: None) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = Tiny(False)
+    with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
+        root = FullyShardedDataParallel(module, device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(root.parameters())
+    with pytest.raises(ValueError, match=r"check_state_every=4\): the optimizer holds FSDP1's flattened"):
+        NanscanCallback(check_state_every=4)._watch_steps(optimizer, lambda: root, lambda: 0)
+
+
 def test_rank_metrics_count_each_ranks_parameters_in_its_worst_record() -> None:
     base = nanscan.records.StepRecord(
         step=0,

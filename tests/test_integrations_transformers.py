@@ -195,6 +195,53 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
     assert logged[1]["nanscan/skipped"] == 1.0
 
 
+class CorruptMoment(TrainerCallback):
+    """After the optimizer step of Trainer step ``at``: an Inf in one parameter's ``exp_avg_sq``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.at:
+            inner = kwargs["optimizer"]
+            while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+                inner = inner.optimizer
+            inner.state[kwargs["model"].transformer.h[0].mlp.c_fc.weight]["exp_avg_sq"][0, 0] = math.inf
+
+
+def test_state_checks_every_n_steps_are_merged_into_the_logs(tmp_path: Path) -> None:
+    states: list[nanscan.records.StepRecord] = []
+    state_recorder = nanscan.Recorder(sinks=[states.append], every=1, warn=False)
+    callback = NanscanTrainerCallback(check_state_every=2, state_recorder=state_recorder)
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=arguments(tmp_path, optim="adamw_torch"),
+        train_dataset=Tokens(),
+        callbacks=[Poison(), callback, CorruptMoment(3)],
+    )
+    trainer.train()
+
+    # The NaN step (2) is held back on the host: steps 0, 1, 3, 4, 5 are taken, checked after 1 and 4.
+    bad = "transformer.h.0.mlp.c_fc.weight:exp_avg_sq"
+    assert [(r.subject, r.nonfinite) for r in states] == [("state", []), ("state", [bad])]
+    assert bad in states[0].names
+    logged = [entry for entry in trainer.state.log_history if "nanscan/state/total_norm" in entry]
+    assert [(e["nanscan/state/step"], e["nanscan/state/nonfinite_tensors"]) for e in logged] == [(1.0, 0.0), (4.0, 1.0)]
+    assert logged[0]["nanscan/state/total_norm"] == pytest.approx(states[0].total_norm, rel=1e-6)
+
+
+def test_state_checks_without_a_recorder_warn(tmp_path: Path) -> None:
+    callback = NanscanTrainerCallback(check_state_every=4)
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=arguments(tmp_path, optim="adamw_torch"),
+        train_dataset=Tokens(),
+        callbacks=[callback, CorruptMoment(1)],
+    )
+    with pytest.warns(RuntimeWarning, match=r"after optimizer step 4, NaN/Inf in the weights or the optimizer state"):
+        trainer.train()
+
+
 def test_fp16_scaler_path_keeps_the_guard() -> None:
     """Under fp16 accelerate's step swaps the inner step for a wrapper of the step it saved at
     prepare (and restores that after): the callback must point both at the guarded step, or a step the

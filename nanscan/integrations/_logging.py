@@ -1,5 +1,14 @@
-"""What both framework callbacks share: the check they run before each optimizer step, and what
-they log of a recorder's records, and which records they log.
+"""What both framework callbacks share: the check they run before each optimizer step, the state
+check they run after every N-th (``check_state_every``), and what they log of a recorder's records,
+and which records they log.
+
+The state check: after every ``check_state_every``-th step of an optimizer, ``nanscan.check_state``
+of the parameters the optimizer holds and its state (Adam's moments, momentum buffers). With a
+``state_recorder`` its reports are recorded there (no sync; the records reach the loggers as the
+gradient records do, under ``nanscan/state/``); without one, the callback reads each report's
+finite flag (one sync every ``check_state_every`` steps) and warns, naming the tensors that went
+bad (``fc.weight:exp_avg_sq``): a single Inf can corrupt Adam's second moment for good while the
+gradients are finite again the step after, which no gradient check sees.
 
 Which ranks held a NaN/Inf is logged only when the checks' reports carry a rank attribution
 (DTensors, DDP with ``nanscan.ddp.attach``): a record names rank 0 for a single process's NaN too
@@ -10,18 +19,19 @@ check without a sync; the ranks themselves come with the records, which reach th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..check import check
 from ..clip import as_max_norm, as_norm_type
 from ..guard import ON_NONFINITE, check_max_consecutive_skips
+from ..layouts import fsdp1
+from ..recorder import Recorder
 from ..records import StepRecord
-
-if TYPE_CHECKING:
-    from ..recorder import Recorder
+from ..state import check_state
 
 
 class CheckingCallback:
@@ -86,6 +96,90 @@ class CheckingCallback:
         """``rank_metrics`` of ``records`` when the checks carry a rank attribution, else nothing."""
         return rank_metrics(records) if self.attributed else {}
 
+    # ------------------------------------------------------------------------------ the state check
+
+    check_state_every: int | None
+    state_recorder: Recorder | None
+
+    def _set_state_check(self, owner: str, every: int | None, recorder: Recorder | None) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"nanscan.{owner}: check_state_every must be a positive int or None, got {every!r}")
+        if recorder is not None and not isinstance(recorder, Recorder):
+            raise TypeError(
+                f"nanscan.{owner}: state_recorder must be a nanscan.Recorder, got {type(recorder).__name__}"
+            )
+        if recorder is not None and every is None:
+            raise ValueError(f"nanscan.{owner}: a state_recorder records the state checks: set check_state_every too")
+        self._owner = owner
+        self.check_state_every = every
+        self.state_recorder = recorder
+        self._optimizer_steps: dict[int, int] = {}  # optimizer steps seen, by id(optimizer)
+        # Per state check in order (the state recorder's record index), the framework's step it
+        # followed (0-based): where its record is logged, beside that step's gradients.
+        self._state_checked_after: list[int] = []
+        self._step_hooks: dict[int, Any] = {}  # the post-step hook's handle, by id(optimizer)
+
+    def _watch_steps(
+        self, optimizer: torch.optim.Optimizer, target: Callable[[], Any], framework_step: Callable[[], int]
+    ) -> None:
+        """Hooks ``optimizer``'s step (once): after each call of it, ``_after_optimizer_step`` of
+        ``target()``, what the gradient check scans, at the framework's step ``framework_step()``. A
+        step the skip guard held back is not called (a fused optimizer's is, and skips on the device:
+        it counts)."""
+        if self.check_state_every is None or id(optimizer) in self._step_hooks:
+            return
+        self._refuse_unscannable_state(optimizer)
+        self._step_hooks[id(optimizer)] = optimizer.register_step_post_hook(
+            lambda stepped, args, kwargs: self._after_optimizer_step(target(), stepped, framework_step())
+        )
+
+    def _state_step(self, record: StepRecord) -> int:
+        """The framework's step (0-based) a state record's check followed."""
+        after = self._state_checked_after
+        return after[record.step] if 0 <= record.step < len(after) else record.step
+
+    def _unwatch_steps(self) -> None:
+        for handle in self._step_hooks.values():
+            handle.remove()
+        self._step_hooks.clear()
+
+    def _refuse_unscannable_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the first step: an optimizer whose state check_state would refuse (FSDP1's flat
+        parameters) is refused now, not at its N-th step."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.check_state_every is not None and fsdp1.flattened(params):
+            raise ValueError(
+                f"nanscan.{self._owner}(check_state_every={self.check_state_every}): the optimizer holds FSDP1's "
+                "flattened parameters, whose optimizer state nanscan.check_state does not yet cut back into "
+                "parameters (one rank's flat shard is not the model's state); use FSDP2 (fully_shard), or leave "
+                "check_state_every unset"
+            )
+
+    def _after_optimizer_step(self, target: Any, optimizer: torch.optim.Optimizer, framework_step: int) -> None:
+        """Counts ``optimizer``'s steps; after every ``check_state_every``-th, checks the state of
+        ``target`` (what the gradient check scans) and of ``optimizer`` (module notes), and notes the
+        framework's step it followed."""
+        every = self.check_state_every
+        if every is None:
+            return
+        steps = self._optimizer_steps.get(id(optimizer), 0) + 1
+        self._optimizer_steps[id(optimizer)] = steps
+        if steps % every:
+            return
+        # Before the check: its append may read the record out to the sinks at once.
+        self._state_checked_after.append(framework_step)
+        # An optimizer that keeps no state (SGD without momentum) has its weights checked alone.
+        report = check_state(target, optimizer if optimizer.state else None, recorder=self.state_recorder)
+        if self.state_recorder is None and not report.finite:  # one sync, every `every` steps
+            bad = report.nonfinite
+            shown = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+            warnings.warn(
+                f"nanscan.{self._owner}: after optimizer step {steps}, NaN/Inf in the weights or the optimizer "
+                f"state: {shown}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
 
 def check_log_every(owner: str, log_every_n_steps: int | None) -> None:
     if log_every_n_steps is not None and log_every_n_steps < 1:
@@ -98,7 +192,13 @@ def worth_logging(record: StepRecord, every: int | None) -> bool:
 
 
 def record_metrics(record: StepRecord) -> dict[str, float]:
-    """One record's totals under the ``nanscan/`` keys the callbacks' docs list."""
+    """One record's totals under the ``nanscan/`` keys the callbacks' docs list; a state check's
+    (``check_state``) under ``nanscan/state/``: its total norm and its non-finite tensors."""
+    if record.subject == "state":
+        return {
+            "nanscan/state/total_norm": record.total_norm,
+            "nanscan/state/nonfinite_tensors": float(len(record.nonfinite)),
+        }
     metrics = {
         "nanscan/total_norm": record.total_norm,
         "nanscan/skipped": float(record.skipped),

@@ -36,6 +36,17 @@ local data held a NaN/Inf (how many parameters); ``log_every_n_steps`` thins the
 skipped or non-finite step. Without a recorder the callback logs nothing. LR schedulers step on
 skipped steps too, as they do on a step that Lightning's GradScaler skips.
 
+The training state: with ``check_state_every=N``, after every N-th step of each optimizer (a step
+the callback skipped on the host is not one; a fused optimizer's, skipped on the device, is),
+``nanscan.check_state`` of the parameters it holds and its
+state (nanscan.integrations._logging). Give it a ``state_recorder`` (a recorder of its own: one
+recorder keeps one list of names) and the state records reach the loggers too, as
+``nanscan/state/total_norm`` and ``nanscan/state/nonfinite_tensors`` at the step the check followed
+(the state recorder's records are counted to find it: record nothing else there), with no sync; without one,
+each state check reads its finite flag (one sync per N steps) and warns with the names of the
+tensors that went bad. Refused at ``on_train_start`` under FSDP1, whose flat optimizer state
+``check_state`` does not cut into parameters.
+
 Works with either package: the callback derives from ``lightning.pytorch.Callback`` when
 ``lightning`` is installed, else from ``pytorch_lightning.Callback``; a ``pytorch_lightning.Trainer``
 also takes the former (in a list: ``callbacks=[NanscanCallback(...)]``) when both are installed.
@@ -43,6 +54,7 @@ also takes the former (in a list: ``callbacks=[NanscanCallback(...)]``) when bot
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -93,6 +105,10 @@ class NanscanCallback(Callback, CheckingCallback):
             to the Trainer's loggers (module notes).
         log_every_n_steps: forward a record to the loggers when its step is a multiple of this, and
             always when it was skipped or not finite; None: the Trainer's ``log_every_n_steps``.
+        check_state_every: check the weights and the optimizer state after every this many optimizer
+            steps (module notes); None: never.
+        state_recorder: a ``nanscan.Recorder`` (not ``recorder``) for the state checks' reports;
+            without one a state check warns on a NaN/Inf (one sync).
 
     Example:
         >>> trainer = Trainer(callbacks=[NanscanCallback(max_norm=1.0)])  # no gradient_clip_val
@@ -106,17 +122,27 @@ class NanscanCallback(Callback, CheckingCallback):
         max_consecutive_skips: int | None = None,
         recorder: Recorder | None = None,
         log_every_n_steps: int | None = None,
+        check_state_every: int | None = None,
+        state_recorder: Recorder | None = None,
     ) -> None:
         super().__init__()
         self._set_check(
             "NanscanCallback", max_norm, norm_type, on_nonfinite, max_consecutive_skips, recorder, log_every_n_steps
         )
+        self._set_state_check("NanscanCallback", check_state_every, state_recorder)
+        if state_recorder is not None and state_recorder is recorder:
+            raise ValueError(
+                "nanscan.NanscanCallback: give the state checks a recorder of their own (state_recorder is "
+                "recorder): one recorder keeps one list of names"
+            )
         self._trainer: Trainer | None = None  # set while fitting: where the recorder's records go
         # Per optimizer (by id): what to check, the LightningModule itself when the optimizer holds all
         # of its trainable parameters (check's fast path), else that optimizer's (name, parameter) pairs.
         self._targets: dict[int, tuple[torch.optim.Optimizer, Any]] = {}
         if recorder is not None:
             recorder.add_sink(self._log_record)
+        if state_recorder is not None:
+            state_recorder.add_sink(self._log_record)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Refuses a Trainer that clips too, before any step."""
@@ -132,9 +158,17 @@ class NanscanCallback(Callback, CheckingCallback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Wraps each optimizer's step before the first one: the first check runs inside that step's
         closure, too late to wrap it then (nanscan.guard)."""
-        if self.on_nonfinite == "skip":
-            for optimizer in trainer.optimizers:
-                SkipGuard.of(_torch_optimizer(optimizer), self.max_consecutive_skips)
+        for optimizer in trainer.optimizers:
+            torch_optimizer = _torch_optimizer(optimizer)
+            if self.on_nonfinite == "skip":
+                SkipGuard.of(torch_optimizer, self.max_consecutive_skips)
+            # Inside the step the Trainer's global_step is still the step's own index (it counts
+            # the steps completed), as the gradient records' indices are.
+            self._watch_steps(
+                torch_optimizer,
+                functools.partial(self._target, pl_module, torch_optimizer),
+                lambda: trainer.global_step,
+            )
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         """Checks (and clips) the gradients of ``optimizer``'s parameters, and arms the skip."""
@@ -149,11 +183,13 @@ class NanscanCallback(Callback, CheckingCallback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Hands the recorder's last records to its sinks (the loggers among them)."""
-        if self.recorder is not None:
-            self.recorder.flush()
+        for recorder in (self.recorder, self.state_recorder):
+            if recorder is not None:
+                recorder.flush()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._unwatch_steps()
             self._trainer = None
             self._targets = {}
 
@@ -188,9 +224,12 @@ class NanscanCallback(Callback, CheckingCallback):
         every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 0) or 1
         if not worth_logging(record, every):
             return
-        metrics = record_metrics(record) | self._metrics([record])
+        if record.subject == "state":
+            step, metrics = self._state_step(record), record_metrics(record)
+        else:
+            step, metrics = record.step, record_metrics(record) | self._metrics([record])
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=record.step)
+            logger.log_metrics(metrics, step=step)
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

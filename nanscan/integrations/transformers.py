@@ -34,6 +34,15 @@ into ``state.log_history`` and to the callbacks after this one; reporting integr
 (``report_to``) come before user callbacks, so they see them only if the callback is moved first
 (``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(NanscanTrainerCallback))``).
 Without a recorder the callback logs nothing.
+
+The training state: with ``check_state_every=N``, after every N-th step of the optimizer (a step the
+callback skipped on the host is not one; a fused optimizer's, skipped on the device, is), ``nanscan.check_state`` of the model and the optimizer's state
+(nanscan.integrations._logging). With a ``state_recorder`` (a recorder of its own) the latest state
+record read is merged into the next log as ``nanscan/state/total_norm``,
+``nanscan/state/nonfinite_tensors`` (the most in one record since the log before) and
+``nanscan/state/step`` (the Trainer's step the check followed, from 0), with no sync;
+without one, each state check reads its finite flag (one sync per N steps) and warns with the names
+of the tensors that went bad.
 """
 
 from __future__ import annotations
@@ -76,6 +85,10 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
             Trainer's logs (module notes).
         log_every_n_steps: merge only records whose step is a multiple of this (and every skipped or
             non-finite one) into the logs; None: all of them.
+        check_state_every: check the weights and the optimizer state after every this many optimizer
+            steps (module notes); None: never.
+        state_recorder: a ``nanscan.Recorder`` (not ``recorder``) for the state checks' reports;
+            without one a state check warns on a NaN/Inf (one sync).
 
     Example:
         >>> args = TrainingArguments(..., max_grad_norm=0)  # nanscan clips instead
@@ -90,6 +103,8 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         max_consecutive_skips: int | None = None,
         recorder: Recorder | None = None,
         log_every_n_steps: int | None = None,
+        check_state_every: int | None = None,
+        state_recorder: Recorder | None = None,
     ) -> None:
         self._set_check(
             "NanscanTrainerCallback",
@@ -100,9 +115,19 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
             recorder,
             log_every_n_steps,
         )
+        self._set_state_check("NanscanTrainerCallback", check_state_every, state_recorder)
+        if state_recorder is not None and state_recorder is recorder:
+            raise ValueError(
+                "nanscan.NanscanTrainerCallback: give the state checks a recorder of their own (state_recorder "
+                "is recorder): one recorder keeps one list of names"
+            )
         self._pending: list[StepRecord] = []  # records read from the recorder, not yet logged
+        self._pending_state: list[StepRecord] = []  # and from the state recorder
+        self._trainer_state: TrainerState | None = None  # the Trainer's, while training
         if recorder is not None:
             recorder.add_sink(self._receive)
+        if state_recorder is not None:
+            state_recorder.add_sink(self._pending_state.append)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -117,6 +142,10 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         optimizer = kwargs.get("optimizer")
         if self.on_nonfinite == "skip" and optimizer is not None:
             _guard(optimizer, self.max_consecutive_skips)
+        model = kwargs.get("model")
+        self._trainer_state = state
+        if optimizer is not None and model is not None:
+            self._watch_steps(_inner(optimizer), lambda: model, self._global_step)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -124,6 +153,8 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         """Checks (and clips) the gradients and arms the skip of the step that follows."""
         model, optimizer = kwargs["model"], kwargs["optimizer"]
         inner = _guard(optimizer, self.max_consecutive_skips) if self.on_nonfinite == "skip" else None
+        self._trainer_state = state
+        self._watch_steps(_inner(optimizer), lambda: model, self._global_step)  # on_train_begin had none
         self._run_check(model, inner)
 
     def on_log(
@@ -136,17 +167,26 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
     ) -> None:
         """Merges the records read since the last log into this one (module notes)."""
         records = [r for r in self._pending if worth_logging(r, self.log_every_n_steps)]
+        states = self._pending_state[:]
         self._pending.clear()
-        if logs is None or not records:
+        self._pending_state.clear()
+        if logs is None or not (records or states):
             return
-        latest = records[-1]
-        # The latest record's totals, with what the records since the last log add up to.
-        metrics = record_metrics(latest) | {
-            "nanscan/step": float(latest.step),
-            "nanscan/skipped": float(sum(r.skipped for r in records)),
-            "nanscan/nonfinite_params": float(max(len(r.nonfinite) for r in records)),
-        }
-        metrics.update(self._metrics(records))  # which ranks held a NaN/Inf, in a distributed run
+        metrics: dict[str, float] = {}
+        if records:
+            latest = records[-1]
+            # The latest record's totals, with what the records since the last log add up to.
+            metrics = record_metrics(latest) | {
+                "nanscan/step": float(latest.step),
+                "nanscan/skipped": float(sum(r.skipped for r in records)),
+                "nanscan/nonfinite_params": float(max(len(r.nonfinite) for r in records)),
+            }
+            metrics.update(self._metrics(records))  # which ranks held a NaN/Inf, in a distributed run
+        if states:
+            metrics |= record_metrics(states[-1]) | {
+                "nanscan/state/nonfinite_tensors": float(max(len(r.nonfinite) for r in states)),
+                "nanscan/state/step": float(self._state_step(states[-1])),
+            }
         logs.update(metrics)
         # The Trainer appended a copy of ``logs`` to the history before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -156,23 +196,35 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Hands the recorder's last records to its sinks."""
-        if self.recorder is not None:
-            self.recorder.flush()
+        for recorder in (self.recorder, self.state_recorder):
+            if recorder is not None:
+                recorder.flush()
+        self._unwatch_steps()
+
+    def _global_step(self) -> int:
+        """The Trainer's step (0-based) during an optimizer step: ``global_step`` is advanced after it."""
+        return 0 if self._trainer_state is None else self._trainer_state.global_step
 
     def _receive(self, record: StepRecord) -> None:
         """The recorder's sink: keeps a record for the next log."""
         self._pending.append(record)
 
 
-def _guard(optimizer: Any, max_consecutive_skips: int | None) -> torch.optim.Optimizer:
-    """Guards the torch optimizer under accelerate's wrapper (the one whose ``step`` does the update,
-    and whose flags a fused step reads), and returns it."""
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's wrapper: the one whose ``step`` does the update."""
     inner = optimizer
     # accelerate's AcceleratedOptimizer is itself a torch.optim.Optimizer, holding the real one.
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"nanscan.NanscanTrainerCallback: expected a torch optimizer, got {type(optimizer).__name__}")
+    return inner
+
+
+def _guard(optimizer: Any, max_consecutive_skips: int | None) -> torch.optim.Optimizer:
+    """Guards the torch optimizer under accelerate's wrapper (the one whose ``step`` does the update,
+    and whose flags a fused step reads), and returns it."""
+    inner = _inner(optimizer)
     fresh = getattr(inner, "_nanscan_guard", None) is None
     SkipGuard.of(inner, max_consecutive_skips)
     if fresh and inner is not optimizer and hasattr(optimizer, "_optimizer_original_step_method"):
