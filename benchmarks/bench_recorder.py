@@ -5,6 +5,7 @@
     python benchmarks/bench_recorder.py --quick                  # smoke test (CI)
     python benchmarks/bench_recorder.py --sink lists             # a sink that reads every list
     python benchmarks/bench_recorder.py --append --models resnet50  # the recorder's own work, thread time
+    python benchmarks/bench_recorder.py --append --updates       # ... with an update watch measuring every step
 
 Per model: ``check(model, max_norm=...)`` alone, and with ``recorder=`` (a Recorder that reads its
 buffer every ``--every`` steps, into a sink, so the read and the records' making on the host are
@@ -23,7 +24,10 @@ CPU time, which other jobs on a shared machine do not inflate as they do wall ti
 time): each of ``--rounds`` x ``--every`` appends, first back to back (warm caches), then each right
 after a plain check (which has just streamed the gradients through the caches, as in training). The
 medians are an append alone; the means add the median refresh (every ``spike_window // 4`` records)
-and the read (every ``--every``): the recorder's cost per step.
+and the read (every ``--every``): the recorder's cost per step. With ``--updates`` the recorder has
+an update watch (``Recorder(updates=nanscan.watch_updates(...))``) whose optimizer (SGD, learning
+rate 0) steps before every append, untimed: every record takes a measured step's norms, and every
+read works out their spike ratios, the most an update watch adds (``every=1``).
 """
 
 from __future__ import annotations
@@ -76,18 +80,30 @@ def round_seconds(step: Callable[[], object], steps: int, device: str) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def append_costs(model: torch.nn.Module, every: int, appends: int) -> tuple[list[float], list[float]]:
-    """Thread time per append in us: ``appends`` back to back, then ``appends`` each right after a check."""
-    recorder = nanscan.Recorder([SINKS["drop"]], every=every, warn=False)
+def append_costs(
+    model: torch.nn.Module, every: int, appends: int, updates: bool = False
+) -> tuple[list[float], list[float]]:
+    """Thread time per append in us: ``appends`` back to back, then ``appends`` each right after a check
+    (with ``updates``, each after an untimed optimizer step that the recorder's update watch measures)."""
+    step: Callable[[], object] = lambda: None  # noqa: E731
+    watch = None
+    if updates:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        watch = nanscan.watch_updates(optimizer, model)
+        step = optimizer.step
+    recorder = nanscan.Recorder([SINKS["drop"]], every=every, warn=False, updates=watch)
     report = nanscan.check(model, max_norm=1e30)
+    step()
     recorder.append(report)  # allocates the buffer
     warm, after_check = [], []
     for _ in range(appends):
+        step()
         start = time.thread_time_ns()
         recorder.append(report)
         warm.append((time.thread_time_ns() - start) / 1e3)
     for _ in range(appends):
         report = nanscan.check(model, max_norm=1e30)
+        step()
         start = time.thread_time_ns()
         recorder.append(report)
         after_check.append((time.thread_time_ns() - start) / 1e3)
@@ -107,6 +123,7 @@ def main() -> None:
         "--sink", choices=sorted(SINKS), default="drop", help="what the sink reads of each record (module notes)"
     )
     parser.add_argument("--append", action="store_true", help="time the append alone, in thread time (module notes)")
+    parser.add_argument("--updates", action="store_true", help="with --append: an update watch measuring every step")
     args = parser.parse_args()
     zoo = load_zoo(args.zoo)
     if args.quick:
@@ -124,10 +141,15 @@ def main() -> None:
         f"sink {args.sink}"
     )
     if args.append:
-        print(f"thread time per append, us; {args.rounds * args.every} appends each way, a read every {args.every}")
+        watched = ", an update watch measuring every step" if args.updates else ""
+        print(
+            f"thread time per append, us; {args.rounds * args.every} appends each way, a read every {args.every}{watched}"
+        )
         print(f"{'model':<12} {'params':>6} {'warm median':>12} {'mean':>7} {'after check median':>19} {'mean':>7}")
         for name in names:
-            warm, after_check = append_costs(model_of(zoo[name], args.device), args.every, args.rounds * args.every)
+            warm, after_check = append_costs(
+                model_of(zoo[name], args.device), args.every, args.rounds * args.every, args.updates
+            )
             print(
                 f"{name:<12} {len(zoo[name]):>6} {statistics.median(warm):>12.1f} {statistics.mean(warm):>7.1f} "
                 f"{statistics.median(after_check):>19.1f} {statistics.mean(after_check):>7.1f}",

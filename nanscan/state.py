@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from . import walk
-from .layouts import fsdp1, refused
+from .layouts import fsdp1
+from .parameters import named_parameters
 from .recorder import Recorder
 from .report import Report
 from .scan import scan
@@ -81,26 +81,8 @@ def check_state(
 
 
 def _named_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
-    """The parameters and their names as the user wrote them; engines nanscan refuses, and FSDP1's
-    flat parameters, refused before anything is read."""
-    if isinstance(model_or_params, torch.nn.Module):
-        refused.check_module(model_or_params)
-        walked = walk.walk(model_or_params)
-        names: list[str] = list(walked.names)
-        params: list[torch.Tensor] = list(walked.parameters)
-    else:
-        items = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
-        names, params = [], []
-        for i, item in enumerate(items):
-            name, p = item if isinstance(item, tuple) and len(item) == 2 else (f"param{i}", item)
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(
-                    f"nanscan.check_state: entry {i} is a {type(p).__name__}, not a tensor (a parameter or a "
-                    "(name, parameter) pair)"
-                )
-            names.append(str(name))
-            params.append(p)
-    refused.check_tensors(params)
+    """The parameters and their names as the user wrote them; FSDP1's flat parameters refused."""
+    names, params = named_parameters(model_or_params, "check_state")
     if fsdp1.flattened(params):
         raise ValueError(
             "nanscan.check_state: FSDP1 keeps flattened parameters and flat optimizer-state shards, which "

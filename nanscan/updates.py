@@ -41,8 +41,8 @@ import torch
 
 from .layouts import fsdp1
 from .layouts.dtensor import to_local
+from .parameters import named_parameters
 from .scan import scan
-from .state import _named_parameters
 
 
 def _copy_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,7 +75,7 @@ class UpdateWatch:
             )
         named: dict[int, str] = {}
         if model_or_params is not None:
-            names, params = _named_parameters(model_or_params)
+            names, params = named_parameters(model_or_params, "watch_updates")
             named = {id(p): n for n, p in zip(names, params, strict=True)}
         self.names = [
             named.get(id(p), f"group{g}.param{j}")

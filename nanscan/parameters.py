@@ -1,0 +1,39 @@
+"""The parameters a caller names, as ``check_state`` and ``watch_updates`` take them: a model, an
+iterable of parameters, or of ``(name, parameter)`` pairs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from . import walk
+from .layouts import refused
+
+
+def named_parameters(
+    model_or_params: torch.nn.Module | Iterable[Any], caller: str
+) -> tuple[list[str], list[torch.Tensor]]:
+    """The parameters and their names as the user wrote them (a model's after nanscan's walk:
+    ``layers.3.mlp.fc.weight``, without wrappers' prefixes; a bare list's ``param<i>``). Engines that
+    nanscan refuses are refused before anything is read (``caller`` names the entry point in errors)."""
+    if isinstance(model_or_params, torch.nn.Module):
+        refused.check_module(model_or_params)
+        walked = walk.walk(model_or_params)
+        names: list[str] = list(walked.names)
+        params: list[torch.Tensor] = list(walked.parameters)
+    else:
+        items = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+        names, params = [], []
+        for i, item in enumerate(items):
+            name, p = item if isinstance(item, tuple) and len(item) == 2 else (f"param{i}", item)
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"nanscan.{caller}: entry {i} is a {type(p).__name__}, not a tensor (a parameter or a "
+                    "(name, parameter) pair)"
+                )
+            names.append(str(name))
+            params.append(p)
+    refused.check_tensors(params)
+    return names, params
