@@ -16,19 +16,26 @@ Where the tensors live follows the gradients' rules (nanscan.layouts): DTensors 
 parallel; their optimizer states are DTensors too) are reduced over their meshes, so every rank gets
 the whole model's statistics; plain tensors are one process's (a single process, or DDP's replicas,
 which hold the same values). FSDP1 flattens parameters and keeps its optimizer states as flat
-shards that nanscan does not yet cut back into parameters: refused with a clear error rather than
-answered for one rank. Record states in a recorder of their own (``recorder=``): one recorder keeps
+shards (``use_orig_params=False``) or as the original parameters' local parts (``True``): both are
+cut back into parameters as FSDP1's gradients are, and reduced over FSDP's groups
+(nanscan.layouts.fsdp1.state_parts), so every rank gets the whole model's figures under the names
+the user wrote. So that every rank reduces the same list, the ranks agree on the optimizer's state
+keys once, at an optimizer's first check_state (one host collective: a rank that holds no element
+of a parameter may keep no state for it). Record states in a recorder of their own (``recorder=``): one recorder keeps
 one list of names, and alternating with ``check``'s gradients would start a new buffer each time.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .layouts import fsdp1
+from . import layouts
 from .parameters import named_parameters
 from .recorder import Recorder
 from .report import Report
@@ -64,42 +71,85 @@ def check_state(
         )
     if recorder is not None and not isinstance(recorder, Recorder):
         raise TypeError(f"nanscan.check_state: recorder must be a nanscan.Recorder, got {type(recorder).__name__}")
-    names, params = _named_parameters(model_or_params)
-    # As they are, not detached (a detach per tensor is most of the host work here): the op reads
-    # values and is not differentiable (its outputs never require grad), like check's gradients.
-    tensors: list[torch.Tensor] = list(params)
-    if optimizer is not None:
-        state_names, states = _optimizer_state(optimizer, {id(p): n for n, p in zip(names, params, strict=True)})
-        names += state_names
-        tensors += states
-    with torch.no_grad():
-        result = scan(tensors, names)
+    found = layouts.fsdp1_parameters(model_or_params)
+    if found is not None:
+        if optimizer is not None:
+            _require_state(optimizer)
+        keys = () if optimizer is None else _agreed_state_keys(optimizer)
+        layout = layouts.of_fsdp1_state(found, {} if optimizer is None else optimizer.state, keys)
+        with torch.no_grad():
+            result = layouts.scan(layout)
+        names = list(result.names or ())
+    else:
+        names, params = named_parameters(model_or_params, "check_state")
+        # As they are, not detached (a detach per tensor is most of the host work here): the op reads
+        # values and is not differentiable (its outputs never require grad), like check's gradients.
+        tensors: list[torch.Tensor] = list(params)
+        if optimizer is not None:
+            state_names, states = _optimizer_state(optimizer, {id(p): n for n, p in zip(names, params, strict=True)})
+            names += state_names
+            tensors += states
+        with torch.no_grad():
+            result = scan(tensors, names)
     report = Report(names, result, result.total_norm, 2.0, subject="state")
     if recorder is not None:
         recorder.append(report)
     return report
 
 
-def _named_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[list[str], list[torch.Tensor]]:
-    """The parameters and their names as the user wrote them; FSDP1's flat parameters refused."""
-    names, params = named_parameters(model_or_params, "check_state")
-    if fsdp1.flattened(params):
-        raise ValueError(
-            "nanscan.check_state: FSDP1 keeps flattened parameters and flat optimizer-state shards, which "
-            "check_state does not yet cut back into parameters; reading them on one rank would describe one "
-            "shard, not the model. FSDP2 (fully_shard) states are DTensors and are read whole."
-        )
-    return names, params
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[list[str], list[torch.Tensor]]:
-    """Every floating tensor the optimizer keeps per parameter (not its scalar step counters), named
-    after its parameter and key, in the optimizer's parameter order."""
+def _require_state(optimizer: torch.optim.Optimizer) -> None:
     if not optimizer.state:
         raise ValueError(
             "nanscan.check_state: the optimizer has no state yet (it is made at the first optimizer.step()); "
             "check the parameters alone before that: nanscan.check_state(model)"
         )
+
+
+# Per optimizer of an FSDP1 model in a world of several ranks: the state keys every rank reads,
+# agreed at its first check_state (module notes).
+_agreed_keys: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _agreed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The keys of the optimizer's per-parameter state tensors (not its scalars, such as ``step``)
+    that every rank scans, so that every rank reduces the same list: this rank's own in a single
+    process; in a world of several, the union of every rank's, gathered once per optimizer (a host
+    collective, at the first check_state), since a rank that holds no element of some parameter may
+    keep no state for it. A key that appears on a rank later is not scanned, and said so."""
+    local = tuple(
+        sorted(
+            {
+                key
+                for kept in optimizer.state.values()
+                for key, value in kept.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+            }
+        )
+    )
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    agreed = _agreed_keys.get(optimizer)
+    if agreed is None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        agreed = tuple(sorted(set().union(*gathered)))
+        _agreed_keys[optimizer] = agreed
+    late = sorted(set(local) - set(agreed))
+    if late:
+        warnings.warn(
+            f"nanscan.check_state: the optimizer's state {', '.join(map(repr, late))} appeared after its first "
+            "check_state, which agreed with the other ranks on the keys to scan: not scanned (check the state of "
+            "a new optimizer to include it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return agreed
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[list[str], list[torch.Tensor]]:
+    """Every floating tensor the optimizer keeps per parameter (not its scalar step counters), named
+    after its parameter and key, in the optimizer's parameter order."""
+    _require_state(optimizer)
     state_names: list[str] = []
     states: list[torch.Tensor] = []
     # Looked up by id: a tensor's own __hash__ is a Python function, most of this loop's time when

@@ -26,8 +26,10 @@ cost two Python hooks.
 A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
 NaN or an Inf in the weights or the update makes its ratio NaN or Inf. DTensor parameters (FSDP2,
 tensor parallel) are reduced over their meshes by the scan, so every rank gets the whole model's
-ratios. FSDP1's flat parameters are refused (as by ``check_state``): a ratio of one rank's shard is
-not the parameter's. A step that a GradScaler skips (``scaler.step`` found an Inf) never calls
+ratios. FSDP1's flat parameters (or, with ``use_orig_params=True``, the original parameters' local
+parts) are copied as they are, and their differences cut back into the parameters the user wrote as
+``check_state`` cuts optimizer state, then reduced over FSDP's groups: the names are the model's, in
+its order, and every rank gets each whole parameter's ratio. A step that a GradScaler skips (``scaler.step`` found an Inf) never calls
 ``optimizer.step()``, so it is not a step here either.
 """
 
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from . import layouts
 from .layouts import fsdp1
 from .layouts.dtensor import to_local
 from .parameters import named_parameters
@@ -67,21 +70,25 @@ class UpdateWatch:
         self.optimizer = optimizer
         self.every = every
         held = [p for group in optimizer.param_groups for p in group["params"]]
+        # FSDP1: the optimizer holds flat parameters (or the original parameters' parts); the copies'
+        # differences are cut into the parameters the user wrote as check_state cuts optimizer state.
+        self._fsdp1: tuple[fsdp1.ModelLayout, Any] | None = None
         if fsdp1.flattened(held):
-            raise ValueError(
-                "nanscan.watch_updates: FSDP1 keeps flattened parameters, which update ratios do not yet cut "
-                "back into parameters; a ratio of one rank's shard would not be the parameter's. FSDP2 "
-                "(fully_shard) parameters are DTensors and are measured whole."
-            )
-        named: dict[int, str] = {}
-        if model_or_params is not None:
-            names, params = named_parameters(model_or_params, "watch_updates")
-            named = {id(p): n for n, p in zip(names, params, strict=True)}
-        self.names = [
-            named.get(id(p), f"group{g}.param{j}")
-            for g, group in enumerate(optimizer.param_groups)
-            for j, p in enumerate(group["params"])
-        ]
+            self._fsdp1 = layouts.fsdp1_parameters(model_or_params if model_or_params is not None else held)
+            assert self._fsdp1 is not None
+            self.names = list(layouts.of_fsdp1_state(self._fsdp1, {}, ()).names or ())
+            self._held = len(held)
+        else:
+            named: dict[int, str] = {}
+            if model_or_params is not None:
+                names, params = named_parameters(model_or_params, "watch_updates")
+                named = {id(p): n for n, p in zip(names, params, strict=True)}
+            self.names = [
+                named.get(id(p), f"group{g}.param{j}")
+                for g, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])
+            ]
+            self._held = len(self.names)
         self._steps = 0  # optimizer steps begun since the watch was attached
         self._sampled = 0  # of which measured
         self._sampling = False
@@ -107,9 +114,9 @@ class UpdateWatch:
         if not self._sampling:
             return
         params = self._params()
-        if len(params) != len(self.names):
+        if len(params) != self._held:
             raise ValueError(
-                f"nanscan.watch_updates: the optimizer holds {len(params)} parameters, not the {len(self.names)} "
+                f"nanscan.watch_updates: the optimizer holds {len(params)} parameters, not the {self._held} "
                 "it held when watched (add_param_group after watch_updates): watch it again"
             )
         if len(self._copies) != len(params) or any(
@@ -129,13 +136,20 @@ class UpdateWatch:
             return
         self._sampling = False
         params = self._params()
+        n = len(self.names)
         with torch.no_grad():
             torch._foreach_sub_(to_local(self._copies), to_local(params))  # before minus after: -Δw
-            # The copies (DTensors where the parameters are) go to the scan whole: it reduces them.
-            result = scan(self._copies + params)
-        n = len(params)
-        self._norms = result.norm
-        self._ratio = result.norm[:n] / result.norm[n:]
+            if self._fsdp1 is not None:
+                # The weights, then each one's difference, cut and reduced over FSDP's groups.
+                differences = {p: {"update": c} for p, c in zip(params, self._copies, strict=True)}
+                weights_then_updates = layouts.scan(layouts.of_fsdp1_state(self._fsdp1, differences, ("update",)))
+                norms = weights_then_updates.norm
+                result_norm = torch.cat([norms[n:], norms[:n]])
+            else:
+                # The copies (DTensors where the parameters are) go to the scan whole: it reduces them.
+                result_norm = scan(self._copies + params).norm
+        self._norms = result_norm
+        self._ratio = result_norm[:n] / result_norm[n:]
         self._sampled += 1
         self._recent += 1
 

@@ -528,17 +528,68 @@ def fsdp1_ignored_modules_are_copies_counted_once(world: int) -> None:
 
 
 @case
-def fsdp1_check_state_is_refused_before_anything_is_read(world: int) -> None:
-    """FSDP1's optimizer states are flat shards check_state does not cut back into parameters: refused
-    with the reason, on every rank, rather than one rank's shard presented as the model's."""
-    for orig in (False, True):
-        model = wrap(net(), ShardingStrategy.FULL_SHARD, orig, world)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+def fsdp1_check_state_matches_a_plain_twin_and_names_a_bad_moment(world: int) -> None:
+    """check_state of an FSDP1 model, every strategy, use_orig_params False (the optimizer keeps flat
+    shards) and True (the original parameters' parts): each parameter's values and Adam moments, cut
+    and reduced over FSDP's groups, and its update ratio (watch_updates), equal those of a plain twin
+    trained on the same batch; then a NaN planted in the last rank's part of one moment is named on
+    every rank, with that rank."""
+    bad = world - 1
+    twin = net()
+    twin_optimizer = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    backward(twin)
+    before = [p.detach().double().clone() for p in twin.parameters()]
+    twin_optimizer.step()
+    want_ratios = {
+        name: ((p.detach().double() - b).norm() / p.detach().double().norm()).item()
+        for (name, p), b in zip(twin.named_parameters(), before, strict=True)
+    }
+    # The weights, then each parameter's moments: check_state's order, FSDP1's or not.
+    want = {name: p.detach().double() for name, p in twin.named_parameters()}
+    for name, p in twin.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            want[f"{name}:{key}"] = twin_optimizer.state[p][key].double()
+    for strategy, orig in all_strategies():
+        what = f"{strategy.name}, use_orig_params={orig}"
+        model = wrap(net(), strategy, orig, world)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        updates = nanscan.watch_updates(optimizer, model)
         backward(model)
         optimizer.step()
-        try:
-            nanscan.check_state(model, optimizer)
-            error = ""
-        except ValueError as raised:
-            error = str(raised)
-        assert "FSDP1 keeps flattened parameters" in error, (orig, error)
+        ratios = updates.ratios()
+        updates.remove()
+        report = nanscan.check_state(model, optimizer)
+        values = report.to_dict()["parameters"]
+        planted = _plant_in_moment(model, optimizer, 2) if dist.get_rank() == bad else None
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, planted)
+        after = nanscan.check_state(model, optimizer)
+        nonfinite, ranks = after.nonfinite, after.nonfinite_ranks
+        assert report.finite, what
+        assert list(ratios) == list(want_ratios), f"{what}: {list(ratios)}"
+        for name, ratio in want_ratios.items():
+            assert_close(ratios[name], ratio, f"{what}: update ratio of {name}", 1e-5)
+        assert list(values) == list(want), f"{what}: {list(values)}"
+        for name, tensor in want.items():
+            assert_close(values[name]["norm"], tensor.norm(), f"{what}: norm of {name}", 1e-6)
+            assert_close(values[name]["max"], tensor.max(), f"{what}: max of {name}", 1e-6)
+            assert_close(values[name]["min"], tensor.min(), f"{what}: min of {name}", 1e-6)
+        name = gathered[bad]
+        assert nonfinite == [name] and ranks == {name: [bad]}, f"{what}: {nonfinite} {ranks}"
+
+
+def _plant_in_moment(model: FSDP, optimizer: torch.optim.Optimizer, unit: int) -> str | None:
+    """A NaN in this rank's first element of ``unit``'s ``exp_avg_sq``: in the flat state of a
+    ``use_orig_params=False`` unit, in the original parameter's of a ``True`` one; the moment's name."""
+    first = _first_part(model, unit)
+    if first is None:
+        return None
+    name, offset = first
+    flat = FSDP.fsdp_modules(model)[unit]._handle.flat_param
+    if flat._params is None:  # use_orig_params=False: the optimizer keeps the flat shard's state
+        optimizer.state[flat]["exp_avg_sq"][offset] = math.nan
+    else:
+        placed = [i for i, info in enumerate(flat._shard_param_infos) if info.in_shard]
+        first_param = min(placed, key=lambda i: flat._shard_param_infos[i].offset_in_shard)
+        optimizer.state[flat._params[first_param]]["exp_avg_sq"].view(-1)[0] = math.nan
+    return f"{name}:exp_avg_sq"

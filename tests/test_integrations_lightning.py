@@ -285,15 +285,32 @@ def test_bad_state_settings_are_refused() -> None:
     recorder.close()
 
 
-def test_state_checks_under_fsdp1_are_refused_before_the_first_step(world_of_one: None) -> None:
+def test_state_checks_under_lightnings_fsdp1_strategy_read_the_flat_state_whole(world_of_one: None) -> None:
+    """As the gradient check: the optimizer holds FSDP1's flat parameters, and the state check cuts
+    their values and Adam moments back into the parameters the user wrote (the strategy stood in for,
+    as in the gradient test above)."""
+    from types import SimpleNamespace
+
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    torch.manual_seed(0)
     module = Tiny(False)
     with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
         root = FullyShardedDataParallel(module, device_id=torch.device("cpu"))
-    optimizer = torch.optim.Adam(root.parameters())
-    with pytest.raises(ValueError, match=r"check_state_every=4\): the optimizer holds FSDP1's flattened"):
-        NanscanCallback(check_state_every=4)._watch_steps(optimizer, lambda: root, lambda: 0)
+    optimizer = torch.optim.Adam(root.parameters(), lr=LR)
+    states: list[nanscan.records.StepRecord] = []
+    recorder = nanscan.Recorder(sinks=[states.append], every=1, warn=False)
+    callback = NanscanCallback(check_state_every=1, state_recorder=recorder)
+    callback._trainer = SimpleNamespace(strategy=SimpleNamespace(model=root), loggers=[])  # type: ignore[assignment]
+    callback._watch_steps(optimizer, lambda: callback._target(module, optimizer), lambda: 0)
+    x, y = next(iter(loader()))
+    torch.nn.functional.mse_loss(root(x), y).backward()
+    optimizer.step()
+    recorder.close()
+    params = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert list(states[0].names) == params + [f"{p}:{key}" for p in params for key in ("exp_avg", "exp_avg_sq")]
+    assert states[0].finite
+    assert states[0].norm[0] == pytest.approx(module.net[0].weight.detach().norm().item(), rel=1e-6)
 
 
 def test_rank_metrics_count_each_ranks_parameters_in_its_worst_record() -> None:

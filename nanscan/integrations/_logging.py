@@ -28,7 +28,6 @@ import torch
 from ..check import check
 from ..clip import as_max_norm, as_norm_type
 from ..guard import ON_NONFINITE, check_max_consecutive_skips
-from ..layouts import fsdp1
 from ..recorder import Recorder
 from ..records import StepRecord
 from ..state import check_state
@@ -128,7 +127,6 @@ class CheckingCallback:
         it counts)."""
         if self.check_state_every is None or id(optimizer) in self._step_hooks:
             return
-        self._refuse_unscannable_state(optimizer)
         self._step_hooks[id(optimizer)] = optimizer.register_step_post_hook(
             lambda stepped, args, kwargs: self._after_optimizer_step(target(), stepped, framework_step())
         )
@@ -142,18 +140,6 @@ class CheckingCallback:
         for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks.clear()
-
-    def _refuse_unscannable_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before the first step: an optimizer whose state check_state would refuse (FSDP1's flat
-        parameters) is refused now, not at its N-th step."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self.check_state_every is not None and fsdp1.flattened(params):
-            raise ValueError(
-                f"nanscan.{self._owner}(check_state_every={self.check_state_every}): the optimizer holds FSDP1's "
-                "flattened parameters, whose optimizer state nanscan.check_state does not yet cut back into "
-                "parameters (one rank's flat shard is not the model's state); use FSDP2 (fully_shard), or leave "
-                "check_state_every unset"
-            )
 
     def _after_optimizer_step(self, target: Any, optimizer: torch.optim.Optimizer, framework_step: int) -> None:
         """Counts ``optimizer``'s steps; after every ``check_state_every``-th, checks the state of

@@ -44,8 +44,8 @@ recorder keeps one list of names) and the state records reach the loggers too, a
 ``nanscan/state/total_norm`` and ``nanscan/state/nonfinite_tensors`` at the step the check followed
 (the state recorder's records are counted to find it: record nothing else there), with no sync; without one,
 each state check reads its finite flag (one sync per N steps) and warns with the names of the
-tensors that went bad. Refused at ``on_train_start`` under FSDP1, whose flat optimizer state
-``check_state`` does not cut into parameters.
+tensors that went bad. Under the FSDP strategy (FSDP1) the flat optimizer state is cut back into
+the parameters and reduced, as the gradients are.
 
 Works with either package: the callback derives from ``lightning.pytorch.Callback`` when
 ``lightning`` is installed, else from ``pytorch_lightning.Callback``; a ``pytorch_lightning.Trainer``

@@ -214,6 +214,38 @@ def of_module(
     return _routed(names, tensors, process_group, replica_group=replica_group)
 
 
+def fsdp1_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[fsdp1.ModelLayout, Any] | None:
+    """Where a model (or a list of parameters, or of ``(name, parameter)`` pairs) is FSDP1's: its
+    layout and the entries meant (None: all), as ``check_state`` reads their values and optimizer
+    state; None for any other. Refused engines are refused, and flattened parameters of a model
+    nanscan has not seen too."""
+    if isinstance(model_or_params, torch.nn.Module):
+        refused.check_module(model_or_params)
+        cached = fsdp1.kept(model_or_params)
+        if cached is not None:
+            return cached, None
+        walked = walk.walk(model_or_params)
+        if fsdp1.holds_fsdp1(walked.module_types):
+            return fsdp1.of_model(model_or_params), None
+        if fsdp1.FLATTENED not in walked.parameter_attributes:
+            return None
+        params: list[Any] = list(walked.parameters)
+    else:
+        items = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+        params = [item[1] if type(item) is tuple else item for item in items]
+        if not (params and _marks_possible() and fsdp1.flattened(params)):
+            return None
+    return fsdp1.of_parameters(params)
+
+
+def of_fsdp1_state(found: tuple[fsdp1.ModelLayout, Any], optimizer_state: Any, keys: Sequence[str]) -> Layout:
+    """The layout of an FSDP1 model's values and optimizer state (``fsdp1_parameters``' answer, the
+    optimizer's ``state`` and the state keys every rank reads): nanscan.layouts.fsdp1.state_parts."""
+    model_layout, positions = found
+    parts = fsdp1.state_parts(model_layout, optimizer_state, keys, positions)
+    return Layout(parts.names, parts.parts, parts.parts, [], parts.plan, cut=True, numels=parts.numels)
+
+
 def local_parts(layout: Layout) -> list[torch.Tensor]:
     """What a scan of the layout reads on this rank: its parts, a Partial DTensor's once reduced (one
     collective each: every rank of its mesh must call this)."""

@@ -48,7 +48,7 @@ import operator
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -438,6 +438,7 @@ class _Selection:
     # The plan of what a clip scales (flat_scaled's shards, then one_by_one's parts): a total norm
     # needs no per-parameter part, and cutting the shards is most of a call's host time.
     whole_plan: Plan
+    entries: list[_Entry]  # the entries present, one per part
 
 
 def _locals(layout: ModelLayout, source: str) -> list[torch.Tensor | None]:
@@ -515,6 +516,82 @@ def whole_parts(layout: ModelLayout, source: str = "grad", positions: Sequence[i
     return Parts([], tensors, tensors, selection.whole_plan, [])
 
 
+def state_parts(
+    layout: ModelLayout,
+    optimizer_state: Mapping[Any, Mapping[str, Any]],
+    keys: Sequence[str],
+    positions: Sequence[int] | None = None,
+) -> Parts:
+    """Every parameter's values (``positions``: of some of the model's entries), then each one's
+    optimizer state of each of ``keys`` (``fc.weight:exp_avg``, ``fc.weight:exp_avg_sq``, ...): this
+    rank's part of each, cut from the flat shards as the values are, and the plan that reduces each
+    state tensor as its parameter's values are reduced (``check_state``).
+
+    An optimizer of a ``use_orig_params=False`` model keeps a flat tensor per unit (the shape of the
+    unit's local flat shard, padding included), cut here by the unit's split; one of a
+    ``use_orig_params=True`` model keeps one per original parameter (the shape of its part here).
+    Where the optimizer keeps none (no element of the parameter on this rank, say), the part is
+    empty. A state tensor of another size (a factored second moment) is not elementwise and cannot be
+    cut: refused, by name."""
+    values = parts(layout, "data", positions)
+    selection, _ = _selected(layout, "data", positions)
+    units = layout.units
+    cut: dict[tuple[int, str], list[torch.Tensor] | None] = {}  # (unit, key) -> its parameters' parts
+
+    def of_unit(u: int, key: str) -> list[torch.Tensor] | None:
+        if (u, key) not in cut:
+            unit = units[u]
+            flat = unit.flat_param
+            kept = _state_tensor(optimizer_state, flat, key, flat.numel(), f"unit {u}'s flat parameter")
+            if kept is None:
+                cut[(u, key)] = None
+            else:
+                flat_kept = kept.reshape(-1)
+                pieces = flat_kept.split_with_sizes(unit.sizes) if len(unit.sizes) > 1 else [flat_kept]
+                cut[(u, key)] = [pieces[i] for i in unit.pieces]
+        return cut[(u, key)]
+
+    tensors = list(values.parts)
+    names = list(values.names)
+    numels = list(values.numels)
+    for (u, i), value, name, numel in zip(selection.where, values.parts, values.names, values.numels, strict=True):
+        for key in keys:
+            part: torch.Tensor | None
+            if u < 0:
+                p = layout.unmanaged(i)
+                part = _state_tensor(optimizer_state, p, key, p.numel(), name)
+            elif units[u].use_orig_params:
+                p = units[u].params[i]
+                part = _state_tensor(optimizer_state, p, key, value.numel(), name)
+            else:
+                unit_parts = of_unit(u, key)
+                part = None if unit_parts is None else unit_parts[i]
+            tensors.append(part if part is not None else _empty(value))
+            names.append(f"{name}:{key}")
+            numels.append(numel)
+    # Each state tensor is reduced as its parameter's part is (the same group, counted on the same
+    # ranks): the parameter's entry once more per key.
+    entries = selection.entries + [e for e in selection.entries for _ in keys]
+    return Parts(names, tensors, [], _plan(layout, entries), numels)
+
+
+def _state_tensor(
+    optimizer_state: Mapping[Any, Mapping[str, Any]], owner: Any, key: str, numel: int, what: str
+) -> torch.Tensor | None:
+    """The optimizer's state ``key`` of ``owner`` (a flat or original parameter), if it keeps one,
+    checked to be elementwise (``numel`` elements: the owner's on this rank)."""
+    kept: torch.Tensor | None = optimizer_state.get(owner, {}).get(key)
+    if kept is None:
+        return None
+    if kept.numel() != numel:
+        raise ValueError(
+            f"nanscan.check_state: the optimizer's state {key!r} of {what} holds {kept.numel()} elements where "
+            f"this rank's part of the parameter holds {numel}: not kept element by element (a factored moment?), "
+            "so it cannot be cut into FSDP1's parameters; check the weights alone (optimizer=None)"
+        )
+    return kept
+
+
 _empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -579,7 +656,7 @@ def _select(
             first_of_unit.setdefault(e.unit, e)
     whole = [first_of_unit[u] for u in flat_scaled] + [kept[i] for i in one_by_one]
     plan = _plan(layout, kept)
-    return _Selection(where, [e.name for e in kept], numels, plan, flat_scaled, one_by_one, _plan(layout, whole))
+    return _Selection(where, [e.name for e in kept], numels, plan, flat_scaled, one_by_one, _plan(layout, whole), kept)
 
 
 def _plan(layout: ModelLayout, entries: list[_Entry]) -> Plan:
