@@ -3,6 +3,7 @@
     python benchmarks/bench_state.py                      # the zoo lists but llama-1b, CPU (~1 min)
     python benchmarks/bench_state.py --quick              # smoke test
     python benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b   # on a GPU
+    python benchmarks/bench_state.py --updates            # watch_updates' sampled step instead
 
 For each zoo list (benchmarks/zoo.json: real models' parameter shapes), fp32 parameters and the two
 Adam moments of each (``exp_avg``, ``exp_avg_sq``; an optimizer.state built as torch.optim.Adam
@@ -21,6 +22,13 @@ states can be host-bound where its bytes take less time than its calls (``check_
 ``host ms``).
 
 The target (issue 30): check_state at most 1.15x the ceiling.
+
+``--updates`` measures ``nanscan.watch_updates``' sampled step instead, over fp32 weights of the zoo
+list's shapes (their bytes W): its two hooks (the copy before ``optimizer.step()``, the pass after
+it), against ``read`` (``torch.sum`` of W bytes), ``copy`` (``torch._foreach_copy_`` of the weights:
+2W) and ``unfused`` (the pass the watch makes where no fused kernel exists: the copy, the in-place
+difference, the scan of differences and weights: 7W). The target (issue 30): at most one copy plus
+one read of the weights, ``copy + read``.
 """
 
 from __future__ import annotations
@@ -95,6 +103,60 @@ def measure(name: str, shapes: list[list[int]], device: torch.device, rounds: in
     }
 
 
+def measure_updates(name: str, shapes: list[list[int]], device: torch.device, rounds: int) -> dict[str, object]:
+    """One zoo list's row of --updates: the medians of the watch's sampled step and its yardsticks."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for shape in shapes]
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    watch = nanscan.watch_updates(optimizer, params)
+    copies = [torch.empty_like(p) for p in params]
+    flat = torch.randn(sum(p.numel() for p in params), device=device)
+    detached = [p.detach() for p in params]
+
+    def sampled_step() -> object:  # the two hooks around a step, as optimizer.step() calls them
+        watch._before(optimizer, (), {})
+        watch._after(optimizer, (), {})
+        return watch.ratio
+
+    def unfused() -> object:
+        torch._foreach_copy_(copies, detached)
+        torch._foreach_sub_(copies, detached)
+        return nanscan.scan(copies + detached).norm
+
+    times = time_methods(
+        {
+            "read": flat.sum,
+            "copy": lambda: torch._foreach_copy_(copies, detached),
+            "watch": sampled_step,
+            "unfused": unfused,
+        },
+        rounds,
+        warmup=1,
+        device=device,
+    )
+    figures = {method: statistics.median(ms) for method, ms in times.items()}
+    watch.remove()
+    return {"model": name, "tensors": len(params), "mb": flat.numel() * 4 / 1e6, **figures}
+
+
+def main_updates(models: list[str], zoo: dict[str, list[list[int]]], device: torch.device, rounds: int) -> list[dict]:
+    print(
+        f"{'model':<12}{'tensors':>8}{'MB W':>7}{'read ms':>9}{'copy ms':>9}{'watch ms':>10}{'x read':>8}"
+        f"{'target x':>9}{'unfused ms':>11}{'x read':>8}"
+    )
+    rows = []
+    for name in models:
+        row = measure_updates(name, zoo[name], device, rounds)
+        rows.append(row)
+        read = row["read"]
+        print(
+            f"{name:<12}{row['tensors']:>8}{row['mb']:>7.0f}{read:>9.2f}{row['copy']:>9.2f}{row['watch']:>10.2f}"
+            f"{row['watch'] / read:>7.2f}x{(row['copy'] + read) / read:>8.2f}x{row['unfused']:>11.2f}"
+            f"{row['unfused'] / read:>7.2f}x"
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="comma-separated zoo names (default: all but llama-1b; --quick: resnet50)")
@@ -102,6 +164,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, --quick 3)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--updates", action="store_true", help="watch_updates' sampled step (module notes)")
     args = parser.parse_args()
     zoo = json.loads(ZOO.read_text())
     models = (
@@ -110,6 +173,12 @@ def main() -> int:
     rounds = args.rounds or (3 if args.quick else 15)
     device = torch.device(args.device)
     print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
+    if args.updates:
+        rows = main_updates(models, zoo, device, rounds)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device), "rows": rows}))
+        return 0
     split = device.type == "cuda"
     print(
         f"{'model':<12}{'tensors':>8}{'MB read':>9}{'ceiling ms':>12}{'check_state ms':>16}{'x ceiling':>10}{'loop ms':>10}"

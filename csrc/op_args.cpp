@@ -17,26 +17,46 @@ void check_stack(uint64_t num_args, uint64_t num_outputs, uint64_t expected_args
                 expected_outputs);
 }
 
-std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* op) {
+std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* op, const char* list) {
   NANSCAN_CHECK(!tensors.empty(), op, ": expected at least one tensor");
   std::vector<DType> tags;
   tags.reserve(tensors.size());
   const TensorInfo& first = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorInfo& t = tensors[i];
-    NANSCAN_CHECK(t.defined, op, ": tensors[", i, "] is undefined (None)");
-    NANSCAN_CHECK(t.strided(), op, ": tensors[", i, "] has layout ", layout_name(t.layout),
+    NANSCAN_CHECK(t.defined, op, ": ", list, "[", i, "] is undefined (None)");
+    NANSCAN_CHECK(t.strided(), op, ": ", list, "[", i, "] has layout ", layout_name(t.layout),
                   "; only dense (strided) tensors can be scanned");
-    NANSCAN_CHECK(t.same_device(first), op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+    NANSCAN_CHECK(t.same_device(first), op, ": ", list, "[", i, "] is on ", t.device(), " but ", list, "[0] is on ",
                   first.device(), "; call once per device (nanscan.scan groups by device for you)");
-    NANSCAN_CHECK(t.dim <= kMaxDims, op, ": tensors[", i, "] has ", t.dim, " dimensions; at most ", kMaxDims,
+    NANSCAN_CHECK(t.dim <= kMaxDims, op, ": ", list, "[", i, "] has ", t.dim, " dimensions; at most ", kMaxDims,
                   " are supported");
     const std::optional<DType> tag = dtype_tag(t.dtype);
-    NANSCAN_CHECK(tag.has_value(), op, ": tensors[", i, "] has dtype ", dtype_name(t.dtype),
+    NANSCAN_CHECK(tag.has_value(), op, ": ", list, "[", i, "] has dtype ", dtype_name(t.dtype),
                   "; supported: float32, float64, float16, bfloat16, float8_e4m3fn, float8_e5m2");
     tags.push_back(*tag);
   }
   return tags;
+}
+
+void check_difference_pairs(const TensorListArg& before, const std::vector<DType>& before_tags,
+                            const TensorListArg& after, const std::vector<DType>& after_tags, const char* op) {
+  NANSCAN_CHECK(before.size() == after.size(), op, ": before holds ", before.size(), " tensors and after ",
+                after.size(), "; one before per after");
+  NANSCAN_CHECK(before[0].same_device(after[0]), op, ": before is on ", before[0].device(), " but after is on ",
+                after[0].device());
+  for (size_t i = 0; i < before.size(); ++i) {
+    const TensorInfo& b = before[i];
+    const TensorInfo& a = after[i];
+    NANSCAN_CHECK(before_tags[i] == DType::Float32 || before_tags[i] == DType::Float64, op, ": before[", i,
+                  "] has dtype ", dtype_name(b.dtype), "; the differences are kept in float32 or float64");
+    NANSCAN_CHECK(before_tags[i] == DType::Float64 || after_tags[i] != DType::Float64, op, ": after[", i,
+                  "] is float64 but before[", i, "] is float32: keep a float64 tensor's copy in float64");
+    bool same_shape = b.dim == a.dim;
+    for (int64_t d = 0; same_shape && d < a.dim; ++d) same_shape = b.sizes[d] == a.sizes[d];
+    NANSCAN_CHECK(same_shape, op, ": before[", i, "] has shape ", shape_string(b.sizes, b.dim), " but after[", i,
+                  "] has shape ", shape_string(a.sizes, a.dim));
+  }
 }
 
 void check_multipliable(const std::vector<DType>& tags, const char* op) {

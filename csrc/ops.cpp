@@ -160,6 +160,25 @@ void unscale_scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outpu
   return_outputs(stack, std::move(out));
 }
 
+// scan_difference(Tensor[] before, Tensor[] after) -> 5 tensors, of 2N entries: the differences
+// before[i] - after[i], then the afters. The update watch's pass (nanscan/updates.py): the weights
+// before and after an optimizer step, each read once, the differences never written to memory.
+void scan_difference_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  constexpr const char* kOp = "nanscan.scan_difference";
+  const TensorListArg before(stack[0]);
+  const TensorListArg after(stack[1]);
+  check_stack(num_args, num_outputs, 2, 5, kOp);
+  const std::vector<DType> before_tags = check_scan_inputs(before, kOp, "before");
+  const std::vector<DType> after_tags = check_scan_inputs(after, kOp, "after");
+  check_difference_pairs(before, before_tags, after, after_tags, kOp);
+  std::vector<DType> tags = before_tags;
+  tags.insert(tags.end(), after_tags.begin(), after_tags.end());
+  ScanOutputs out = allocate_scan_outputs(tags, after[0], ScanOptions{});
+  cpu::scan_difference(before.infos(), before_tags, after.infos(), after_tags,
+                       result_pointers(out, static_cast<int64_t>(tags.size()), ScanOptions{}));
+  return_outputs(stack, std::move(out));
+}
+
 // A list argument for an ATen op: new handles of the same tensors (the op takes ownership).
 StableIValue list_of(const TensorListArg& tensors) {
   StableListHandle list = nullptr;
@@ -272,6 +291,12 @@ STABLE_TORCH_LIBRARY(nanscan, m) {
       "scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (Tensor counts, Tensor stats, Tensor "
       "total_norm, Tensor finite, Tensor total_norm_cast)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
+  // The statistics of before[i] - after[i] (in before[i]'s dtype, float32 or float64, as torch's
+  // subtraction rounds it), then of after[i]: 2N entries. Fused on the CPU; elsewhere the composite
+  // (nanscan/_ops.py: torch's _foreach_sub, then scan).
+  m.def(
+      "scan_difference(Tensor[] before, Tensor[] after) -> (Tensor counts, Tensor stats, Tensor total_norm, "
+      "Tensor finite, Tensor total_norm_cast)");
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "
       "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite, Tensor total_norm_cast)");
@@ -295,6 +320,7 @@ STABLE_TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);
+  m.impl("scan_difference", &nanscan::scan_difference_cpu);
   m.impl("scale_", &nanscan::scale_cpu);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cpu);
   m.impl("record_", &nanscan::record_cpu);

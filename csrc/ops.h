@@ -32,8 +32,13 @@ void return_outputs(StableIValue* stack, ScanOutputs outputs);
 DType norm_dtype_of(const std::vector<DType>& tags);
 
 // Checks every entry (defined, strided, one device, supported dtype) and returns the dtype tags.
-// Errors name the offending index.
-std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* op);
+// Errors name the offending entry, as `list`[index].
+std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* op, const char* list = "tensors");
+
+// scan_difference's pairs: as many befores as afters, on one device, each before float32 or float64
+// and its after of the same shape and no wider dtype (the difference is computed in before's).
+void check_difference_pairs(const TensorListArg& before, const std::vector<DType>& before_tags,
+                            const TensorListArg& after, const std::vector<DType>& after_tags, const char* op);
 
 // Rejects float8 tensors for ops that write (torch has no float8 arithmetic to match).
 void check_multipliable(const std::vector<DType>& tags, const char* op);

@@ -11,6 +11,12 @@ The ops themselves are declared once, in csrc/ops.cpp:
   total norm as ``total_norm.to(norm_dtype(...))`` would give it, in the dtype torch's total norm of
   these tensors has, so that no caller reads every tensor's dtype to find it. All outputs live on the
   tensors' device.
+* ``nanscan::scan_difference(Tensor[] before, Tensor[] after) -> (counts, stats, total_norm, finite,
+  total_norm_cast)``: the scan's outputs for 2N entries, the differences ``before[i] - after[i]``
+  (each computed in ``before[i]``'s dtype, float32 or float64, as torch's subtraction rounds it;
+  ``after[i]`` of the same shape and no wider dtype), then the ``after[i]``. The update watch's pass
+  (nanscan.updates). On the CPU one fused kernel that reads each pair once and writes nothing; on
+  other devices the composite below (torch's ``_foreach_sub``, then ``scan``).
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite,
   total_norm_cast)``: GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the
@@ -87,6 +93,7 @@ def _load_cuda_library() -> ModuleType | None:
 cuda_library = _load_cuda_library()
 
 scan_op = torch.ops.nanscan.scan.default
+scan_difference_op = torch.ops.nanscan.scan_difference.default
 scale_op = torch.ops.nanscan.scale_.default
 unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 record_op = torch.ops.nanscan.record_.default
@@ -100,7 +107,7 @@ _LIBRARY = torch.library.Library("nanscan", "IMPL")
 # The Autograd key falls through to the kernels, so outputs never require grad (autograd's fallback
 # would otherwise hang on them a grad_fn that fails only when someone calls backward through a norm);
 # the kernels run their own ATen calls with grad mode off (csrc/torch_api.h, NoGradGuard).
-for _name in ("scan", "scale_", "unscale_scan_", "record_", "_record_composite_"):
+for _name in ("scan", "scan_difference", "scale_", "unscale_scan_", "record_", "_record_composite_"):
     _LIBRARY.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 _INFERENCE_MESSAGE = (
@@ -221,6 +228,59 @@ def register_fake(op: str) -> Callable[[_Fake], _Fake]:
 def _scan_fake(tensors: list[torch.Tensor], fp16_range: bool = False, checksum: bool = False) -> ScanOutputs:
     torch._check(not (fp16_range and checksum), lambda: "nanscan.scan: fp16_range and checksum are separate scans")
     return _scan_outputs(tensors, 4 if fp16_range else 3 if checksum else 2)
+
+
+_DIFFERENCE = "nanscan.scan_difference"
+
+
+def _check_difference_pairs(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    """scan_difference's pairs, as the kernel checks them (csrc/op_args.cpp, check_difference_pairs),
+    for the fake kernel and the composite."""
+    torch._check(len(before) > 0, lambda: f"{_DIFFERENCE}: expected at least one tensor")
+    torch._check(
+        len(before) == len(after),
+        lambda: f"{_DIFFERENCE}: before holds {len(before)} tensors and after {len(after)}; one before per after",
+    )
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        torch._check(
+            b.dtype in (torch.float32, torch.float64),
+            lambda i=i, b=b: (
+                f"{_DIFFERENCE}: before[{i}] has dtype {b.dtype}; the differences are kept in float32 or float64"
+            ),
+        )
+        torch._check(
+            b.dtype == torch.float64 or a.dtype != torch.float64,
+            lambda i=i: (
+                f"{_DIFFERENCE}: after[{i}] is float64 but before[{i}] is float32: keep a float64 tensor's "
+                "copy in float64"
+            ),
+        )
+        torch._check(
+            b.shape == a.shape,
+            lambda i=i, b=b, a=a: (
+                f"{_DIFFERENCE}: before[{i}] has shape {list(b.shape)} but after[{i}] has shape {list(a.shape)}"
+            ),
+        )
+
+
+@register_fake("nanscan::scan_difference")
+def _scan_difference_fake(before: list[torch.Tensor], after: list[torch.Tensor]) -> ScanOutputs:
+    _check_difference_pairs(before, after)
+    return _scan_outputs(list(before) + list(after))
+
+
+def _scan_difference_composite(before: list[torch.Tensor], after: list[torch.Tensor]) -> ScanOutputs:
+    """scan_difference on a device without its fused kernel: the differences by torch's own
+    subtraction (in before's dtype: after's is no wider), then one scan of them and the afters."""
+    _check_difference_pairs(before, after)
+    with torch.no_grad():
+        # torch promotes nothing with float8; its values convert to before's dtype exactly.
+        subtrahends = [a.to(b.dtype) if a.dtype in _FLOAT8_DTYPES else a for b, a in zip(before, after, strict=True)]
+        differences = torch._foreach_sub(before, subtrahends)
+        return cast(ScanOutputs, scan_op(list(differences) + list(after)))
+
+
+_LIBRARY.impl("scan_difference", _scan_difference_composite, "CompositeExplicitAutograd")
 
 
 @register_fake("nanscan::unscale_scan_")

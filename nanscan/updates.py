@@ -9,18 +9,22 @@ optimizer steps, on the device.
 Practitioners watch the ratio per layer (around 1e-3 in healthy training); it is reported to spike
 before the loss does, and a learning rate too high shows there first. The ratio is exact: on a
 sampled step the weights are copied just before ``optimizer.step()`` (a step pre-hook), and after
-it (a step post-hook) the copies are turned into the differences in place and scanned with the
-weights in one fused pass, which gives each difference's norm and each weight's norm; their
-quotient stays on the device. The difference of two fp32 values is exact when they are within a
-factor of two of each other (Sterbenz), and otherwise off by at most 2^-24 of itself; 16-bit weights
-are kept in fp32, where their difference is exact. So the norms are those of the true update to
-fp32's precision, whatever the weights' dtype (tested against float64 with SGD, Adam and fused
-AdamW). No host sync: the ratios are read to the host only when asked for (``ratios()``).
+it (a step post-hook) one pass gives each difference's norm and each weight's norm; their quotient
+stays on the device. On the CPU that pass is one op, ``nanscan::scan_difference``, which reads each
+copy and its weight once and writes nothing (the differences live run by run in the kernel's stack
+buffer); on a GPU the copies become the differences in place (``_foreach_sub_``) and are scanned
+with the weights (a fused CUDA kernel is not written yet). The difference of two fp32 values is
+exact when they are within a factor of two of each other (Sterbenz), and otherwise off by at most
+2^-24 of itself; 16-bit weights are kept in fp32, where their difference is exact. So the norms are
+those of the true update to fp32's precision, whatever the weights' dtype (tested against float64
+with SGD, Adam and fused AdamW). No host sync: the ratios are read to the host only when asked for
+(``ratios()``).
 
 Memory: one copy of every weight the optimizer holds, in fp32 for 16-bit weights (``nbytes``: the
-weights' bytes, twice them for bf16/fp16 weights), allocated at the first sampled step and kept. Traffic on a sampled step: the copy (a read and a write of the weights), the
-difference (two reads, a write) and the scan (two reads): seven passes over the weights' bytes,
-where a fused difference scan would need four (benchmarks/NOTES.md, entry 36). Unsampled steps
+weights' bytes, twice them for bf16/fp16 weights), allocated at the first sampled step and kept.
+Traffic on a sampled step, in passes over the weights' bytes: the copy (a read and a write) and
+the fused difference scan (two reads), four on the CPU; on a GPU the in-place difference (two reads,
+a write) and the scan (two reads), seven (benchmarks/NOTES.md, entries 36 and 38). Unsampled steps
 cost two Python hooks.
 
 A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
@@ -42,6 +46,8 @@ from typing import Any
 import torch
 
 from . import layouts
+from ._ops import scan_difference_op
+from .fused import ScanResult
 from .layouts import fsdp1
 from .layouts.dtensor import to_local
 from .parameters import named_parameters
@@ -137,14 +143,34 @@ class UpdateWatch:
         self._sampling = False
         params = self._params()
         n = len(self.names)
+        # The CPU has the fused difference scan (each pair read once, nothing written); elsewhere the
+        # copies become the differences in place, then are scanned with the weights (module notes).
+        fused = all(p.device.type == "cpu" for p in params)
         with torch.no_grad():
-            torch._foreach_sub_(to_local(self._copies), to_local(params))  # before minus after: -Δw
+            if not fused:
+                torch._foreach_sub_(to_local(self._copies), to_local(params))  # before minus after: -Δw
             if self._fsdp1 is not None:
-                # The weights, then each one's difference, cut and reduced over FSDP's groups.
-                differences = {p: {"update": c} for p, c in zip(params, self._copies, strict=True)}
-                weights_then_updates = layouts.scan(layouts.of_fsdp1_state(self._fsdp1, differences, ("update",)))
-                norms = weights_then_updates.norm
+                # The weights, then each one's copy (or difference), cut and reduced over FSDP's groups.
+                held = {p: {"update": c} for p, c in zip(params, self._copies, strict=True)}
+                layout = layouts.of_fsdp1_state(self._fsdp1, held, ("update",))
+                if fused:
+                    # Flat: an original parameter's copy keeps its shape where FSDP hands it out whole
+                    # (NO_SHARD), its part of the weights is a slice of the flat shard.
+                    parts = [part.reshape(-1) for part in layout.parts]
+                    # The op's order (differences, then weights) turned into the layout's.
+                    counts, stats, *totals = scan_difference_op(parts[n:], parts[:n])
+                    local = ScanResult.from_op(counts.roll(n, 1), stats.roll(n, 1), *totals)
+                    norms = layouts.reduce_local(layout, local).norm
+                else:
+                    norms = layouts.scan(layout).norm
                 result_norm = torch.cat([norms[n:], norms[:n]])
+            elif fused:
+                # DTensors (the copies are DTensors where the parameters are): their shards, then the
+                # layout's reduction over their meshes; plain tensors: this process's answer.
+                layout = layouts.of_tensors(self._copies + params)
+                parts = layouts.local_parts(layout)
+                local = ScanResult.from_op(*scan_difference_op(parts[: len(params)], parts[len(params) :]))
+                result_norm = (layouts.reduce_local(layout, local) if layout.distributed else local).norm
             else:
                 # The copies (DTensors where the parameters are) go to the scan whole: it reduces them.
                 result_norm = scan(self._copies + params).norm

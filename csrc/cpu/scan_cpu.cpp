@@ -306,34 +306,48 @@ NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end
   }
 }
 
+// The position of an element of a tensor that is not dense in memory, stepped in logical (row-major)
+// order from a logical index: the strided readers' multi-index, kept on the stack (kMaxDims).
+struct LogicalWalk {
+  const int64_t* sizes;
+  int64_t ndim;
+  int64_t index[kMaxDims];
+
+  LogicalWalk(const TensorInfo& t, int64_t begin) : sizes(t.sizes), ndim(t.dim) {
+    int64_t rest = begin;
+    for (int64_t d = ndim - 1; d >= 0; --d) {
+      index[d] = rest % sizes[d];
+      rest /= sizes[d];
+    }
+  }
+
+  // The element's offset, in elements, in a tensor of these sizes with `strides`.
+  NANSCAN_INLINE int64_t offset(const int64_t* strides) const {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < ndim; ++d) offset += index[d] * strides[d];
+    return offset;
+  }
+
+  NANSCAN_INLINE void next() {
+    for (int64_t d = ndim - 1; d >= 0; --d) {
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+  }
+};
+
 // Elements [begin, end) in logical (row-major) order of a tensor that is not dense in memory, gathered
 // run by run into a stack buffer, so no allocation scales with the tensor.
 template <class Codec, bool kHalfRange>
 NANSCAN_INLINE void scan_strided(const TensorInfo& t, int64_t begin, int64_t end, bool checksum, TensorStats& s) {
   using Raw = typename Codec::Raw;
-  const int64_t ndim = t.dim;
-  const int64_t* sizes = t.sizes;
-  const int64_t* strides = t.strides;
-  int64_t index[kMaxDims];
-  int64_t rest = begin;
-  for (int64_t d = ndim - 1; d >= 0; --d) {
-    index[d] = rest % sizes[d];
-    rest /= sizes[d];
-  }
+  LogicalWalk walk(t, begin);
   const auto* base = static_cast<const Raw*>(t.data);
   Raw buffer[kRunElements];
   RunScale<Codec> carried;
   for (int64_t i = begin; i < end;) {
     const int64_t len = std::min(kRunElements, end - i);
-    for (int64_t k = 0; k < len; ++k) {
-      int64_t offset = 0;
-      for (int64_t d = 0; d < ndim; ++d) offset += index[d] * strides[d];
-      buffer[k] = base[offset];
-      for (int64_t d = ndim - 1; d >= 0; --d) {
-        if (++index[d] < sizes[d]) break;
-        index[d] = 0;
-      }
-    }
+    for (int64_t k = 0; k < len; ++k, walk.next()) buffer[k] = base[walk.offset(t.strides)];
     scan_run<Codec, kHalfRange>(buffer, len, s, carried, false);
     if (checksum) s.checksum += checksum_elements<Codec>(buffer, len, i, false);
     i += len;
@@ -384,6 +398,146 @@ TensorStats scan_chunk(const TensorInfo& t, DType dtype, const void* dense, int6
   return s;
 }
 
+// ---- the difference scan (nanscan::scan_difference: update ratios) -------------------------------
+
+// One element of the difference before - after, in before's format: computed in before's Wide (after's
+// dtype is never wider: the op refuses that), where every after format decodes exactly, and rounded
+// once, as torch's before - after rounds it.
+template <class Before, class After>
+NANSCAN_INLINE typename Before::Raw difference(typename Before::Raw before, typename After::Raw after) {
+  return Before::encode(Before::decode(before) - static_cast<typename Before::Wide>(After::decode(after)));
+}
+
+// Elements [begin, end) of a pair held dense with the same strides: run by run, the differences into a
+// stack buffer and scanned from there, and `after`'s run scanned while it is still in L1 from making
+// them. One read of each tensor, no write.
+template <class Before, class After>
+NANSCAN_INLINE void difference_dense(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end,
+                                     TensorStats& diff, TensorStats& after) {
+  const auto* pb = static_cast<const typename Before::Raw*>(b.data);
+  const auto* pa = static_cast<const typename After::Raw*>(a.data);
+  typename Before::Raw buffer[kRunElements];
+  RunScale<Before> carried_diff;
+  RunScale<After> carried_after;
+  for (int64_t i = begin; i < end; i += kRunElements) {
+    const int64_t len = std::min(kRunElements, end - i);
+    for (int64_t k = 0; k < len; ++k) buffer[k] = difference<Before, After>(pb[i + k], pa[i + k]);
+    scan_run<Before, false>(buffer, len, diff, carried_diff, false);
+    scan_run<After, false>(pa + i, len, after, carried_after, i + len < end);
+  }
+}
+
+// Elements [begin, end) in logical order of a pair not both dense with the same strides: both gathered
+// element by element, each by its own strides.
+template <class Before, class After>
+NANSCAN_INLINE void difference_strided(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end,
+                                       TensorStats& diff, TensorStats& after) {
+  const auto* pb = static_cast<const typename Before::Raw*>(b.data);
+  const auto* pa = static_cast<const typename After::Raw*>(a.data);
+  LogicalWalk walk(a, begin);
+  typename Before::Raw diffs[kRunElements];
+  typename After::Raw afters[kRunElements];
+  RunScale<Before> carried_diff;
+  RunScale<After> carried_after;
+  for (int64_t i = begin; i < end; i += kRunElements) {
+    const int64_t len = std::min(kRunElements, end - i);
+    for (int64_t k = 0; k < len; ++k, walk.next()) {
+      afters[k] = pa[walk.offset(a.strides)];
+      diffs[k] = difference<Before, After>(pb[walk.offset(b.strides)], afters[k]);
+    }
+    scan_run<Before, false>(diffs, len, diff, carried_diff, false);
+    scan_run<After, false>(afters, len, after, carried_after, false);
+  }
+}
+
+// Whether a pair's elements lie in the same order in memory, each tensor dense: then they are paired
+// by memory offset, whatever the order of the dimensions.
+bool same_dense_layout(const TensorInfo& b, const TensorInfo& a) {
+  if (!b.dense || !a.dense || b.dim != a.dim) return false;
+  for (int64_t d = 0; d < a.dim; ++d) {
+    if (a.sizes[d] > 1 && a.strides[d] != b.strides[d]) return false;
+  }
+  return true;
+}
+
+struct PairStats {
+  TensorStats diff;
+  TensorStats after;
+};
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+PairStats difference_chunk(const TensorInfo& b, DType before_dtype, const TensorInfo& a, DType after_dtype, bool dense,
+                           int64_t begin, int64_t end) {
+  PairStats s{empty_stats(), empty_stats()};
+  // Written out (no lambdas): the hot loops must inline into this function, which is cloned per x86
+  // level, not into a lambda's operator(), which would not be.
+#define NANSCAN_PAIR(BEFORE, AFTER)                                       \
+  if (dense) {                                                            \
+    difference_dense<BEFORE, AFTER>(b, a, begin, end, s.diff, s.after);   \
+  } else {                                                                \
+    difference_strided<BEFORE, AFTER>(b, a, begin, end, s.diff, s.after); \
+  }
+#define NANSCAN_AFTER(BEFORE)                                                \
+  switch (after_dtype) {                                                     \
+    case DType::Float32: NANSCAN_PAIR(BEFORE, Float32Codec) break;           \
+    case DType::Float64: NANSCAN_PAIR(BEFORE, Float64Codec) break;           \
+    case DType::Float16: NANSCAN_PAIR(BEFORE, Float16Codec) break;           \
+    case DType::BFloat16: NANSCAN_PAIR(BEFORE, BFloat16Codec) break;         \
+    case DType::Float8E4M3FN: NANSCAN_PAIR(BEFORE, Float8E4M3FNCodec) break; \
+    case DType::Float8E5M2: NANSCAN_PAIR(BEFORE, Float8E5M2Codec) break;     \
+  }
+  if (before_dtype == DType::Float64) {
+    NANSCAN_AFTER(Float64Codec)
+  } else {  // the op admits float32 and float64 only
+    NANSCAN_AFTER(Float32Codec)
+  }
+#undef NANSCAN_AFTER
+#undef NANSCAN_PAIR
+  return s;
+}
+
+// Chunks of a list of tensors (or pairs): each of at most kChunkBytes, fixed by the sizes alone, and
+// their starting bytes, by which the threads are balanced.
+struct ChunkPlan {
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_chunk;  // per tensor, and one past the last
+  std::vector<int64_t> start_byte;
+  int64_t total_bytes = 0;
+};
+
+ChunkPlan plan_chunks(const std::vector<int64_t>& numels, const std::vector<int64_t>& element_bytes) {
+  const int64_t n = static_cast<int64_t>(numels.size());
+  ChunkPlan plan;
+  plan.first_chunk.resize(n + 1);
+  plan.chunks.reserve(n);
+  plan.start_byte.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    plan.first_chunk[i] = static_cast<int64_t>(plan.chunks.size());
+    const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / element_bytes[i]);
+    for (int64_t b = 0; b < numels[i]; b += per_chunk) {
+      plan.chunks.push_back(Chunk{i, b, std::min(numels[i], b + per_chunk)});
+      plan.start_byte.push_back(plan.total_bytes);
+      plan.total_bytes += (plan.chunks.back().end - b) * element_bytes[i];
+    }
+  }
+  plan.first_chunk[n] = static_cast<int64_t>(plan.chunks.size());
+  return plan;
+}
+
+// Runs `work(chunk index)` for every chunk, in parallel: each task owns the chunks that start inside
+// its byte range, so which thread computes a chunk never changes the chunk's result.
+template <class Work>
+void run_chunks(const ChunkPlan& plan, Work&& work) {
+  if (plan.total_bytes == 0) return;
+  torch::stable::parallel_for(0, plan.total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
+    auto c = std::lower_bound(plan.start_byte.begin(), plan.start_byte.end(), byte_begin) - plan.start_byte.begin();
+    const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
+    for (; c < num_chunks && plan.start_byte[c] < byte_end; ++c) work(c);
+  });
+}
+
 }  // namespace
 
 void scan(const std::vector<TensorInfo>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
@@ -393,49 +547,59 @@ void scan(const std::vector<TensorInfo>& tensors, const std::vector<DType>& dtyp
       multiply_dense_by.has_value() && *multiply_dense_by != 1.0f ? &*multiply_dense_by : nullptr;
   const int64_t n = static_cast<int64_t>(tensors.size());
   std::vector<const void*> dense(n);
-  std::vector<Chunk> chunks;
-  std::vector<int64_t> first_chunk(n + 1);
-  std::vector<int64_t> chunk_start_byte;  // prefix sum of chunk bytes; byte-balances the threads
-  chunks.reserve(n);
-  chunk_start_byte.reserve(n);
-  int64_t total_bytes = 0;
+  std::vector<int64_t> numels(n), element_bytes(n);
   for (int64_t i = 0; i < n; ++i) {
-    const TensorInfo& t = tensors[i];
-    const int64_t numel = t.numel;
-    const int64_t elem = element_size(dtypes[i]);
-    dense[i] = numel > 0 ? dense_span(t) : nullptr;
-    first_chunk[i] = static_cast<int64_t>(chunks.size());
-    const int64_t per_chunk = kChunkBytes / elem;
-    for (int64_t b = 0; b < numel; b += per_chunk) {
-      chunks.push_back(Chunk{i, b, std::min(numel, b + per_chunk)});
-      chunk_start_byte.push_back(total_bytes);
-      total_bytes += (chunks.back().end - b) * elem;
-    }
+    numels[i] = tensors[i].numel;
+    element_bytes[i] = element_size(dtypes[i]);
+    dense[i] = numels[i] > 0 ? dense_span(tensors[i]) : nullptr;
   }
-  first_chunk[n] = static_cast<int64_t>(chunks.size());
-
-  std::vector<TensorStats> partial(chunks.size(), empty_stats());
-  if (total_bytes > 0) {
-    // Each task owns the chunks that start inside its byte range; which thread computes a chunk never
-    // changes the chunk's result.
-    torch::stable::parallel_for(0, total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
-      auto c =
-          std::lower_bound(chunk_start_byte.begin(), chunk_start_byte.end(), byte_begin) - chunk_start_byte.begin();
-      const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-      for (; c < num_chunks && chunk_start_byte[c] < byte_end; ++c) {
-        const Chunk& ch = chunks[c];
-        partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by,
-                                out.half_range, out.checksum);
-      }
-    });
-  }
+  const ChunkPlan plan = plan_chunks(numels, element_bytes);
+  std::vector<TensorStats> partial(plan.chunks.size(), empty_stats());
+  run_chunks(plan, [&](int64_t c) {
+    const Chunk& ch = plan.chunks[c];
+    partial[c] = scan_chunk(tensors[ch.tensor], dtypes[ch.tensor], dense[ch.tensor], ch.begin, ch.end, multiply_by,
+                            out.half_range, out.checksum);
+  });
 
   TensorStats total = empty_stats();
   for (int64_t i = 0; i < n; ++i) {
     TensorStats s = empty_stats();
-    for (int64_t c = first_chunk[i]; c < first_chunk[i + 1]; ++c) s = combine(s, partial[c]);
+    for (int64_t c = plan.first_chunk[i]; c < plan.first_chunk[i + 1]; ++c) s = combine(s, partial[c]);
     write_tensor_result(out, i, s);
     total = combine(total, s);
+  }
+  write_totals(out, total);
+}
+
+void scan_difference(const std::vector<TensorInfo>& before, const std::vector<DType>& before_dtypes,
+                     const std::vector<TensorInfo>& after, const std::vector<DType>& after_dtypes,
+                     const ResultPointers& out) {
+  const int64_t n = static_cast<int64_t>(before.size());
+  std::vector<int64_t> numels(n), element_bytes(n);
+  std::vector<bool> dense(n);
+  for (int64_t i = 0; i < n; ++i) {
+    numels[i] = after[i].numel;
+    element_bytes[i] = element_size(before_dtypes[i]) + element_size(after_dtypes[i]);  // both are read
+    dense[i] = same_dense_layout(before[i], after[i]);
+  }
+  const ChunkPlan plan = plan_chunks(numels, element_bytes);
+  std::vector<PairStats> partial(plan.chunks.size(), PairStats{empty_stats(), empty_stats()});
+  run_chunks(plan, [&](int64_t c) {
+    const Chunk& ch = plan.chunks[c];
+    const int64_t i = ch.tensor;
+    partial[c] = difference_chunk(before[i], before_dtypes[i], after[i], after_dtypes[i], dense[i], ch.begin, ch.end);
+  });
+
+  TensorStats total = empty_stats();
+  for (int64_t i = 0; i < n; ++i) {
+    PairStats s{empty_stats(), empty_stats()};
+    for (int64_t c = plan.first_chunk[i]; c < plan.first_chunk[i + 1]; ++c) {
+      s.diff = combine(s.diff, partial[c].diff);
+      s.after = combine(s.after, partial[c].after);
+    }
+    write_tensor_result(out, i, s.diff);
+    write_tensor_result(out, n + i, s.after);
+    total = combine(combine(total, s.diff), s.after);
   }
   write_totals(out, total);
 }

@@ -19,4 +19,12 @@ namespace nanscan::cpu {
 void scan(const std::vector<TensorInfo>& tensors, const std::vector<DType>& dtypes, const ResultPointers& out,
           std::optional<float> multiply_dense_by = std::nullopt);
 
+// Fills `out` for 2N tensors: first the differences before[i] - after[i] (each in before[i]'s dtype,
+// float32 or float64, rounded once as torch's subtraction rounds it; after[i] of that dtype or a
+// narrower one, of the same shape), then after[i] themselves. Each pair is read once and nothing is
+// written: the differences live run by run in a stack buffer. Chunked and combined as scan() is.
+void scan_difference(const std::vector<TensorInfo>& before, const std::vector<DType>& before_dtypes,
+                     const std::vector<TensorInfo>& after, const std::vector<DType>& after_dtypes,
+                     const ResultPointers& out);
+
 }  // namespace nanscan::cpu
