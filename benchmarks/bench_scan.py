@@ -309,6 +309,8 @@ def methods(device: torch.device, dtype: torch.dtype, num_tensors: int) -> list[
         Method("torch.ops.nanscan.scan", lambda x: torch.ops.nanscan.scan(x.grads)),
         # The replica checksum in the same pass (verify_replicas): its cost beside the plain scan's.
         Method("nanscan.scan(checksum)", lambda x: nanscan.scan(x.grads, checksum=True), SCAN),
+        # The op in ATen ops (nanscan.composite): what MPS, XPU and every device without a kernel run.
+        Method("composite", lambda x: nanscan.composite.scan(x.grads), SCAN),
         # The per-step call users make: the scan plus the report's rows (no clip asked).
         Method("nanscan.check(params)", lambda x: nanscan.check(x.params)),
         Method("nanscan.clip(no-clip)", lambda x: nanscan.clip_grad_norm_(x.params, NO_CLIP)),

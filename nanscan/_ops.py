@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Iterable
-from functools import reduce
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar, cast
@@ -61,7 +60,9 @@ if _torch_release(torch.__version__) < OLDEST_TORCH:
         f'Upgrade torch (pip install "torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}")'
     )
 
-from . import _C  # noqa: E402  (loading the library registers the ops and their CPU kernels)
+# Loading the library registers the ops and their CPU kernels; after the version check above.
+from . import _C, composite  # noqa: E402
+from .dtypes import norm_dtype  # noqa: E402
 
 
 def cuda_libraries_held() -> list[str]:
@@ -183,6 +184,14 @@ _LIBRARY.impl(
 )
 
 
+# Every device without a kernel of its own (not the CPU, not CUDA: MPS, XPU, an out-of-tree backend)
+# runs the ops in ATen ops (nanscan.composite; record_'s composite is C++, in csrc/ops.cpp).
+_LIBRARY.impl("scan", composite.scan, "CompositeExplicitAutograd")
+_LIBRARY.impl("scan_difference", composite.scan_difference, "CompositeExplicitAutograd")
+_LIBRARY.impl("scale_", composite.scale_, "CompositeExplicitAutograd")
+_LIBRARY.impl("unscale_scan_", composite.unscale_scan_, "CompositeExplicitAutograd")
+
+
 def _built_without_cuda(*args: Any) -> Any:
     held = ", ".join(cuda_libraries_held()) or "none (a CPU-only build)"
     cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
@@ -207,16 +216,6 @@ _Fake = TypeVar("_Fake", bound=Callable[..., Any])
 
 ScanOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
-_FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
-
-
-def norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The dtype of torch's total norm of tensors of these dtypes (at least one): per-tensor norms keep
-    each dtype and are then stacked, so the dtypes promoted. float8, which has no torch norm and
-    promotes with nothing, counts as float32. The op computes the same in C++ (norm_dtype_of,
-    csrc/ops.cpp) for its total_norm_cast output."""
-    return reduce(torch.promote_types, {torch.float32 if d in _FLOAT8_DTYPES else d for d in dtypes})
-
 
 def register_fake(op: str) -> Callable[[_Fake], _Fake]:
     """``torch.library.register_fake``, typed: torch leaves it unannotated, which would make every
@@ -230,57 +229,10 @@ def _scan_fake(tensors: list[torch.Tensor], fp16_range: bool = False, checksum: 
     return _scan_outputs(tensors, 4 if fp16_range else 3 if checksum else 2)
 
 
-_DIFFERENCE = "nanscan.scan_difference"
-
-
-def _check_difference_pairs(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
-    """scan_difference's pairs, as the kernel checks them (csrc/op_args.cpp, check_difference_pairs),
-    for the fake kernel and the composite."""
-    torch._check(len(before) > 0, lambda: f"{_DIFFERENCE}: expected at least one tensor")
-    torch._check(
-        len(before) == len(after),
-        lambda: f"{_DIFFERENCE}: before holds {len(before)} tensors and after {len(after)}; one before per after",
-    )
-    for i, (b, a) in enumerate(zip(before, after, strict=True)):
-        torch._check(
-            b.dtype in (torch.float32, torch.float64),
-            lambda i=i, b=b: (
-                f"{_DIFFERENCE}: before[{i}] has dtype {b.dtype}; the differences are kept in float32 or float64"
-            ),
-        )
-        torch._check(
-            b.dtype == torch.float64 or a.dtype != torch.float64,
-            lambda i=i: (
-                f"{_DIFFERENCE}: after[{i}] is float64 but before[{i}] is float32: keep a float64 tensor's "
-                "copy in float64"
-            ),
-        )
-        torch._check(
-            b.shape == a.shape,
-            lambda i=i, b=b, a=a: (
-                f"{_DIFFERENCE}: before[{i}] has shape {list(b.shape)} but after[{i}] has shape {list(a.shape)}"
-            ),
-        )
-
-
 @register_fake("nanscan::scan_difference")
 def _scan_difference_fake(before: list[torch.Tensor], after: list[torch.Tensor]) -> ScanOutputs:
-    _check_difference_pairs(before, after)
+    composite.check_difference_pairs(before, after)
     return _scan_outputs(list(before) + list(after))
-
-
-def _scan_difference_composite(before: list[torch.Tensor], after: list[torch.Tensor]) -> ScanOutputs:
-    """scan_difference on a device without its fused kernel: the differences by torch's own
-    subtraction (in before's dtype: after's is no wider), then one scan of them and the afters."""
-    _check_difference_pairs(before, after)
-    with torch.no_grad():
-        # torch promotes nothing with float8; its values convert to before's dtype exactly.
-        subtrahends = [a.to(b.dtype) if a.dtype in _FLOAT8_DTYPES else a for b, a in zip(before, after, strict=True)]
-        differences = torch._foreach_sub(before, subtrahends)
-        return cast(ScanOutputs, scan_op(list(differences) + list(after)))
-
-
-_LIBRARY.impl("scan_difference", _scan_difference_composite, "CompositeExplicitAutograd")
 
 
 @register_fake("nanscan::unscale_scan_")

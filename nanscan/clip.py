@@ -39,7 +39,8 @@ import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from . import layouts
-from ._ops import norm_dtype, scale_op
+from ._ops import scale_op
+from .dtypes import norm_dtype
 from .fused import SUPPORTED_DTYPES, ScanResult, describe, gradients_of, group_by_device, validate
 from .layouts import dtensor
 

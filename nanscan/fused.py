@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ._ops import norm_dtype, scan_op
+from ._ops import scan_op
+from .dtypes import norm_dtype
 
 SUPPORTED_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}

@@ -93,7 +93,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -105,9 +105,7 @@ from .layouts.reduce import Attribution
 from .records import ActivationRecord, StepRecord, UpdateRecord
 from .report import Report
 from .sinks import Sink
-
-if TYPE_CHECKING:
-    from .updates import UpdateWatch
+from .updates import UpdateWatch
 
 # A record's per-parameter rows, then its per-step columns, in its float32 row of the ring buffer.
 # The running median is stored, not the spike ratio: the ratio is one division per block at the read
@@ -365,8 +363,6 @@ class Recorder:
         activations: ActivationWatch | None = None,
         updates: UpdateWatch | None = None,
     ) -> None:
-        from .updates import UpdateWatch  # updates -> state -> recorder: imported when first needed
-
         if activations is not None and not isinstance(activations, ActivationWatch):
             raise TypeError(
                 "nanscan.Recorder: activations must be a nanscan.watch_activations(model) watch, got "

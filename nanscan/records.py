@@ -129,8 +129,8 @@ class ActivationRecord:
 
 @dataclass(frozen=True)
 class UpdateRecord:
-    """One record's update ratios (``Recorder(updates=watch)``): per parameter the optimizer, its
-    last step measured since the record before.
+    """One record's update ratios (``Recorder(updates=watch)``): per parameter the optimizer holds,
+    the norms of the last optimizer step measured since the record before.
 
     Attributes:
         names: the parameter names, in the optimizer's order.

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -179,3 +180,25 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     if report.skipped and report.nodeid:
         _record_skipped(report.nodeid)
+
+
+@contextmanager
+def composite_on_cpu() -> Iterator[None]:
+    """The ops' composites (nanscan.composite; record_'s in C++) registered over their CPU kernels for
+    the block, so that nanscan's whole stack runs, on the CPU, the path that MPS, XPU and every device
+    without a kernel takes. The dispatcher restores the kernels when the registrations go."""
+    from nanscan import composite
+
+    library = torch.library.Library("nanscan", "IMPL")
+    record_composite = torch.ops.nanscan._record_composite_.default
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "overriding a previously registered kernel"
+        library.impl("scan", composite.scan, "CPU")
+        library.impl("scan_difference", composite.scan_difference, "CPU")
+        library.impl("scale_", composite.scale_, "CPU")
+        library.impl("unscale_scan_", composite.unscale_scan_, "CPU")
+        library.impl("record_", record_composite, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()

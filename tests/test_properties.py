@@ -43,6 +43,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 import nanscan
+from nanscan import composite
 
 T = TypeVar("T")
 
@@ -563,6 +564,24 @@ def test_scan_matches_fp64_reference(specs: list[TensorSpec], fp16_range: bool) 
         plain = result_fields(nanscan.scan(tensors))
         for k, v in plain.items():
             assert bits_equal(v, result_fields(result)[k]), f"fp16_range=True changed {k}"
+
+
+@given(specs=scan_lists(), options=st.sampled_from(["plain", "fp16_range", "checksum"]))
+def test_the_composite_matches_the_fp64_reference_and_the_kernel(specs: list[TensorSpec], options: str) -> None:
+    """nanscan.composite (what MPS, XPU and every device without a kernel runs) on the same drawn
+    lists: the fp64 reference's statistics, and the CPU kernel's counts, extrema (by value),
+    checksums and total-norm dtype exactly."""
+    tensors = [view for _, view in (materialize(s) for s in specs)]
+    if not tensors:  # the op refuses an empty list (nanscan.scan answers it without the op)
+        return
+    fp16_range, checksum = options == "fp16_range", options == "checksum"
+    ours = composite.scan(tensors, fp16_range, checksum)
+    kernel = torch.ops.nanscan.scan.default(tensors, fp16_range, checksum)
+    check_scan_against_reference(tensors, nanscan.ScanResult.from_op(*ours))
+    assert torch.equal(ours[0], kernel[0]), f"counts {ours[0].tolist()} != {kernel[0].tolist()}"
+    # By value: the sign of a zero extremum (-0 or +0, both present) follows neither's definition.
+    assert torch.equal(ours[1][:2], kernel[1][:2]), f"min/max {ours[1][:2].tolist()} != {kernel[1][:2].tolist()}"
+    assert bool(ours[3]) == bool(kernel[3]) and ours[4].dtype == kernel[4].dtype
 
 
 # A third of the profile's examples: each one is large (the first tensor is over 512 KiB).

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from nanscan._ops import _scan_difference_composite, scan_difference_op
+from nanscan._ops import scan_difference_op
+from nanscan.composite import scan_difference as _scan_difference_composite
 from nanscan.fused import ScanResult
 
 from conftest import DEVICES, FP8_DTYPES, assert_matches_reference, plant, random_tensor

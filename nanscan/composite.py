@@ -1,0 +1,297 @@
+"""The ops in ATen ops: what every device without a kernel of its own runs (MPS, XPU, an out-of-tree
+accelerator), with the kernels' semantics (csrc/common/scan_rules.h) and their outputs.
+
+nanscan's fused kernels are CPU and CUDA code. On any other device the dispatcher sends ``scan``,
+``scale_``, ``unscale_scan_`` and ``scan_difference`` here (nanscan._ops registers these functions
+for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen kernels per tensor instead of one pass over the list: slower than a
+fused kernel (the README gives the measured factor), never a different answer:
+
+* NaN and Inf are counted by ``isnan``/``isinf``, never inferred from a sum: a tensor of ``1e20`` is
+  finite and its norm ``1e21``.
+* min and max are of the finite values (``+inf``/``-inf`` when there are none), by masked reductions:
+  where a NaN sits changes nothing.
+* The norm is the kernels' (and torch's: NaN if any NaN, else inf if any Inf). Each tensor's finite
+  values are divided by their largest magnitude (exact where it is a power of two, within one
+  rounding of each value otherwise) and their squares summed in float64, then multiplied back by
+  that magnitude squared: so tiny gradients (1e-20: squares below float32's range) and huge ones
+  keep their norm, and a float64 tensor whose squares overflow float64 gets ``inf``, as the kernels
+  and torch give it. On a device without float64 (MPS) the sum is float32's, and the root is taken
+  before the magnitude is multiplied back (so only a norm past float32's 3.4e38 is inf): each square
+  is in [0, 1] and the sum's relative error at most about n * 2^-24 for n elements (torch's own
+  reductions sum in a tree, far better in practice); the statistics and totals are float32 there.
+* The fp16-range counts, the replica checksum and the total norm's dtype follow the same rules as the
+  kernels (``count_half_range``, ``replica_term``, ``norm_dtype_of``).
+
+No host sync: every value stays on the device, and the shapes decide every branch (an empty tensor
+is known from its shape). So a captured graph holds these ops like any others.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .dtypes import FLOAT8_DTYPES, norm_dtype
+
+_FLOAT8 = FLOAT8_DTYPES
+_HALF_MAX = 65504.0
+_HALF_SMALLEST_SUBNORMAL = 2.0**-24
+# The replica checksum's constants (csrc/common/scan_rules.h).
+_SALT_LOW = 0x9E3779B9
+_SALT_HIGH = 0x85EBCA77
+_MIX_1 = 0x85EBCA6B
+_MIX_2 = 0xC2B2AE35
+_WORD = 0xFFFFFFFF
+
+ScanOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@functools.lru_cache(maxsize=16)
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """What the squares are summed in: float64, or float32 on a device that has no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements, flat, as float32 or float64 values (16-bit and float8 ones widen exactly)."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+
+
+def scan(tensors: Sequence[torch.Tensor], fp16_range: bool = False, checksum: bool = False) -> ScanOutputs:
+    """``nanscan::scan`` in ATen ops (module notes): counts int64 [2 (or 4, or 3), N], stats float64
+    [3, N] (min, max, norm), total_norm, finite, total_norm_cast, on the tensors' device."""
+    _check_list(tensors, "nanscan.scan")
+    torch._check(
+        not (fp16_range and checksum), lambda: "nanscan.scan: fp16_range and checksum are separate scans; ask for one"
+    )
+    device = tensors[0].device
+    wide = wide_dtype(device)
+    rows: list[list[torch.Tensor]] = []  # per tensor: nan, inf, [overflow, underflow | checksum]
+    stats: list[torch.Tensor] = []  # per tensor: [min, max, sumsq], in wide
+    with torch.no_grad():
+        for t in tensors:
+            tensor_counts, tensor_figures = _tensor(t, wide, fp16_range, checksum)
+            rows.append(tensor_counts)
+            stats.append(tensor_figures)
+        counts = torch.stack([torch.stack(column) for column in zip(*rows, strict=True)])
+        figures = torch.stack(stats, dim=1)  # [3, N]: min, max, and the norm of the finite values
+        nan, inf = counts[0] > 0, counts[1] > 0
+        finite_norm = figures[2]
+        norm = torch.where(nan, math.nan, torch.where(inf, math.inf, finite_norm))
+        total_norm = torch.where(nan.any(), math.nan, torch.where(inf.any(), math.inf, _combined(finite_norm, wide)))
+        finite = ~(nan.any() | inf.any())
+        cast = total_norm.to(norm_dtype(t.dtype for t in tensors))
+    return counts, torch.stack([figures[0], figures[1], norm]), total_norm, finite, cast
+
+
+def _combined(norms: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """The norm of the tensors together from theirs. In float64 from the squares, as the kernels
+    combine them (a total whose square overflows float64 is inf there too); in float32 (no float64)
+    over the largest norm, so that no square leaves float32's range before the root."""
+    if wide == torch.float64:
+        return (norms * norms).sum().sqrt()
+    largest = norms.amax()
+    scale = torch.where(largest > 0, largest, 1.0)
+    return ((norms / scale) ** 2).sum().sqrt() * scale
+
+
+def _tensor(
+    t: torch.Tensor, wide: torch.dtype, fp16_range: bool, checksum: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One tensor's counts (NaN, Inf, then the fp16-range pair or the checksum) and the min, max and
+    norm of its finite values, in ``wide``."""
+    device = t.device
+    if t.numel() == 0:
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        counts = [zero, zero] + ([zero, zero] if fp16_range else [zero] if checksum else [])
+        return counts, torch.full((3,), 0.0, dtype=wide, device=device).index_fill_(
+            0, torch.tensor([0], device=device), math.inf
+        ).index_fill_(0, torch.tensor([1], device=device), -math.inf)
+    x = _values(t)
+    nan = x.isnan()
+    inf = x.isinf()
+    finite = ~(nan | inf)
+    counts = [nan.sum(), inf.sum()]
+    low = torch.where(finite, x, math.inf).amin()
+    high = torch.where(finite, x, -math.inf).amax()
+    magnitude = torch.where(finite, x.abs(), 0.0)
+    largest = magnitude.amax().to(wide)
+    scale = torch.where(largest > 0, largest, 1.0)
+    scaled = magnitude.to(wide) / scale
+    if wide == torch.float64:
+        # The kernels' sum of squares, whose square of a float64 value past 1e154 is inf, as torch's.
+        norm = ((scaled * scaled).sum() * scale * scale).sqrt()
+    else:  # float32 (no float64 here): the root before the scale, so only a norm past 3.4e38 is inf
+        norm = torch.where(scale.isinf(), math.inf, (scaled * scaled).sum().sqrt() * scale)
+    if fp16_range:
+        counts.append((magnitude > _HALF_MAX).sum())
+        counts.append(((magnitude < _HALF_SMALLEST_SUBNORMAL) & (magnitude > 0)).sum())
+    elif checksum:
+        counts.append(replica_checksum(t))
+    return counts, torch.stack([low.to(wide), high.to(wide), norm])
+
+
+def replica_checksum(t: torch.Tensor) -> torch.Tensor:
+    """The replica checksum of scan_rules.h, int64 [] in [0, 2^32): the tensor's bytes in checksum
+    order (memory order for a tensor dense in some order of its dimensions, else row-major) cut into
+    little-endian 32-bit words, the last zero-padded; word q adds murmur3's finalizer of word ^
+    salt(q), modulo 2^32. In int64 arithmetic, whose products wrap modulo 2^64 and so keep the low 32
+    bits that uint32 arithmetic keeps."""
+    data = _checksum_order(t).view(torch.uint8)
+    padding = (-data.numel()) % 4
+    if padding:
+        data = torch.cat([data, torch.zeros(padding, dtype=torch.uint8, device=data.device)])
+    b = data.view(-1, 4).to(torch.int64)
+    words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+    q = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
+    salt = ((q & _WORD) * _SALT_LOW + (q >> 32) * _SALT_HIGH) & _WORD
+    x = words ^ salt
+    x = x ^ (x >> 16)
+    x = (x * _MIX_1) & _WORD
+    x = x ^ (x >> 13)
+    x = (x * _MIX_2) & _WORD
+    x = x ^ (x >> 16)
+    return x.sum() & _WORD
+
+
+def _checksum_order(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a contiguous 1-D tensor in checksum order (no copy for a dense one)."""
+    if t.dim() > 1 and not t.is_contiguous():
+        strides = t.stride()
+        order = sorted(range(t.dim()), key=lambda d: -strides[d])
+        permuted = t.permute(order)
+        if permuted.is_contiguous():  # dense in memory: its memory order
+            return _unit_stride(permuted.reshape(-1))
+    return _unit_stride(t.contiguous().reshape(-1))
+
+
+def _unit_stride(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` with stride 1, which a byte view needs: torch counts a one-element tensor of any stride
+    as contiguous and leaves it so."""
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        return torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
+    return flat
+
+
+def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """``nanscan::scale_`` in ATen ops: every tensor multiplied in place by ``coef`` (torch's multiply).
+    A factor of 1 is multiplied too (x * 1 == x for every value): skipping it would need its value on
+    the host, a sync."""
+    _check_writable_list(tensors, "nanscan.scale_")
+    torch._check(coef.numel() == 1, lambda: f"nanscan.scale_: coef must have one element, got shape {list(coef.shape)}")
+    if not tensors:
+        return
+    torch._check(
+        coef.device == tensors[0].device,
+        lambda: f"nanscan.scale_: coef is on {coef.device} but the tensors are on {tensors[0].device}",
+    )
+    with torch.no_grad():
+        torch._foreach_mul_(list(tensors), coef.reshape(()))
+
+
+def unscale_scan_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> ScanOutputs:
+    """``nanscan::unscale_scan_`` in ATen ops: each tensor multiplied by ``inv_scale`` in place (the
+    GradScaler's unscale, torch's arithmetic), then scanned."""
+    _check_writable_list(tensors, "nanscan.unscale_scan_")
+    torch._check(len(tensors) > 0, lambda: "nanscan.unscale_scan_: expected at least one tensor")
+    torch._check(
+        inv_scale.numel() == 1 and inv_scale.dtype == torch.float32,
+        lambda: (
+            "nanscan.unscale_scan_: inv_scale must be a one-element float32 tensor (as GradScaler makes it), "
+            f"got {inv_scale.dtype} of shape {list(inv_scale.shape)}"
+        ),
+    )
+    torch._check(
+        inv_scale.device == tensors[0].device,
+        lambda: f"nanscan.unscale_scan_: inv_scale is on {inv_scale.device} but the tensors are on {tensors[0].device}",
+    )
+    with torch.no_grad():
+        torch._foreach_mul_(list(tensors), inv_scale.reshape(()))
+    return scan(tensors)
+
+
+_DIFFERENCE = "nanscan.scan_difference"
+
+
+def check_difference_pairs(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> None:
+    """scan_difference's pairs, as the kernel checks them (csrc/op_args.cpp, check_difference_pairs),
+    for the fake kernel and the composite."""
+    torch._check(len(before) > 0, lambda: f"{_DIFFERENCE}: expected at least one tensor")
+    torch._check(
+        len(before) == len(after),
+        lambda: f"{_DIFFERENCE}: before holds {len(before)} tensors and after {len(after)}; one before per after",
+    )
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        torch._check(
+            b.dtype in (torch.float32, torch.float64),
+            lambda i=i, b=b: (
+                f"{_DIFFERENCE}: before[{i}] has dtype {b.dtype}; the differences are kept in float32 or float64"
+            ),
+        )
+        torch._check(
+            b.dtype == torch.float64 or a.dtype != torch.float64,
+            lambda i=i: (
+                f"{_DIFFERENCE}: after[{i}] is float64 but before[{i}] is float32: keep a float64 tensor's "
+                "copy in float64"
+            ),
+        )
+        torch._check(
+            b.shape == a.shape,
+            lambda i=i, b=b, a=a: (
+                f"{_DIFFERENCE}: before[{i}] has shape {list(b.shape)} but after[{i}] has shape {list(a.shape)}"
+            ),
+        )
+
+
+def scan_difference(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> ScanOutputs:
+    """``nanscan::scan_difference`` in ATen ops: the differences by torch's own subtraction (in
+    before's dtype: after's is no wider), then one scan of them and the afters. It allocates the
+    differences, which the CPU kernel never writes."""
+    check_difference_pairs(before, after)
+    with torch.no_grad():
+        # torch promotes nothing with float8; its values convert to before's dtype exactly.
+        subtrahends = [a.to(b.dtype) if a.dtype in _FLOAT8 else a for b, a in zip(before, after, strict=True)]
+        differences = torch._foreach_sub(list(before), subtrahends)
+        outputs: ScanOutputs = torch.ops.nanscan.scan.default(list(differences) + list(after))
+    return outputs
+
+
+def _check_list(tensors: Sequence[torch.Tensor], op: str) -> None:
+    """What the kernels check of a list, with their words: at least one tensor, each strided, on the
+    first one's device, of a supported dtype."""
+    torch._check(len(tensors) > 0, lambda: f"{op}: expected at least one tensor")
+    device = tensors[0].device
+    for i, t in enumerate(tensors):
+        torch._check(
+            t.layout == torch.strided,
+            lambda i=i, t=t: f"{op}: tensors[{i}] has layout {t.layout}; only dense (strided) tensors can be scanned",
+        )
+        torch._check(
+            t.device == device,
+            lambda i=i, t=t: (
+                f"{op}: tensors[{i}] is on {t.device} but tensors[0] is on {device}; call once per "
+                "device (nanscan.scan groups by device for you)"
+            ),
+        )
+        torch._check(
+            t.dtype.is_floating_point and t.dtype not in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
+            lambda i=i, t=t: (
+                f"{op}: tensors[{i}] has dtype {t.dtype}; supported: float32, float64, float16, "
+                "bfloat16, float8_e4m3fn, float8_e5m2"
+            ),
+        )
+
+
+def _check_writable_list(tensors: Sequence[torch.Tensor], op: str) -> None:
+    if not tensors:
+        return
+    _check_list(tensors, op)
+    for i, t in enumerate(tensors):
+        torch._check(
+            t.dtype not in _FLOAT8,
+            lambda i=i: f"{op}: tensors[{i}] is float8; torch cannot multiply float8 tensors either",
+        )
