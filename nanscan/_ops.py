@@ -184,12 +184,18 @@ _LIBRARY.impl(
 )
 
 
+# The ops in ATen ops (nanscan.composite; record_'s composite is C++, in csrc/ops.cpp), by op name.
+COMPOSITES: dict[str, Callable[..., Any]] = {
+    "scan": composite.scan,
+    "scan_difference": composite.scan_difference,
+    "scale_": composite.scale_,
+    "unscale_scan_": composite.unscale_scan_,
+}
+
 # Every device without a kernel of its own (not the CPU, not CUDA: MPS, XPU, an out-of-tree backend)
-# runs the ops in ATen ops (nanscan.composite; record_'s composite is C++, in csrc/ops.cpp).
-_LIBRARY.impl("scan", composite.scan, "CompositeExplicitAutograd")
-_LIBRARY.impl("scan_difference", composite.scan_difference, "CompositeExplicitAutograd")
-_LIBRARY.impl("scale_", composite.scale_, "CompositeExplicitAutograd")
-_LIBRARY.impl("unscale_scan_", composite.unscale_scan_, "CompositeExplicitAutograd")
+# runs the composites.
+for _name, _composite in COMPOSITES.items():
+    _LIBRARY.impl(_name, _composite, "CompositeExplicitAutograd")
 
 
 def _built_without_cuda(*args: Any) -> Any:
@@ -203,13 +209,24 @@ def _built_without_cuda(*args: Any) -> Any:
     )
 
 
+def register_cuda_key(library: torch.library.Library, hip: str | None) -> None:
+    """What answers for "cuda" tensors when no CUDA library of nanscan's is loaded. On a ROCm torch
+    (``hip``: its HIP version), whose AMD GPUs are "cuda" devices, the composites: nanscan has no HIP
+    kernel (docs/dev/devices.md says what one would need), and the composite's answers are the
+    kernels'. Otherwise (a CPU-only build, NANSCAN_CPU_ONLY=1, a wheel without this CUDA major) a
+    stand-in that says why it cannot read them and how to install the library: otherwise the first
+    CUDA call fails with the dispatcher's "Could not run 'nanscan::scan' with arguments from the
+    'CUDA' backend", which names neither cause nor fix; and a GPU run on the composite would be
+    several times slower without saying so."""
+    for name, implementation in COMPOSITES.items():
+        if hip is not None:
+            library.impl(name, implementation, "CUDA")
+        elif name != "scan_difference":  # its composite calls scan, whose stand-in answers
+            library.impl(name, _built_without_cuda, "CUDA")
+
+
 if cuda_library is None:
-    # An install without the CUDA library of torch's CUDA (a CPU-only build, NANSCAN_CPU_ONLY=1, or a
-    # wheel without that major) still answers for CUDA tensors, and says why it cannot: otherwise the
-    # first CUDA call fails with the dispatcher's "Could not run 'nanscan::scan' with arguments from
-    # the 'CUDA' backend", which names neither cause nor fix.
-    for _name in ("scan", "scale_", "unscale_scan_"):
-        _LIBRARY.impl(_name, _built_without_cuda, "CUDA")
+    register_cuda_key(_LIBRARY, torch.version.hip)
 
 
 _Fake = TypeVar("_Fake", bound=Callable[..., Any])

@@ -608,8 +608,12 @@ class Recorder:
                 event = torch.cuda.Event()
                 event.record(stream)
             self._pending = (ring, host, event)
-        else:
+        elif ring.device.type == "cpu":
             self._pending = (ring, ring.storage, None)  # the host's own memory: read it in place
+        else:
+            # Another device (MPS, XPU, ...): one copy of the buffer to the host, a sync at each read,
+            # rather than the many small ones of reading it where it is.
+            self._pending = (ring, ring.storage.cpu(), None)
         if wait or ring.device.type != "cuda":
             self._drain(wait=True)
 

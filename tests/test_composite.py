@@ -236,3 +236,26 @@ def test_the_composite_is_what_other_devices_dispatch_to() -> None:
         table = torch._C._dispatch_dump(f"nanscan::{op}")
         assert "CompositeExplicitAutograd[alias]: registered at" in table and "nanscan/_ops.py" in table, table
         assert "CPU: registered at" in table
+
+
+class RecordedLibrary:
+    """Stands in for a torch.library.Library: records what would be registered."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[str, Any, str]] = []
+
+    def impl(self, name: str, implementation: Any, key: str) -> None:
+        self.registered.append((name, implementation, key))
+
+
+def test_a_rocm_torch_runs_the_composites_on_its_gpus_and_a_cuda_torch_is_told_to_install() -> None:
+    """AMD GPUs are "cuda" devices of a ROCm torch, for which nanscan builds no library: the CUDA key
+    gets the composites there; a CUDA torch without nanscan's CUDA library gets the stand-in that
+    says how to install it (tests/test_ops.py runs it)."""
+    from nanscan import _ops
+
+    rocm, cuda = RecordedLibrary(), RecordedLibrary()
+    _ops.register_cuda_key(rocm, "6.3.42131")  # type: ignore[arg-type]
+    _ops.register_cuda_key(cuda, None)  # type: ignore[arg-type]
+    assert rocm.registered == [(name, fn, "CUDA") for name, fn in _ops.COMPOSITES.items()]
+    assert cuda.registered == [(name, _ops._built_without_cuda, "CUDA") for name in ("scan", "scale_", "unscale_scan_")]
