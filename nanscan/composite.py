@@ -3,22 +3,24 @@ accelerator), with the kernels' semantics (csrc/common/scan_rules.h) and their o
 
 nanscan's fused kernels are CPU and CUDA code. On any other device the dispatcher sends ``scan``,
 ``scale_``, ``unscale_scan_`` and ``scan_difference`` here (nanscan._ops registers these functions
-for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen kernels per tensor instead of one pass over the list: slower than a
-fused kernel (the README gives the measured factor), never a different answer:
+for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen
+kernels per tensor instead of one pass over the list: slower than a fused kernel (the README gives
+the measured factor), never a different answer:
 
-* NaN and Inf are counted by ``isnan``/``isinf``, never inferred from a sum: a tensor of ``1e20`` is
+* NaN and Inf are counted by classifying each element (``isnan``, and ``x - x``, which is NaN for a
+  NaN and both Infs and 0 for every finite x), never inferred from a sum: a tensor of ``1e20`` is
   finite and its norm ``1e21``.
-* min and max are of the finite values (``+inf``/``-inf`` when there are none), by masked reductions:
-  where a NaN sits changes nothing.
+* min and max are of the finite values (``+inf``/``-inf`` when there are none): every NaN/Inf is
+  replaced by the tensor's first finite element, then one ``aminmax``; where a NaN sits changes
+  nothing.
 * The norm is the kernels' (and torch's: NaN if any NaN, else inf if any Inf). Each tensor's finite
-  values are divided by their largest magnitude (exact where it is a power of two, within one
-  rounding of each value otherwise) and their squares summed in float64, then multiplied back by
-  that magnitude squared: so tiny gradients (1e-20: squares below float32's range) and huge ones
-  keep their norm, and a float64 tensor whose squares overflow float64 gets ``inf``, as the kernels
-  and torch give it. On a device without float64 (MPS) the sum is float32's, and the root is taken
-  before the magnitude is multiplied back (so only a norm past float32's 3.4e38 is inf): each square
-  is in [0, 1] and the sum's relative error at most about n * 2^-24 for n elements (torch's own
-  reductions sum in a tree, far better in practice); the statistics and totals are float32 there.
+  values are divided by a power of two near their largest magnitude, their squares summed in float32
+  over runs of 4096 and the runs combined in float64, as the kernels do, then the root multiplied
+  back: so tiny gradients (1e-20: squares below float32's range) and huge ones (1e20: squares past
+  it) keep their norm. float64 values have their squares summed in float64, so a tensor whose squares
+  overflow float64 gets inf, as from the kernels and torch. On a device without float64 (MPS) the
+  runs are combined in float32: relative error at most about (runs + 4096) * 2^-24 (torch's own
+  reductions sum in a tree, far better in practice), and the statistics and totals are float32.
 * The fp16-range counts, the replica checksum and the total norm's dtype follow the same rules as the
   kernels (``count_half_range``, ``replica_term``, ``norm_dtype_of``).
 
@@ -99,6 +101,32 @@ def _combined(norms: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     return ((norms / scale) ** 2).sum().sqrt() * scale
 
 
+_RUN = 4096
+"""Squares summed in float32 per run of this many, then the runs combined in float64: the kernels' runs."""
+
+
+def _norm(values: torch.Tensor, largest: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """The L2 norm of finite ``values`` (float32 or float64) whose largest magnitude is ``largest``
+    (of the same dtype): the values over a power of two near it (an exact division where exp2 is
+    exact, as it is for integers on every backend we know of; within one rounding otherwise), their
+    squares summed (in float32 runs combined in ``wide`` for float32 values; in float64 for float64
+    ones), the root, the power of two multiplied back. Tiny and huge values keep their norm; a float64
+    tensor whose squares overflow float64 gets inf, as from the kernels and torch."""
+    # largest = m * 2^e with m in [0.5, 1): the values over 2^(e-1) lie within [-2, 2], and 2^(e-1)
+    # is finite for every finite largest (where 2^e would not be for float32's largest values).
+    _, exponent = torch.frexp(largest)
+    scale = torch.exp2((exponent - 1).to(values.dtype))
+    if values.dtype == torch.float64:
+        scaled = values / scale
+        return torch.where(largest.isinf(), math.inf, ((scaled * scaled).sum() * scale * scale).sqrt())
+    scaled = values / scale
+    squares = scaled * scaled
+    whole = squares.numel() - squares.numel() % _RUN
+    runs = torch.cat([squares[:whole].view(-1, _RUN).sum(dim=1), squares[whole:].sum().reshape(1)])
+    norm = runs.to(wide).sum().sqrt() * scale.to(wide)
+    return torch.where(largest.isinf(), math.inf, norm)
+
+
 def _tensor(
     t: torch.Tensor, wide: torch.dtype, fp16_range: bool, checksum: bool
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -112,24 +140,25 @@ def _tensor(
             0, torch.tensor([0], device=device), math.inf
         ).index_fill_(0, torch.tensor([1], device=device), -math.inf)
     x = _values(t)
-    nan = x.isnan()
-    inf = x.isinf()
-    finite = ~(nan | inf)
-    counts = [nan.sum(), inf.sum()]
-    low = torch.where(finite, x, math.inf).amin()
-    high = torch.where(finite, x, -math.inf).amax()
-    magnitude = torch.where(finite, x.abs(), 0.0)
-    largest = magnitude.amax().to(wide)
-    scale = torch.where(largest > 0, largest, 1.0)
-    scaled = magnitude.to(wide) / scale
-    if wide == torch.float64:
-        # The kernels' sum of squares, whose square of a float64 value past 1e154 is inf, as torch's.
-        norm = ((scaled * scaled).sum() * scale * scale).sqrt()
-    else:  # float32 (no float64 here): the root before the scale, so only a norm past 3.4e38 is inf
-        norm = torch.where(scale.isinf(), math.inf, (scaled * scaled).sum().sqrt() * scale)
+    nonfinite = (x - x).isnan()  # x - x: 0 for a finite x, NaN for a NaN and for either Inf
+    nan = torch.count_nonzero(x.isnan())
+    bad = torch.count_nonzero(nonfinite)
+    counts = [nan, bad - nan]
+    # Every NaN/Inf stands in for by the tensor's first finite element: one pass then gives the finite
+    # extrema, and a sum of squares that only matters when there is no NaN/Inf (else the norm is NaN
+    # or inf by the counts).
+    # index_select with a device index, not x[index]: indexing by a 0-dim tensor may read it on the host.
+    fill = x.index_select(0, torch.argmin(nonfinite.view(torch.uint8)).reshape(1)).reshape(())
+    masked = torch.where(nonfinite, fill, x)
+    low, high = torch.aminmax(masked)
+    none_finite = bad == x.numel()
+    low = torch.where(none_finite, math.inf, low)
+    high = torch.where(none_finite, -math.inf, high)
+    norm = _norm(masked, torch.maximum(low.abs(), high.abs()), wide)
     if fp16_range:
-        counts.append((magnitude > _HALF_MAX).sum())
-        counts.append(((magnitude < _HALF_SMALLEST_SUBNORMAL) & (magnitude > 0)).sum())
+        magnitude = x.abs()  # NaN compares false, and Inf is kept out by < inf
+        counts.append(torch.count_nonzero((magnitude > _HALF_MAX) & (magnitude < math.inf)))
+        counts.append(torch.count_nonzero((magnitude < _HALF_SMALLEST_SUBNORMAL) & (magnitude > 0)))
     elif checksum:
         counts.append(replica_checksum(t))
     return counts, torch.stack([low.to(wide), high.to(wide), norm])
