@@ -73,7 +73,7 @@ def scan(tensors: Sequence[torch.Tensor], fp16_range: bool = False, checksum: bo
     device = tensors[0].device
     wide = wide_dtype(device)
     rows: list[list[torch.Tensor]] = []  # per tensor: nan, inf, [overflow, underflow | checksum]
-    stats: list[torch.Tensor] = []  # per tensor: [min, max, sumsq], in wide
+    stats: list[torch.Tensor] = []  # per tensor: [min, max, norm of the finite values], in wide
     with torch.no_grad():
         for t in tensors:
             tensor_counts, tensor_figures = _tensor(t, wide, fp16_range, checksum)
@@ -136,15 +136,15 @@ def _tensor(
     if t.numel() == 0:
         zero = torch.zeros((), dtype=torch.int64, device=device)
         counts = [zero, zero] + ([zero, zero] if fp16_range else [zero] if checksum else [])
-        return counts, torch.full((3,), 0.0, dtype=wide, device=device).index_fill_(
-            0, torch.tensor([0], device=device), math.inf
-        ).index_fill_(0, torch.tensor([1], device=device), -math.inf)
+        # Fills, not torch.tensor([...], device=...): a copy from pageable host memory would sync.
+        extremes = [torch.full((1,), value, dtype=wide, device=device) for value in (math.inf, -math.inf, 0.0)]
+        return counts, torch.cat(extremes)
     x = _values(t)
     nonfinite = (x - x).isnan()  # x - x: 0 for a finite x, NaN for a NaN and for either Inf
     nan = torch.count_nonzero(x.isnan())
     bad = torch.count_nonzero(nonfinite)
     counts = [nan, bad - nan]
-    # Every NaN/Inf stands in for by the tensor's first finite element: one pass then gives the finite
+    # Every NaN/Inf is stood in for by the tensor's first finite element: one pass then gives the finite
     # extrema, and a sum of squares that only matters when there is no NaN/Inf (else the norm is NaN
     # or inf by the counts).
     # index_select with a device index, not x[index]: indexing by a 0-dim tensor may read it on the host.

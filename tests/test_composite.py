@@ -20,7 +20,16 @@ from nanscan import composite
 from nanscan._ops import scale_op, scan_op, unscale_scan_op
 from nanscan.records import StepRecord
 
-from conftest import FLOAT_DTYPES, FP8_DTYPES, assert_matches_reference, composite_on_cpu, plant, random_tensor
+from conftest import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    assert_matches_reference,
+    composite_on_cpu,
+    needs_cuda,
+    plant,
+    random_tensor,
+    syncs_refused,
+)
 
 
 def real_values() -> list[torch.Tensor]:
@@ -259,3 +268,30 @@ def test_a_rocm_torch_runs_the_composites_on_its_gpus_and_a_cuda_torch_is_told_t
     _ops.register_cuda_key(cuda, None)  # type: ignore[arg-type]
     assert rocm.registered == [(name, fn, "CUDA") for name, fn in _ops.COMPOSITES.items()]
     assert cuda.registered == [(name, _ops._built_without_cuda, "CUDA") for name in ("scan", "scale_", "unscale_scan_")]
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_composite_makes_no_sync_and_captures_in_a_graph() -> None:
+    """On a GPU the composite runs as any device's would: no host sync, and capturable in a graph
+    (the property XPU graphs and CUDA graphs need); its answer is the CUDA kernel's."""
+    torch.manual_seed(0)
+    tensors = [t.cuda() for t in real_values() if t.numel()]
+    composite.scan(tensors)  # warm the caching allocator and the kernels before the checks
+    torch.cuda.synchronize()
+    with syncs_refused():
+        ours = composite.scan(tensors, True, False)
+    kernel = scan_op(tensors, True, False)
+    assert torch.equal(ours[0], kernel[0]) and torch.equal(ours[1][:2], kernel[1][:2])
+    torch.testing.assert_close(ours[1][2], kernel[1][2], rtol=1e-6, atol=0, equal_nan=True)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        composite.scan(tensors)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = composite.scan(tensors)
+    tensors[0].fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured[0][0, 0].item() == tensors[0].numel()
