@@ -295,3 +295,25 @@ def test_cuda_composite_makes_no_sync_and_captures_in_a_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert captured[0][0, 0].item() == tensors[0].numel()
+
+
+def test_a_privateuse1_device_runs_every_op_through_the_dispatchers_composite() -> None:
+    """A device with no hardware behind it (torch's PrivateUse1 as a Python backend, "stand"): the
+    dispatcher sends nanscan's ops to their composites, and each answers as the CPU kernel does
+    (tests/stand_device.py; a process of its own, since renaming PrivateUse1 lasts a process)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "stand_device.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "stand device: every op answered as the CPU kernel" in done.stdout
+    for op in ("scan_difference", "record_", "unscale_scan_ (values)", "nanscan.scan"):
+        assert f"ok {op}" in done.stdout, done.stdout
