@@ -49,7 +49,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .layers import Group, group_layers, group_norms, group_reduce, layer_name
-from .records import FP16_MAX, StepRecord, UpdateRecord, iter_jsonl, ranks_label
+from .records import FP16_MAX, StepRecord, UpdateRecord, iter_jsonl, ranks_label, spike_mask
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -193,7 +193,7 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         norm = np.asarray(record.norm, dtype=np.float64)
         nan = (np.asarray(record.nan_count) > 0) | np.isnan(norm)
         inf = ((np.asarray(record.inf_count) > 0) | np.isinf(norm)) & ~nan
-        spike = np.asarray(record.spike_ratio, dtype=np.float64) >= record.spike_factor
+        spike = spike_mask(np.asarray(record.spike_ratio, dtype=np.float64), record.spike_factor)
         if first is None and (not record.finite or nan.any() or inf.any()):
             first = (len(steps), record.nonfinite)
             first_ranks = record.nonfinite_ranks
@@ -258,7 +258,7 @@ def _updates(columns: list[tuple[int, UpdateRecord]], records: int) -> Updates |
         update_norm[rows, j] = figures.update_norm
         weight_norm[rows, j] = figures.weight_norm
         multiple = np.asarray(figures.spike_ratio, dtype=np.float64)
-        spike[rows, j] = (multiple >= figures.spike_factor) & (multiple != np.inf)
+        spike[rows, j] = spike_mask(multiple, figures.spike_factor)
         measured[j] = True
     return Updates(list(row), update_norm, weight_norm, spike, measured)
 
@@ -524,11 +524,7 @@ def _draw_activations(
     bar.ax.axhline(limit, color=OVER_FP16_COLOR, linewidth=1.6)
     bar.set_label("log10 activation amax (orange line: fp16's 65504)", fontsize=8)
     bar.ax.tick_params(labelsize=7)
-    height_points = ax.get_position().height * figure.get_figheight() * 72
-    every = max(1, math.ceil(rows_total * LABEL_FONT * 1.3 / height_points))
-    rows = range(0, rows_total, every)
-    ax.set_yticks(list(rows), [_module_label(modules[r]) for r in rows], fontsize=LABEL_FONT)
-    ax.tick_params(axis="x", labelbottom=False)
+    every = _label_rows_every(figure, ax, [_module_label(m) for m in modules])
     sampled = int(np.isfinite(acts.amax).any(axis=0).sum())
     lines = [
         "module outputs"
@@ -616,11 +612,7 @@ def _draw_updates(figure: Figure, ax: Axes, colorbar_axes: Axes, updates: Update
         bar.ax.axhline(-3, color=UPDATE_SPIKE_COLOR, linewidth=1.4)
     bar.set_label("log10 ‖Δw‖/‖w‖" + (" (green line: 1e-3)" if low <= -3 <= high else ""), fontsize=8)
     bar.ax.tick_params(labelsize=7)
-    height_points = ax.get_position().height * figure.get_figheight() * 72
-    every = max(1, math.ceil(rows_total * LABEL_FONT * 1.3 / height_points))
-    labelled = range(0, rows_total, every)
-    ax.set_yticks(list(labelled), [_row_label(groups[r]) for r in labelled], fontsize=LABEL_FONT)
-    ax.tick_params(axis="x", labelbottom=False)
+    every = _label_rows_every(figure, ax, [_row_label(group) for group in groups])
     measured = int(updates.measured.sum())
     lines = ["update ratio" + (" (layers)" if rows_total < len(updates.names) else "")]
     if every > 1:
@@ -766,13 +758,20 @@ def _block_key(name: str) -> str:
     return ".".join(parts[: numbered + 1]) if numbered is not None else layer_name(name)
 
 
-def _label_rows(figure: Figure, ax: Axes, grid: Grid) -> None:
-    """Row labels, every k-th one where all would overlap."""
+def _label_rows_every(figure: Figure, ax: Axes, labels: Sequence[str]) -> int:
+    """A heatmap's row labels, every k-th one where all would overlap (k returned); no step labels
+    (the panels share the totals' step axis)."""
     height_points = ax.get_position().height * figure.get_figheight() * 72
-    every = max(1, math.ceil(len(grid.groups) * LABEL_FONT * 1.3 / height_points))
-    rows = range(0, len(grid.groups), every)
-    ax.set_yticks(list(rows), [_row_label(grid.groups[row]) for row in rows], fontsize=LABEL_FONT)
+    every = max(1, math.ceil(len(labels) * LABEL_FONT * 1.3 / height_points))
+    rows = range(0, len(labels), every)
+    ax.set_yticks(list(rows), [labels[row] for row in rows], fontsize=LABEL_FONT)
     ax.tick_params(axis="x", labelbottom=False)
+    return every
+
+
+def _label_rows(figure: Figure, ax: Axes, grid: Grid) -> None:
+    """The gradient heatmap's row labels, and what a row is."""
+    every = _label_rows_every(figure, ax, [_row_label(group) for group in grid.groups])
     grouped = any(len(group.members) > 1 for group in grid.groups)
     noun = "layer (norm of its parameters together)" if grouped else "parameter"
     ax.set_ylabel(noun + (f", 1 in {every} labelled" if every > 1 else ""), fontsize=8)

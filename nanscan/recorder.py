@@ -102,7 +102,7 @@ import torch.distributed as dist
 from ._ops import RECORD_SOURCE_DTYPES, record_op
 from .activations import ActivationWatch
 from .layouts.reduce import Attribution
-from .records import ActivationRecord, StepRecord, UpdateRecord
+from .records import ActivationRecord, StepRecord, UpdateRecord, spike_mask
 from .report import Report
 from .sinks import Sink
 from .updates import UpdateWatch
@@ -653,7 +653,7 @@ class Recorder:
             columns = block[:, len(_PARAM_ROWS) * n : ring.step_columns_end].tolist()
             activations = _Activations(ring, block)
             updates = _Updates(ring, block, self)
-            spiked = ((ratios >= self.spike_factor) & (ratios != math.inf)).any(dim=1).tolist()
+            spiked = spike_mask(ratios, self.spike_factor).any(dim=1).tolist()
             ranks = _Ranks(ring, attribution, slots, params)
             for k, step in enumerate(range(first, end)):
                 record = _record(

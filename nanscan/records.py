@@ -109,15 +109,7 @@ class ActivationRecord:
 
     @classmethod
     def from_json(cls, value: object, modules: Sequence[str]) -> ActivationRecord:
-        if type(value) is not dict:
-            raise ValueError(f"activations is {value!r:.60}, not an object")
-        try:
-            columns = {key: _decode_list(value[key], f"activations.{key}") for key in PER_MODULE}
-        except KeyError as missing:
-            raise ValueError(f"activations without its field {missing}") from None
-        if any(len(values) != len(modules) for values in columns.values()):
-            lengths = sorted({len(values) for values in columns.values()})
-            raise ValueError(f"activations of {lengths} values where its layout has {len(modules)} modules")
+        columns = _decode_columns(value, "activations", PER_MODULE, len(modules), "modules")
         return cls(
             modules=modules,
             amax=[float(v) for v in columns["amax"]],
@@ -157,11 +149,7 @@ class UpdateRecord:
     @property
     def spikes(self) -> dict[str, float]:
         """Parameters whose ratio reached ``spike_factor`` times its running median: name -> that multiple."""
-        return {
-            name: multiple
-            for name, multiple in zip(self.names, self.spike_ratio, strict=True)
-            if multiple >= self.spike_factor and multiple != math.inf
-        }
+        return spikes_of(self.names, self.spike_ratio, self.spike_factor)
 
     @property
     def nonfinite(self) -> list[str]:
@@ -180,17 +168,47 @@ class UpdateRecord:
 
     @classmethod
     def from_json(cls, value: object, names: Sequence[str], spike_factor: float) -> UpdateRecord:
-        if type(value) is not dict:
-            raise ValueError(f"updates is {value!r:.60}, not an object")
-        try:
-            steps = _decode_int(value["steps"], "updates.steps")
-            columns = {key: _decode_list(value[key], f"updates.{key}") for key in PER_UPDATE}
-        except KeyError as missing:
-            raise ValueError(f"updates without its field {missing}") from None
-        if any(len(values) != len(names) for values in columns.values()):
-            lengths = sorted({len(values) for values in columns.values()})
-            raise ValueError(f"updates of {lengths} values where its layout has {len(names)} update names")
+        columns = _decode_columns(value, "updates", ("steps", *PER_UPDATE), len(names), "update names")
+        steps = columns.pop("steps")
         return cls(names=names, steps=steps, spike_factor=spike_factor, **columns)
+
+
+def spike_mask(multiples: Any, spike_factor: float) -> Any:
+    """``spikes_of``'s rule on a whole array (numpy or torch) of multiples at once: a bool array."""
+    return (multiples >= spike_factor) & (multiples != math.inf)
+
+
+def spikes_of(names: Sequence[str], multiples: Sequence[float], spike_factor: float) -> dict[str, float]:
+    """The spike rule, of gradient norms and of update ratios alike: each name whose value reached
+    ``spike_factor`` times its running median (``multiples``), with that multiple. NaN (no history)
+    compares False; an infinite multiple is a non-finite value, which the counts report, not a spike."""
+    return {
+        name: multiple
+        for name, multiple in zip(names, multiples, strict=True)
+        if multiple >= spike_factor and multiple != math.inf
+    }
+
+
+def _decode_columns(value: object, field: str, keys: Sequence[str], count: int, counted: str) -> dict[str, Any]:
+    """A step line's object of per-name arrays (``activations``, ``updates``): each of ``keys``
+    decoded (``steps``: an integer; the others arrays of ``count`` numbers), or a ValueError that
+    says what is wrong."""
+    if type(value) is not dict:
+        raise ValueError(f"{field} is {value!r:.60}, not an object")
+    try:
+        columns: dict[str, Any] = {
+            key: _decode_int(value[key], f"{field}.{key}")
+            if key == "steps"
+            else _decode_list(value[key], f"{field}.{key}")
+            for key in keys
+        }
+    except KeyError as missing:
+        raise ValueError(f"{field} without its field {missing}") from None
+    arrays = [values for key, values in columns.items() if key != "steps"]
+    if any(len(values) != count for values in arrays):
+        lengths = sorted({len(values) for values in arrays})
+        raise ValueError(f"{field} of {lengths} values where its layout has {count} {counted}")
+    return columns
 
 
 def _quotient(numerator: float, denominator: float) -> float:
@@ -267,13 +285,7 @@ class StepRecord:
     @property
     def spikes(self) -> dict[str, float]:
         """Parameters whose norm reached ``spike_factor`` times its running median: name -> ratio."""
-        return {
-            name: ratio
-            for name, ratio in zip(self.names, self.spike_ratio, strict=True)
-            # NaN (no history) compares False; an infinite ratio is a non-finite norm, which the
-            # counts report, not a spike.
-            if ratio >= self.spike_factor and ratio != math.inf
-        }
+        return spikes_of(self.names, self.spike_ratio, self.spike_factor)
 
     def to_json(self, with_activations: bool = False, with_updates: bool = False) -> dict[str, Any]:
         """The step line of the JSONL schema (module notes), without the layout's names; with
