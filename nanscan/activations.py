@@ -10,7 +10,7 @@
 
 Under fp16 the values that outgrow fp16's 65504 are mostly forward activations (attention scores,
 MLP outputs, the sums in a normalisation), not gradients. This watch gives, per module, the evidence
-of how close each comes: the largest finite |value| of its outputs (``amax``), how many values
+of how close each comes: the largest finite ``|value|`` of its outputs (``amax``), how many values
 exceed 65504 (``overflow``), how many non-zero values fp16 would flush to zero (``underflow``: below
 its smallest subnormal, 2^-24), and the NaN and Inf counts. The headroom is 65504 over the amax: below
 1 the module overflows fp16, below 2 it is within a factor of two.
@@ -64,8 +64,15 @@ from .names import clean_module_names
 FP16_MAX = 65504.0
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
-# torch.compiler.disable, typed (torch leaves it unannotated): the hooks run eagerly under compile.
-_eager = cast(Callable[[_Fn], _Fn], torch.compiler.disable)
+
+
+def _eager(fn: _Fn) -> _Fn:
+    """``torch.compiler.disable``, typed (torch leaves it unannotated): the hooks run eagerly under
+    compile. Applied when a watch is made, never at import: its first call imports Dynamo (~1 s on
+    this project's CPU), which ``import nanscan`` should not cost a script that never watches."""
+    return cast(_Fn, torch.compiler.disable(fn))
+
+
 # Folded into the accumulators when this many module calls are pending (a submodule called many
 # times in one forward, a generation loop): bounds the device memory held between folds.
 _MAX_PENDING = 4096
@@ -83,7 +90,7 @@ class ModuleActivations:
             rather than values that fp16 would have to hold.
         elements: values scanned over those calls.
         nan, inf: non-finite values among them.
-        amax: the largest finite |value| (0 when none).
+        amax: the largest finite ``|value|`` (0 when none).
         overflow: finite values above fp16's 65504.
         underflow: non-zero finite values below fp16's smallest subnormal (2^-24): zeros in fp16.
         ranks: in a distributed watch, the ranks whose outputs of this module overflowed fp16 or held
@@ -105,8 +112,8 @@ class ModuleActivations:
 
     @property
     def headroom(self) -> float:
-        """65504 over the amax: how many times larger the values could grow before fp16 overflows
-        (below 1: they already do). 0 for a module whose outputs held a NaN or an Inf (nothing left:
+        """How many times larger the values could grow before fp16 overflows, 65504 over the amax
+        (below 1, they already do). 0 for a module whose outputs held a NaN or an Inf (nothing left:
         fp16's range was already exceeded, here or upstream); infinite when its outputs were all zero."""
         if not self.finite:
             return 0.0
@@ -222,12 +229,12 @@ class ActivationWatch:
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
-        self._handles.append(model.register_forward_pre_hook(self._begin))
+        self._handles.append(model.register_forward_pre_hook(_eager(self._begin)))
         # The model's own scan hook (slot 0: named_modules() yields the model first) stays; then the
         # end of the pass, registered after it so that it runs after it; always_call: a forward that
         # raises still closes the pass (else the next one would count as nested and never be scanned).
         self._handles.append(model.register_forward_hook(self._hook(0)))
-        self._handles.append(model.register_forward_hook(self._end, always_call=True))
+        self._handles.append(model.register_forward_hook(_eager(self._end), always_call=True))
         # The submodules' scan hooks. With every > 1 they are on only during a sampled forward: a hooked
         # module call takes torch's slower call path and the hook's torch.compiler.disable wrapper
         # (~2.5 us a call against ~0.8 unhooked on this project's CPU), paid by every module of every
@@ -240,7 +247,6 @@ class ActivationWatch:
 
     # ----------------------------------------------------------------------------------- hooks
 
-    @_eager
     def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         self._depth += 1
         if self._depth > 1:
@@ -252,7 +258,6 @@ class ActivationWatch:
             self._attach_module_hooks()
         self._seen.clear()
 
-    @_eager
     def _end(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self._depth -= 1
         if self._depth > 0:
