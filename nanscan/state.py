@@ -110,19 +110,26 @@ def _require_state(optimizer: torch.optim.Optimizer) -> None:
 _agreed_keys: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
+def _is_scanned_state(key: str, value: object) -> bool:
+    """The one rule for which optimizer state is scanned: every floating tensor kept per parameter
+    but the scalar step counter."""
+    return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _agreed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     """The keys of the optimizer's per-parameter state tensors (not its scalars, such as ``step``)
     that every rank scans, so that every rank reduces the same list: this rank's own in a single
     process; in a world of several, the union of every rank's, gathered once per optimizer (a host
     collective, at the first check_state), since a rank that holds no element of some parameter may
-    keep no state for it. A key that appears on a rank later is not scanned, and said so."""
+    keep no state for it. A key that appears on a rank later is not scanned, and said so. Only
+    states with elements are cut into FSDP1's parameter parts: a scalar (0-dim) one is not sharded."""
     local = tuple(
         sorted(
             {
                 key
                 for kept in optimizer.state.values()
                 for key, value in kept.items()
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+                if _is_scanned_state(key, value) and value.dim() > 0
             }
         )
     )
@@ -162,7 +169,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) ->
                 continue
             owner = names.get(id(p), f"group{g}.param{j}")
             for key, value in kept.items():
-                if key == "step" or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                if not _is_scanned_state(key, value):
                     continue
                 state_names.append(f"{owner}:{key}")
                 states.append(value)
