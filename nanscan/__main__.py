@@ -1,4 +1,5 @@
-"""Command line: ``python -m nanscan demo [options]`` and ``python -m nanscan plot RUN.jsonl [options]``."""
+"""Command line: ``python -m nanscan demo [options]``, ``python -m nanscan plot RUN.jsonl [options]`` and
+``python -m nanscan --version``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,26 @@ import sys
 
 USAGE = """\
 usage: python -m nanscan demo [--scenario train|fp16-overflow|log-zero|eval-fp16|all] [--steps N] [--fault-step K] [--width W] [--depth D] [--device DEV]
-       python -m nanscan plot RUN.jsonl [-o OUT.png] [--title T]"""
+       python -m nanscan plot RUN.jsonl [-o OUT.png] [--title T]
+       python -m nanscan --version"""
+
+
+def version_line() -> str:
+    """nanscan's version, the torch it runs in, and which of its libraries that torch loaded: what a
+    bug report needs (a CUDA torch with no CUDA library loaded runs nanscan's CUDA calls nowhere)."""
+    import torch
+
+    from . import __version__, _ops
+
+    cuda = _ops.cuda_library
+    if cuda is not None:
+        library = f"CPU and CUDA {cuda.cuda_major} (kernels for {cuda.cuda_archs})"
+    elif torch.version.cuda is not None:
+        held = ", ".join(_ops.cuda_libraries_held()) or "none"
+        library = f"CPU only (this torch is CUDA {torch.version.cuda}; CUDA libraries held: {held})"
+    else:
+        library = "CPU"
+    return f"nanscan {__version__} (torch {torch.__version__}; libraries: {library})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(version_line())
+        return 0
     # A command's module is imported when that command runs: neither pays for the other's imports.
     if argv[0] == "demo":
         from .demo import main as demo_main
