@@ -24,6 +24,6 @@ run() {
 }
 run "ruff check" ruff check --quiet .
 run "ruff format" ruff format --check --quiet .
-run "mypy (nanscan/)" mypy --no-error-summary
+run "mypy (nanscan/, examples/, the doc tools)" mypy --no-error-summary
 run "clang-format (${#cpp_files[@]} files)" clang-format --dry-run --Werror "${cpp_files[@]}"
 exit $status
