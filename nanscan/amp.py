@@ -369,7 +369,7 @@ class Advice:
         reasons: the evidence, one sentence each.
         nonfinite: the parameters whose gradient held a NaN or an Inf in an observed step, in order.
         activation_headroom: with an activation watch, the smallest headroom (65504 over the largest
-            |activation|) of the modules whose outputs stayed finite; None without a watch.
+            ``|activation|``) of the modules whose outputs stayed finite; None without a watch.
     """
 
     recommendation: str

@@ -4,7 +4,7 @@ accelerator), with the kernels' semantics (csrc/common/scan_rules.h) and their o
 nanscan's fused kernels are CPU and CUDA code. On any other device the dispatcher sends ``scan``,
 ``scale_``, ``unscale_scan_`` and ``scan_difference`` here (nanscan._ops registers these functions
 for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen
-kernels per tensor instead of one pass over the list: slower than a fused kernel (the README gives
+kernels per tensor instead of one pass over the list: slower than a fused kernel (docs/devices.md gives
 the measured factor), never a different answer:
 
 * NaN and Inf are counted by classifying each element (``isnan``, and ``x - x``, which is NaN for a

@@ -167,7 +167,7 @@ class ScanResult:
         finite: torch.Tensor,
         total_norm_cast: torch.Tensor,
     ) -> ScanResult:
-        """The result of the op's outputs (nanscan._ops: scan and unscale_scan_), in their order."""
+        """The result of the op's outputs (nanscan._ops: ``scan`` and ``unscale_scan_``), in their order."""
         half = counts.shape[0] == 4
         return cls(
             counts[0],

@@ -116,7 +116,7 @@ class TensorStats:
 
     @property
     def is_mask(self) -> bool:
-        """Looks like an additive attention mask: no NaN, and every finite element is 0 (the rest +-inf).
+        """Whether this looks like an additive attention mask (no NaN, every finite element 0, the rest +-inf).
 
         Such an input is non-finite by design, so it does not count against ``Finding.inputs_finite``.
         """
@@ -671,8 +671,8 @@ class Locator:
 
     @property
     def origin(self) -> Finding | None:
-        """The first event that turned finite inputs into non-finite outputs: the module that made the
-        bad values. Differs from ``first`` when the values went bad outside any hooked module (in a
+        """The module that made the bad values, the first event that turned finite inputs into
+        non-finite outputs. Differs from ``first`` when the values went bad outside any hooked module (in a
         container's own code between its children's calls: the origin is then the container); None when
         they came from outside the model (its inputs, or the loss)."""
         for i, outputs_finite, inputs_finite in self._flags():

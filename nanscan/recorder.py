@@ -321,7 +321,7 @@ class Recorder:
             asynchronous copy and read asynchronously: no sync), so that a job killed soon after
             still has it on disk (module notes).
         activations: a ``nanscan.watch_activations`` watch whose figures each record also keeps: per
-            module, the largest |activation|, the NaN and Inf counts and the values over fp16's
+            module, the largest ``|activation|``, the NaN and Inf counts and the values over fp16's
             65504, of the forwards it sampled since the record before (``StepRecord.activations``;
             None for a record with no sampled forward). Under torch.distributed every rank's,
             reduced (two all-reduces on the appends that follow a sampled forward; every rank must

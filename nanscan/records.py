@@ -27,7 +27,7 @@ Schema 3 (a recorder with an activation watch, ``Recorder(activations=watch)``) 
 ``"modules": [...]`` to the layout line, the watched modules' names (``""`` is the model itself),
 and to each step line ``"activations"``: null when no forward was sampled since the record before,
 else ``{"amax": [...], "nan_count": [...], "inf_count": [...], "overflow": [...]}``, per module in
-the layout's order: the largest finite |value| of its outputs and its counts of NaN, Inf and values
+the layout's order: the largest finite ``|value|`` of its outputs and its counts of NaN, Inf and values
 over fp16's 65504 over those forwards. A layout line without ``modules`` has steps without
 ``activations``.
 
@@ -79,7 +79,7 @@ class ActivationRecord:
 
     Attributes:
         modules: the module names, in the order of the lists (``""`` is the model itself).
-        amax: the largest finite |value| among the module's outputs (0 when it was not called).
+        amax: the largest finite ``|value|`` among the module's outputs (0 when it was not called).
         nan_count, inf_count: its outputs' NaN and Inf counts.
         overflow: its outputs' finite values over fp16's 65504.
     """
@@ -92,8 +92,8 @@ class ActivationRecord:
 
     @property
     def headroom(self) -> list[float]:
-        """Per module, 65504 over its amax (inf when 0): below 1 the module overflows fp16; 0 where a
-        NaN or an Inf was seen, as the watch's table gives it."""
+        """The fp16 headroom of each module, 65504 over its amax (inf when 0). Below 1 the module
+        overflows fp16; 0 where a NaN or an Inf was seen, as the watch's table gives it."""
         return [
             0.0 if nan or inf else (FP16_MAX / amax if amax > 0 else math.inf)
             for amax, nan, inf in zip(self.amax, self.nan_count, self.inf_count, strict=True)

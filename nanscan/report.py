@@ -84,7 +84,7 @@ class Report:
 
     @property
     def name_sequence(self) -> Sequence[str]:
-        """The names as the report holds them: a sequence formed lazily (``check(params)``, the
+        """The report's names as it holds them, a sequence formed lazily (``check(params)``, the
         scaler) is not made a list, so a caller that only compares layouts stays cheap."""
         return self._names
 

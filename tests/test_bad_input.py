@@ -4,7 +4,7 @@ One table (ROWS) and one test over it. Each row builds an input once; nanscan an
 counterpart each get their own faithful deep copy (``twin``). The test asserts, for both sides, the
 exact exception type (or success), a regex on the message, and whether any tensor passed in had
 changed afterwards (bit for bit). On an error nanscan must never have changed anything; torch's
-column records what torch does, asserted too, so the README table cannot drift from reality.
+column records what torch does, asserted too, so the bad-input table (docs/bad-input.md) cannot drift from reality.
 Successful rows also compare nanscan's result and gradients with torch's.
 
 Torch counterparts (the closest call for each entry point):
@@ -290,7 +290,7 @@ def call_torch(entry: Entry, case: Case) -> Any:
 @dataclass(frozen=True)
 class Row:
     id: str
-    kind: str  # the README table's row (the "input" cell) this row belongs to
+    kind: str  # the bad-input table's row (the "input" cell) this row belongs to
     entry: Entry
     build: Callable[[], Case]
     nanscan: Outcome
@@ -345,7 +345,7 @@ DIMS_65 = r"has 65 dimensions; at most 64 are supported"
 DIMS_TORCH = r"only tensors with up to 64 dims are supported"
 NO_GRAD_ATTR = r"'{}' object has no attribute 'grad'"
 
-# Kinds (the README table's rows), in its order.
+# Kinds (the bad-input table's rows), in its order.
 K_NON_TENSOR = "non-tensor entry (float, str, None) in a tensor list"
 K_NON_PARAM = "non-tensor among parameters (str, None, a module, a dict, a bad pair)"
 K_NOT_ITERABLE = "not an iterable (a number, None, a module that is not a container)"
@@ -1512,7 +1512,7 @@ def _param(row: Row) -> Any:
 
 
 def test_table_is_well_formed() -> None:
-    """Unique ids; every README row (kind) has test rows, listed in the README's order."""
+    """Unique ids; every row (kind) of docs/bad-input.md has test rows, listed in its order."""
     ids = [row.id for row in ROWS]
     assert len(ids) == len(set(ids))
     kinds_in_order = list(dict.fromkeys(row.kind for row in ROWS))

@@ -770,7 +770,7 @@ def test_clip_grad_norm_matches_torch(case: ClipCase) -> None:
         expected_norm = plain.item()
     else:
         expected_norm = float(torch.tensor(truth, dtype=torch.float64).to(plain.dtype))
-    # The documented difference (README "Drop-ins"): torch's L2 norm overflows (fp32 squares of
+    # The documented difference (docs/semantics.md, "Drop-ins"): torch's L2 norm overflows (fp32 squares of
     # |g| > 1.8e19, or a low-precision per-tensor norm rounded to inf) where the true norm, in the
     # result dtype, is finite; nanscan then returns the true norm and does not raise.
     torch_overflows = scanned and norm_type == 2.0 and math.isfinite(expected_norm) and plain.item() == math.inf
