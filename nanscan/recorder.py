@@ -564,12 +564,7 @@ class Recorder:
         where fewer than ``spike_min_history`` of them exist (slots never written hold NaN) or the
         median is 0: a ratio against it is then NaN, never a spike."""
         window = ring.norms.index_select(0, (ring.counter - ring.back).remainder(ring.capacity))
-        # The lower median of the known values (NaN sorts last), as nanmedian gives it, by a sort and
-        # a gather: plain ops, where nanmedian's indices output may meet torch's determinism checks.
-        known = (~window.isnan()).sum(dim=0)
-        middle = ((known - 1).clamp(min=0) // 2).unsqueeze(0)
-        median = window.sort(dim=0).values.gather(0, middle).squeeze(0)
-        ring.median.copy_(torch.where((known >= self.spike_min_history) & (median > 0), median, math.nan))
+        ring.median.copy_(_spike_baseline(window, self.spike_min_history))
         ring.since_median = 0
 
     def _start_layout(self, names: Sequence[str], device: torch.device, world: int | None, subject: str) -> None:
@@ -844,7 +839,7 @@ class _Updates:
             update_norm, weight_norm = columns[k, 1 : 1 + n], columns[k, 1 + n :]
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = update_norm / weight_norm
-                multiple = ratio / _lower_median(recorder._ratio_history, recorder.spike_min_history, n)
+                multiple = ratio / _ratio_baseline(recorder._ratio_history, recorder.spike_min_history, n)
             recorder._ratio_history.append(ratio)
             self.records[k] = UpdateRecord(
                 names=self.names,
@@ -859,19 +854,26 @@ class _Updates:
         return self.records.get(k)
 
 
-def _lower_median(
+def _spike_baseline(window: torch.Tensor, min_history: int) -> torch.Tensor:
+    """The one rule for what a spike is measured against, for gradient norms (on the device) and
+    update ratios (on the host): per column of ``window`` (rows are records), the lower median of the
+    known (not NaN) values, as nanmedian gives it; NaN where fewer than ``min_history`` are known, or
+    where the median is 0 (a ratio against it is then NaN, never a spike). By a sort (NaN sorts last)
+    and a gather: plain ops, where nanmedian's indices output may meet torch's determinism checks."""
+    known = (~window.isnan()).sum(dim=0)
+    middle = ((known - 1).clamp(min=0) // 2).unsqueeze(0)
+    median = window.sort(dim=0).values.gather(0, middle).squeeze(0)
+    return torch.where((known >= min_history) & (median > 0), median, math.nan)
+
+
+def _ratio_baseline(
     history: Iterable[np.ndarray[Any, np.dtype[np.float64]]], min_history: int, n: int
 ) -> np.ndarray[Any, np.dtype[np.float64]]:
-    """Per column, the lower median of the known (not NaN) values of ``history``'s rows, as the
-    gradient norms' running median takes it; NaN where fewer than ``min_history`` are known, or the
-    median is 0 (a ratio against it is then NaN, never a spike)."""
+    """``_spike_baseline`` of the update ratios of the measured steps before (rows of ``history``)."""
     rows = list(history)
-    if len(rows) < min_history:
+    if len(rows) < min_history or not rows:
         return np.full(n, np.nan)
-    window = np.sort(np.stack(rows), axis=0)  # NaN sorts last
-    known = (~np.isnan(window)).sum(axis=0)
-    median = np.take_along_axis(window, np.maximum(known - 1, 0)[None, :] // 2, axis=0)[0]
-    return np.where((known >= min_history) & (median > 0), median, np.nan)
+    return _spike_baseline(torch.from_numpy(np.stack(rows)), min_history).numpy()
 
 
 class _Column:
