@@ -172,6 +172,19 @@ def test_recorder_gets_one_record_per_step_and_feeds_the_logs(tmp_path: Path) ->
     assert not any(key.startswith("nanscan/nonfinite_rank") for e in logged for key in e)
 
 
+def test_the_last_records_reach_the_last_logs(tmp_path: Path) -> None:
+    """A recorder read every 4 steps of 6: the records of the last two reach the host only when
+    training ends; they are read out at the last step, so the Trainer's last log carries them."""
+    recorder = nanscan.Recorder(every=4, warn=False)
+    callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
+    trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[callback])
+    trainer.train()
+
+    logged = [entry for entry in trainer.state.log_history if "nanscan/total_norm" in entry]
+    assert [int(e["nanscan/step"]) for e in logged] == [3, STEPS - 1]
+    assert logged[-1]["step"] == STEPS
+
+
 def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_one: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -179,8 +192,8 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
     model = tiny_gpt2()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     records: list[nanscan.records.StepRecord] = []
-    # Read every 2 steps, and at once after the NaN step (flush_on_nonfinite): logs after records 1,
-    # 2 (the NaN step's own) and 4.
+    # Read every 2 steps, at once after the NaN step (flush_on_nonfinite) and at the last step: logs
+    # after records 1, 2 (the NaN step's own), 4 and 5.
     recorder = nanscan.Recorder(sinks=[records.append], every=2, warn=False)
     callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
     trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[Poison(), callback])
@@ -188,10 +201,10 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
 
     assert records[NAN_STEP].nonfinite_ranks == {"transformer.h.1.mlp.c_fc.weight": [0]}
     logged = [entry for entry in trainer.state.log_history if "nanscan/total_norm" in entry]
-    assert [int(e["nanscan/step"]) for e in logged] == [1, 2, 4]
+    assert [int(e["nanscan/step"]) for e in logged] == [1, 2, 4, 5]
     # The one rank's shard held the NaN, in one parameter; the logs of finite records name no rank.
     ranks = [{k: v for k, v in e.items() if k.startswith("nanscan/nonfinite_rank")} for e in logged]
-    assert ranks == [{}, {"nanscan/nonfinite_rank/0": 1.0}, {}]
+    assert ranks == [{}, {"nanscan/nonfinite_rank/0": 1.0}, {}, {}]
     assert logged[1]["nanscan/skipped"] == 1.0
 
 

@@ -23,7 +23,8 @@ GradScaler lets through is still decided by the check. Accelerate's ``optimizer_
 only knows the GradScaler's skips: the LR scheduler also advances on a step nanscan skipped.
 
 With a ``nanscan.Recorder``, the records that have reached the host (once per
-``Recorder(every=...)`` steps) are merged into the Trainer's next log: ``nanscan/total_norm``,
+``Recorder(every=...)`` steps, and at the last step, so that the last records reach the last logs)
+are merged into the Trainer's next log: ``nanscan/total_norm``,
 ``nanscan/clip_coef`` and ``nanscan/loss_scale`` of the latest record (with ``nanscan/step``, its
 record index), ``nanscan/skipped`` (steps skipped among those records) and
 ``nanscan/nonfinite_params`` (the most parameters with a NaN/Inf gradient in one of them), and in a
@@ -192,14 +193,24 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
 
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """At the last step, reads the recorders out (one sync, once), so that their last records
+        reach the Trainer's last logs (this step's, and the summary the Trainer logs after the loop)
+        rather than only the sinks at ``on_train_end``, after every log was written."""
+        if control.should_training_stop:  # set by the Trainer's flow callback at max_steps, or an early stop
+            self._flush_recorders()
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Hands the recorder's last records to its sinks."""
+        self._flush_recorders()
+        self._unwatch_steps()
+
+    def _flush_recorders(self) -> None:
         for recorder in (self.recorder, self.state_recorder):
             if recorder is not None:
                 recorder.flush()
-        self._unwatch_steps()
 
     def _global_step(self) -> int:
         """The Trainer's step (0-based) during an optimizer step: ``global_step`` is advanced after it."""
