@@ -12,12 +12,22 @@ fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 status=0
+compile() {  # compile SRC ARCH: an object and its ptxas report in $out; the exit status is nvcc's
+  "$NVCC" -c "$1" -o "$out/$(basename "$1").sm_$2.o" -std=c++17 -O3 \
+    -gencode "arch=compute_$2,code=sm_$2" --expt-relaxed-constexpr \
+    -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -v >"$out/$(basename "$1").sm_$2.log" 2>&1
+}
 for src in csrc/cuda/*.cu; do
+  # The two architectures side by side (nvcc uses one core; CI has two), then their reports in order.
+  pids=()
   for arch in 80 90; do
+    compile "$src" "$arch" &
+    pids+=("$!")
+  done
+  for i in 0 1; do
+    arch=$([ "$i" = 0 ] && echo 80 || echo 90)
     log="$out/$(basename "$src").sm_$arch.log"
-    if ! "$NVCC" -c "$src" -o "$out/$(basename "$src").sm_$arch.o" -std=c++17 -O3 \
-        -gencode "arch=compute_$arch,code=sm_$arch" --expt-relaxed-constexpr \
-        -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -v >"$log" 2>&1; then
+    if ! wait "${pids[$i]}"; then
       echo "check_cuda_build: FAILED $src for sm_$arch" >&2
       cat "$log" >&2
       status=1
