@@ -116,11 +116,10 @@ def _norm(values: torch.Tensor, largest: torch.Tensor, wide: torch.dtype) -> tor
     # is finite for every finite largest (where 2^e would not be for float32's largest values).
     _, exponent = torch.frexp(largest)
     scale = torch.exp2((exponent - 1).to(values.dtype))
-    if values.dtype == torch.float64:
-        scaled = values / scale
-        return torch.where(largest.isinf(), math.inf, ((scaled * scaled).sum() * scale * scale).sqrt())
     scaled = values / scale
     squares = scaled * scaled
+    if values.dtype == torch.float64:
+        return torch.where(largest.isinf(), math.inf, (squares.sum() * scale * scale).sqrt())
     whole = squares.numel() - squares.numel() % _RUN
     runs = torch.cat([squares[:whole].view(-1, _RUN).sum(dim=1), squares[whole:].sum().reshape(1)])
     norm = runs.to(wide).sum().sqrt() * scale.to(wide)

@@ -174,7 +174,8 @@ class UpdateRecord:
 
 
 def spike_mask(multiples: Any, spike_factor: float) -> Any:
-    """``spikes_of``'s rule on a whole array (numpy or torch) of multiples at once: a bool array."""
+    """The spike rule (see ``spikes_of``) on a multiple, or on a whole array (numpy or torch) of them at
+    once: a bool, or a bool array."""
     return (multiples >= spike_factor) & (multiples != math.inf)
 
 
@@ -183,9 +184,7 @@ def spikes_of(names: Sequence[str], multiples: Sequence[float], spike_factor: fl
     ``spike_factor`` times its running median (``multiples``), with that multiple. NaN (no history)
     compares False; an infinite multiple is a non-finite value, which the counts report, not a spike."""
     return {
-        name: multiple
-        for name, multiple in zip(names, multiples, strict=True)
-        if multiple >= spike_factor and multiple != math.inf
+        name: multiple for name, multiple in zip(names, multiples, strict=True) if spike_mask(multiple, spike_factor)
     }
 
 

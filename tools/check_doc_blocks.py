@@ -101,11 +101,10 @@ def check_page(path: Path, verbose: bool) -> list[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     env.setdefault("MPLBACKEND", "Agg")
-    bin_dir = tempfile.mkdtemp(prefix="nanscan-doc-bin-")
-    os.symlink(sys.executable, os.path.join(bin_dir, "python"))  # `python` in a block is this one
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     ran = skipped = 0
-    with tempfile.TemporaryDirectory(prefix="nanscan-doc-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="nanscan-doc-") as scratch, tempfile.TemporaryDirectory() as bin_dir:
+        os.symlink(sys.executable, os.path.join(bin_dir, "python"))  # `python` in a block is this one
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
         here = os.getcwd()
         os.chdir(scratch)
         try:
