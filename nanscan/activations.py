@@ -394,12 +394,13 @@ class ActivationWatch:
         if group is not None:
             import torch.distributed as dist
 
+            from .layouts.collectives import all_reduce
             from .layouts.reduce import group_device
 
             on_group = group_device(group)
             reduced_amax, reduced_counts = amax.to(on_group), counts.to(on_group)
-            dist.all_reduce(reduced_amax, op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(reduced_counts, op=dist.ReduceOp.SUM, group=group)
+            all_reduce(reduced_amax, dist.ReduceOp.MAX, group)
+            all_reduce(reduced_counts, dist.ReduceOp.SUM, group)
             amax, counts = reduced_amax.to(device), reduced_counts.to(device)
         return amax, counts
 
@@ -422,12 +423,13 @@ class ActivationWatch:
         Three collectives (one to check that every rank watches the same modules)."""
         import torch.distributed as dist
 
+        from .layouts.collectives import all_reduce
         from .layouts.reduce import group_device
 
         m, rank, world = len(self.names), dist.get_rank(group), dist.get_world_size(group)
         device = group_device(group)
         shape = torch.tensor([m, -m], dtype=torch.float64, device=device)
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(shape, dist.ReduceOp.MAX, group)
         if int(shape[0]) != m or int(-shape[1]) != m:
             raise ValueError(
                 f"nanscan.watch_activations: the ranks watch different models ({int(-shape[1])} to {int(shape[0])} "
@@ -446,8 +448,8 @@ class ActivationWatch:
         ).to(device)
         first = host.first if host.first != _NONE else 2.0**62
         largest = torch.tensor([*host.amax, -float(first)], dtype=torch.float64).to(device)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(summed, dist.ReduceOp.SUM, group)
+        all_reduce(largest, dist.ReduceOp.MAX, group)
         s, big = summed.tolist(), largest.tolist()
         rest = [int(x) for x in s[4 * m : 7 * m]]
         flat = s[7 * m :]

@@ -47,6 +47,7 @@ import torch
 
 from . import layouts
 from .fused import scan_local
+from .layouts.collectives import all_reduce
 from .layouts.reduce import Copies, ReplicaLines
 
 RANKS_PER_WORD = 62  # bits per int64 word of a rank mask: sums of distinct powers below 2^62 are exact
@@ -191,13 +192,13 @@ def _compare_part(checksums: torch.Tensor, indices: list[int] | None, layout: _L
 
     n = checksums.shape[0]
     checksum_range = torch.cat([checksums, ~checksums]).view(2, n)
-    dist.all_reduce(checksum_range, op=dist.ReduceOp.MAX, group=layout.replica_group)
+    all_reduce(checksum_range, dist.ReduceOp.MAX, layout.replica_group)
     words = -(-len(layout.ranks) // RANKS_PER_WORD)
     word, bit = divmod(layout.position, RANKS_PER_WORD)
     masks = torch.zeros((2, words, n), dtype=torch.int64, device=checksums.device)
     masks[0, word] = (checksums != checksum_range[0]).to(torch.int64) << bit
     masks[1, word] = (checksums != ~checksum_range[1]).to(torch.int64) << bit
-    dist.all_reduce(masks, op=dist.ReduceOp.SUM, group=layout.spread_group)
+    all_reduce(masks, dist.ReduceOp.SUM, layout.spread_group)
     return _Part(indices, masks, layout)
 
 

@@ -27,8 +27,9 @@ LAUNCH_TIMEOUT_S = 400  # every case of a world size, on 2 shared cores
 
 
 @functools.cache
-def results(world: int) -> dict[str, list[str]]:
-    """Runs every case on ``world`` processes once; per case, each rank's error ('' when it passed)."""
+def results(world: int) -> tuple[dict[str, list[str]], list[tuple[int, str]]]:
+    """Runs every case on ``world`` processes once. Returns, per case, each rank's error ('' when it
+    passed), and each rank's exit status with the end of its output."""
     with tempfile.TemporaryDirectory() as out:
         init = f"file://{Path(out, 'store')}"
         script = str(ROOT / "tests" / "distributed_norm_cases.py")  # registers distributed_cases' cases too
@@ -55,16 +56,25 @@ def results(world: int) -> dict[str, list[str]]:
             for line in path.read_text().splitlines():
                 name, _, error = line.partition("\t")
                 by_case[name].append(error.replace("\\n", "\n"))
-        return by_case
+        return by_case, [(proc.returncode, log[-4000:]) for proc, log in zip(procs, logs, strict=True)]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_distributed(case: str, world: int) -> None:
-    errors = results(world)[case]
+    errors = results(world)[0][case]
     assert len(errors) == world, f"{len(errors)} of {world} ranks reported"
     failed = {rank: error for rank, error in enumerate(errors) if error}
     assert not failed, "\n".join(f"rank {rank}:\n{error}" for rank, error in failed.items())
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_process_exits_cleanly_after_its_last_collective(world: int) -> None:
+    """A process that exits right after collectives must exit with status 0: a gloo worker that still
+    held a collective's tensor when the interpreter finalized aborted the process ("terminate called
+    without an active exception", see nanscan/layouts/collectives.py) after every case had passed."""
+    for rank, (status, log) in enumerate(results(world)[1]):
+        assert status == 0, f"rank {rank} of {world} exited with status {status}; its output ends:\n{log}"
 
 
 NCCL = pytest.mark.skipif(

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .._ops import scan_op
 from ..fused import ScanResult, upload
+from .collectives import all_reduce
 from .reduce import Attribution
 
 GradBucket = Any  # torch.distributed.GradBucket, which torch does not expose to type checkers
@@ -118,7 +119,7 @@ class BucketScanner:
         any_by_rank = torch.zeros(world, dtype=torch.float64, device=device)
         any_by_rank[rank] = bad.amax() if n else 0.0
         rows = torch.cat([bad, bad * rank, bad * (rank * rank), any_by_rank])
-        dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.state)
+        all_reduce(rows, dist.ReduceOp.SUM, self.state)
         return Attribution(rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n], rows[3 * n :].clamp(max=1.0))
 
 

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..fused import Attribution, ScanResult, upload
+from .collectives import all_reduce
 
 __all__ = ["Attribution"]  # where the reductions make it; defined beside the ScanResult that holds it
 
@@ -246,8 +247,8 @@ def _all_reduce(sums: torch.Tensor, maxes: torch.Tensor, group: Any) -> None:
     the current stream wait for them: no host sync. Gloo runs them side by side on its worker threads,
     and ``wait()`` blocks until both are done, which the CPU tensors need anyway."""
     works = [
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True),
+        all_reduce(sums, dist.ReduceOp.SUM, group, async_op=True),
+        all_reduce(maxes, dist.ReduceOp.MAX, group, async_op=True),
     ]
     for work in works:
         work.wait()
@@ -418,7 +419,7 @@ def reduce_norm_terms(terms: torch.Tensor, norm_type: float, plan: Plan | None, 
         if counted is not None:  # the identity of the combination: an extra copy adds nothing
             group_terms = torch.where(counted, group_terms, identity)
         partial = _combine(group_terms, op, identity)
-        dist.all_reduce(partial, op=op, group=g.group)
+        all_reduce(partial, op, g.group)
         partials.append(partial)
     if plan is None or plan.own:  # this rank's own tensors (with ``process_group``: its stage's)
         own = terms if plan is None or not groups else terms.index_select(1, plan.own_on(device))
@@ -428,7 +429,7 @@ def reduce_norm_terms(terms: torch.Tensor, norm_type: float, plan: Plan | None, 
     else:
         combined = partials[0] if len(partials) == 1 else _combine(torch.stack(partials, dim=1), op, identity)
     if process_group is not None:
-        dist.all_reduce(combined, op=op, group=process_group)
+        all_reduce(combined, op, process_group)
     return combined
 
 
