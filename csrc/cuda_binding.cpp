@@ -378,7 +378,8 @@ void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outp
 // The module nanscan/_ops.py imports (its name, e.g. _C_cuda13, is setup.py's NANSCAN_CUDA_MODULE):
 // importing it runs the registration below. cuda_archs: the TORCH_CUDA_ARCH_LIST the kernels were
 // compiled for (tests/test_build.py compares it with the fatbinary); cuda_major: the CUDA major of
-// the toolkit, whose libcudart.so.<major> the library needs.
+// the toolkit, whose libcudart.so.<major> the library needs; cuda_version: the toolkit's version as
+// CUDART_VERSION gives it (12040 for 12.4), which says the newest architecture its nvcc could target.
 #ifndef NANSCAN_CUDA_MODULE
 #error "setup.py names the module: NANSCAN_CUDA_MODULE=_C_cuda<major>"
 #endif
@@ -399,7 +400,8 @@ PyMODINIT_FUNC NANSCAN_CONCAT(PyInit_, NANSCAN_CUDA_MODULE)(void) {
                                    nullptr};
   PyObject* module = PyModule_Create(&module_def);
   if (module != nullptr && (PyModule_AddStringConstant(module, "cuda_archs", NANSCAN_CUDA_ARCHS) != 0 ||
-                            PyModule_AddIntConstant(module, "cuda_major", CUDART_VERSION / 1000) != 0)) {
+                            PyModule_AddIntConstant(module, "cuda_major", CUDART_VERSION / 1000) != 0 ||
+                            PyModule_AddIntConstant(module, "cuda_version", CUDART_VERSION) != 0)) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -20,7 +20,8 @@ def version_line() -> str:
 
     cuda = _ops.cuda_library
     if cuda is not None:
-        library = f"CPU and CUDA {cuda.cuda_major} (kernels for {cuda.cuda_archs})"
+        toolkit = f"{cuda.cuda_version // 1000}.{cuda.cuda_version % 1000 // 10}"  # CUDART_VERSION: 12040 is 12.4
+        library = f"CPU and CUDA {toolkit} (kernels for {cuda.cuda_archs})"
     elif torch.version.cuda is not None:
         held = ", ".join(_ops.cuda_libraries_held()) or "none"
         library = f"CPU only (this torch is CUDA {torch.version.cuda}; CUDA libraries held: {held})"

@@ -25,6 +25,9 @@ from nanscan import _C, _ops
 
 REQUIRED = os.environ.get("NANSCAN_REQUIRE_CUDA_BUILD") == "1"
 OLDEST_ARCH = (7, 5)  # setup.py's floor (tools/cuda_toolkit.py OLDEST_ARCH)
+# The first toolkit whose nvcc targets an architecture, for those newer than CUDA 12.0 (NVIDIA's
+# release notes): Blackwell's came with CUDA 12.8 (sm_100, sm_120) and 12.9 (sm_103, sm_121).
+FIRST_TOOLKIT = {(10, 0): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9), (11, 0): (13, 0)}
 
 needs_cuda_build = pytest.mark.skipif(
     _ops.cuda_library is None and not REQUIRED,
@@ -102,6 +105,7 @@ def built_archs() -> tuple[set[str], set[str]]:
 def test_a_cuda_build_registers_its_kernels_for_the_cuda_key() -> None:
     library = cuda_library()
     assert library.cuda_major == int(torch.version.cuda.split(".")[0]), (library.cuda_major, torch.version.cuda)
+    assert library.cuda_version // 1000 == library.cuda_major, library.cuda_version  # CUDART_VERSION: 12040
     for op in ("scan", "scale_", "unscale_scan_"):
         dump = torch._C._dispatch_dump(f"nanscan::{op}")
         cuda = [line for line in dump.splitlines() if line.startswith("CUDA:")]
@@ -169,15 +173,24 @@ def test_the_fatbinary_holds_every_architecture_of_the_build() -> None:
     not REQUIRED, reason="the default architectures are CI's CUDA build's (NANSCAN_REQUIRE_CUDA_BUILD=1)"
 )
 def test_a_default_build_covers_every_architecture_torch_was_built_for() -> None:
-    """Built without TORCH_CUDA_ARCH_LIST (as CI builds): every architecture of the torch it was built
-    against, from sm_75 on (torch's list here: the newest toolkit's nvcc knows them all)."""
+    """Built without TORCH_CUDA_ARCH_LIST (as CI builds): SASS for every architecture of the torch it
+    was built against, from sm_75 on, that the toolkit's nvcc could target; an architecture newer
+    than the toolkit (sm_100 and sm_120 for CUDA 12.4) runs the PTX of the newest one, which must then
+    be there and older (a driver compiles PTX for a newer GPU, never an older one)."""
+    library = cuda_library()
+    toolkit = divmod(library.cuda_version // 10, 100)  # CUDART_VERSION: 12040 -> (12, 4)
     wanted = {
-        flag
+        arch
         for flag in torch._C._cuda_getArchFlags().split()
-        if flag.startswith("sm_") and tuple(divmod(int(flag[3:]), 10)) >= OLDEST_ARCH
+        if flag.startswith("sm_") and (arch := tuple(divmod(int(flag[3:]), 10))) >= OLDEST_ARCH
     }
-    sass, _ = built_archs()
-    assert wanted <= sass, f"torch {torch.__version__} holds {sorted(wanted)}; the build {cuda_library().cuda_archs!r}"
+    sass, ptx = ({tuple(divmod(int(a[3:]), 10)) for a in archs} for archs in built_archs())
+    targetable = {arch for arch in wanted if FIRST_TOOLKIT.get(arch, (0, 0)) <= toolkit}
+    assert targetable <= sass, f"torch {torch.__version__} holds {sorted(wanted)}; the build {library.cuda_archs!r}"
+    for arch in wanted - targetable:
+        assert ptx and max(ptx) <= arch, (
+            f"{arch}: newer than CUDA {toolkit}, and no PTX for it in {library.cuda_archs!r}"
+        )
 
 
 def test_the_cuda_libraries_held_are_the_ones_on_disk() -> None:

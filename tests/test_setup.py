@@ -129,6 +129,8 @@ def test_the_search_order_skips_toolkits_of_another_cuda_major(tmp_path: Path) -
     assert "NANSCAN_CPU_ONLY=1" in message
     with pytest.raises(ToolkitNotFound, match=r'pip install "nvidia-cuda-nvcc==13.2.\*" "nvidia-cuda-cccl==13.2.\*"'):
         find_toolkit("13.2", **nothing_here(tmp_path))
+    with pytest.raises(ToolkitNotFound, match=r"tools/cuda12_from_debian.sh DIR"):
+        find_toolkit("12.8", **nothing_here(tmp_path))
 
 
 def test_the_arch_list_is_torchs_from_sm_75_with_ptx_for_the_newest() -> None:

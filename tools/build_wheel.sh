@@ -7,15 +7,17 @@
 #
 #   bash tools/build_wheel.sh                       # CUDA: the major of the first toolkit found (none: CPU only)
 #   bash tools/build_wheel.sh --majors 12,13        # every major torch ships
-#   bash tools/build_wheel.sh --majors 12,13 --install-toolkits   # a missing CUDA 13 toolkit from NVIDIA's pip packages
+#   bash tools/build_wheel.sh --majors 12,13 --install-toolkits   # missing toolkits: CUDA 13 from NVIDIA's pip
+#                                                   # packages, CUDA 12 from Debian's (tools/cuda12_from_debian.sh)
 #   bash tools/build_wheel.sh --out DIR             # where the wheel goes (default: dist/)
 #
 # Run it in an environment with torch (any from 2.10, CPU or CUDA: the build reads only its headers)
 # and the "test" extra's ninja. A CUDA major needs a toolkit of that major, found by
 # tools/cuda_toolkit.py's search ($CUDA_HOME, nvcc on PATH, NVIDIA's pip packages, /usr/local/cuda);
 # --install-toolkits pip-installs a missing one into this environment where NVIDIA's pip packages hold
-# nvcc (CUDA 13 on; CUDA 12's hold ptxas alone, so a CUDA 12 toolkit must come from NVIDIA's installer
-# or a distribution's package). The kernels are built for every
+# nvcc (CUDA 13 on); CUDA 12's hold ptxas alone, so a missing CUDA 12 toolkit is unpacked from Debian's
+# packages (CUDA 12.4, unpacked, not installed: tools/cuda12_from_debian.sh) into ~/.cache/nanscan/cuda12-debian,
+# kept for later builds, and named by $CUDA_PATH. The kernels are built for every
 # architecture torch's builds of each major hold, from sm_75 on (setup.py; TORCH_CUDA_ARCH_LIST
 # overrides). The wheel is then repaired with auditwheel (nothing grafted: torch's and CUDA's runtime
 # libraries are the ones torch itself loads) and checked with abi3audit, both installed into a venv
@@ -31,7 +33,7 @@ while [ $# -gt 0 ]; do
     --majors) majors="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --install-toolkits) install_toolkits=1; shift ;;
-    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "build_wheel.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,6 +53,17 @@ import cuda_toolkit
 cuda_toolkit.find_toolkit('$major', os.environ, cuda_toolkit._site_dirs(), named_must_match=False)
 " 2>/dev/null; then
       command=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import cuda_toolkit; print(cuda_toolkit.install_command('$major') or '')")
+      if [ -z "$command" ] && [ "$major" = 12 ] && command -v apt-get >/dev/null && command -v dpkg >/dev/null; then
+        debian="${XDG_CACHE_HOME:-$HOME/.cache}/nanscan/cuda12-debian"
+        [ -x "$debian/bin/nvcc" ] || bash tools/cuda12_from_debian.sh "$debian"
+        if [ -n "${CUDA_PATH:-}" ]; then
+          echo "build_wheel.sh: CUDA 12 is at $debian, but \$CUDA_PATH is set ($CUDA_PATH): unset it, or set it to $debian" >&2
+          exit 1
+        fi
+        export CUDA_PATH="$debian"  # searched after $CUDA_HOME, which may name the CUDA 13 toolkit
+        echo "build_wheel.sh: CUDA 12: CUDA_PATH=$debian"
+        continue
+      fi
       if [ -z "$command" ]; then
         advice=$("$PY" -c "import sys; sys.path.insert(0, 'tools'); import cuda_toolkit; print(cuda_toolkit.install_advice('$major'))")
         echo "build_wheel.sh: no CUDA $major toolkit found, and pip cannot give one: $advice, then set CUDA_HOME or put its nvcc on PATH" >&2

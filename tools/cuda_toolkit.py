@@ -146,10 +146,13 @@ def install_advice(torch_cuda: str) -> str:
     if command is not None:
         return f"install one into this environment: {command}"
     major = torch_cuda.split(".")[0]
-    return (
+    advice = (
         f"install a CUDA {major} toolkit (NVIDIA's installer, or your distribution's package: NVIDIA's CUDA {major} "
         "pip packages hold no nvcc)"
     )
+    if major == "12":  # Debian's CUDA 12.4, unpacked into a directory, not installed
+        advice += "; on Debian or Ubuntu, `bash tools/cuda12_from_debian.sh DIR` unpacks one into DIR for CUDA_HOME"
+    return advice
 
 
 def _candidates(
