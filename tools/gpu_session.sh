@@ -40,6 +40,10 @@
 #                                          # test_cuda.py, memcheck and racecheck, the scan rows of both
 #   tools/gpu_session.sh capabilities      # build, then bench_activations (GPT-2 size, fp16 autocast)
 #                                          # and bench_state on the GPU
+#   tools/gpu_session.sh wheel WHEEL       # the wheel as it ships (tools/build_wheel.sh, carried in:
+#                                          # dist/ is git-ignored): its libraries in a copy of the
+#                                          # checkout, no build; --version, test_build.py with a CUDA
+#                                          # library required, test_cuda.py (~2 minutes; issue 34)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
 #
 # Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
@@ -61,7 +65,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|ab NAME=VALUE|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|wheel WHEEL|ab NAME=VALUE|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -112,6 +116,27 @@ nccl() {
 host() {
   echo "== host time per tensor"
   "$PY" benchmarks/bench_host.py --device cuda 2>&1 | tee "$out/host_cuda.txt"
+}
+
+# The wheel's own binaries on this GPU: a copy of the checkout with the wheel's libraries in place of
+# a build (as tools/check_wheel.sh tests each torch release on the CPU), so what runs is the file
+# that ships. The device's torch loads the library of its CUDA major; the other is not exercised.
+wheel_suite() {
+  local wheel="${1:?usage: tools/gpu_session.sh wheel WHEEL}" copy
+  [ -f "$wheel" ] || { echo "wheel: no file $wheel (carry it: dist/ is git-ignored)" >&2; return 1; }
+  wheel="$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
+  copy="$(mktemp -d)"
+  copy_checkout "$copy"
+  "$PY" -m zipfile -e "$wheel" "$copy/.wheel"
+  cp "$copy/.wheel"/nanscan/*.so "$copy/nanscan/"
+  rm -rf "$copy/.wheel"
+  echo "== the wheel $(basename "$wheel") ($(date -u +%FT%TZ))"
+  local status=0
+  (cd "$copy" && "$PY" -m nanscan --version &&
+    NANSCAN_REQUIRE_CUDA_BUILD=1 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/test_build.py tests/test_cuda.py) 2>&1 |
+    tee "$out/wheel.log" | tail -12 || status=1
+  rm -rf "$copy"
+  return "$status"
 }
 
 # The checkout as it is (the device machine's copy has no .git), without what a build left, into $1.
@@ -380,6 +405,7 @@ case "$stage" in
   lend) lend ;;
   subwarp) subwarp ;;
   capabilities) build; capabilities ;;
+  wheel) wheel_suite "$@" ;;
   ab) ab "$@" ;;
   all) build; tests || true; sanitize || true; bench ;;  # one failing stage does not hide the others' results
   *) echo "unknown stage $stage" >&2; exit 2 ;;
