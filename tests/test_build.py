@@ -23,8 +23,13 @@ import torch
 
 from nanscan import _C, _ops
 
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+# setup.py's floor, and its parse of an architecture flag ("sm_90" -> (9, 0)).
+from cuda_toolkit import OLDEST_ARCH, _arch
+
 REQUIRED = os.environ.get("NANSCAN_REQUIRE_CUDA_BUILD") == "1"
-OLDEST_ARCH = (7, 5)  # setup.py's floor (tools/cuda_toolkit.py OLDEST_ARCH)
 # The first toolkit whose nvcc targets an architecture, for those newer than CUDA 12.0 (NVIDIA's
 # release notes): Blackwell's came with CUDA 12.8 (sm_100, sm_120) and 12.9 (sm_103, sm_121).
 FIRST_TOOLKIT = {(10, 0): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9), (11, 0): (13, 0)}
@@ -182,9 +187,9 @@ def test_a_default_build_covers_every_architecture_torch_was_built_for() -> None
     wanted = {
         arch
         for flag in torch._C._cuda_getArchFlags().split()
-        if flag.startswith("sm_") and (arch := tuple(divmod(int(flag[3:]), 10))) >= OLDEST_ARCH
+        if flag.startswith("sm_") and (arch := _arch(flag)) >= OLDEST_ARCH
     }
-    sass, ptx = ({tuple(divmod(int(a[3:]), 10)) for a in archs} for archs in built_archs())
+    sass, ptx = ({_arch(a) for a in archs} for archs in built_archs())
     targetable = {arch for arch in wanted if FIRST_TOOLKIT.get(arch, (0, 0)) <= toolkit}
     assert targetable <= sass, f"torch {torch.__version__} holds {sorted(wanted)}; the build {library.cuda_archs!r}"
     for arch in wanted - targetable:

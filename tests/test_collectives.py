@@ -42,7 +42,7 @@ def test_all_reduce_lands_in_the_tensor_and_keeps_only_what_a_backend_still_hold
         work.wait()
     del works, work  # a work holds its tensors as long as it lives
     deadline = time.monotonic() + 5.0  # the worker lets go of a finished work within microseconds
-    while any(a._use_count() > 1 for a in handed) and time.monotonic() < deadline:
+    while any(collectives._held_elsewhere(a) for a in handed) and time.monotonic() < deadline:
         time.sleep(0.001)
     collectives.all_reduce(torch.zeros(2), dist.ReduceOp.SUM, dist.group.WORLD)
     assert len(handed) <= 2, "aliases the backend let go of are dropped at the next call"
