@@ -4,7 +4,10 @@ Built by `python -m sphinx -W --keep-going -n -b html docs docs/_build/html` (CI
 warnings are errors and every cross-reference must resolve, so a renamed or removed function that a
 page documents (``autofunction``) or names (``{py:func}``) breaks the build. The pages are Markdown
 (MyST), the same files GitHub shows; the reference is generated from the docstrings by autodoc,
-which imports the built package, so what it shows is what runs.
+which imports the built package, so what it shows is what runs. Sphinx rather than MkDocs with
+mkdocstrings for that reason, and for the nitpicky check of every cross-reference; it is what
+PyTorch, Lightning and TransformerEngine build their references with, so its conventions are the
+ones this project's readers know.
 """
 
 from __future__ import annotations
