@@ -26,9 +26,12 @@ from typing import Any
 import torch
 
 # How long the exit hook waits for a backend to let go of its tensors. A gloo worker lets go within
-# microseconds of finishing, NCCL's watchdog within its polling period; a collective still unfinished
-# after this long is hung, and the process should not hang with it.
-_EXIT_WAIT_S = 2.0
+# microseconds of finishing, NCCL's watchdog within its polling period, but a worker thread starved of
+# CPU (a 2-core machine running builds beside two ranks) can take seconds. With a 2 s bound, a CI run
+# on such a machine aborted once (whether past the bound, or in one of torch's own collectives, which
+# nanscan cannot hold, was not found). The wait ends as soon as the backends let go, so the bound
+# costs its seconds only to a process whose collective hangs, which should not hang with it.
+_EXIT_WAIT_S = 10.0
 
 _handed: list[torch.Tensor] = []  # aliases handed to collectives that a backend may still hold
 
