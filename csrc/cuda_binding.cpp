@@ -372,6 +372,52 @@ void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outp
   return_outputs(stack, scan_and_maybe_multiply(tensors, tags, ScanOptions{}, factor));
 }
 
+// scan_difference(Tensor[] before, Tensor[] after) -> 5 tensors, of 2N entries: the differences
+// before[i] - after[i], then the afters (csrc/ops.cpp). One launch reads each pair once (the kernel's
+// plan: the befores, then the afters). A pair not laid out alike in memory (a transposed copy, a
+// strided view) is read from contiguous copies of both.
+void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  constexpr const char* kOp = "nanscan.scan_difference";
+  const TensorListArg before(stack[0]);
+  const TensorListArg after(stack[1]);
+  check_stack(num_args, num_outputs, 2, 5, kOp);
+  const std::vector<DType> before_tags = check_scan_inputs(before, kOp, "before");
+  const std::vector<DType> after_tags = check_scan_inputs(after, kOp, "after");
+  check_difference_pairs(before, before_tags, after, after_tags, kOp);
+  const auto n = static_cast<int64_t>(before.size());
+  std::vector<DType> tags = before_tags;
+  tags.insert(tags.end(), after_tags.begin(), after_tags.end());
+  const TensorInfo& like = after[0];
+  const CudaDeviceGuard guard(like.device_index);
+  std::vector<OwnedTensor> copies;
+  std::vector<cuda::TensorArg> args(static_cast<size_t>(2 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    const TensorInfo& b = before[i];
+    const TensorInfo& a = after[i];
+    const void* before_data = b.data;
+    const void* after_data = a.data;
+    if (a.numel > 0 && !same_dense_layout(b, a)) {
+      copies.push_back(contiguous(b.handle));
+      before_data = copies.back().data();
+      copies.push_back(contiguous(a.handle));
+      after_data = copies.back().data();
+    }
+    args[i] = cuda::TensorArg{before_data, b.numel, before_tags[i]};
+    args[n + i] = cuda::TensorArg{after_data, a.numel, after_tags[i]};
+  }
+  const cuda::ListPlan& plan = plan_of(args);
+  const cudaStream_t stream = current_stream(like.device_index);
+  ScanOutputs out = allocate_scan_outputs(tags, like, ScanOptions{});
+  const DeviceList list = device_list(plan, like, stream);
+  const int num_sms = sm_count();
+  const auto workspace_bytes =
+      static_cast<int64_t>(cuda::scan_workspace_bytes(plan, cuda::ScanKind::Difference, num_sms));
+  const OwnedTensor workspace = empty({workspace_bytes}, dtype_codes().uint8, like.device_type, like.device_index);
+  check_launch(cuda::scan(plan, list.blob, cuda::ScanKind::Difference, result_pointers(out, 2 * n, ScanOptions{}),
+                          workspace.data(), static_cast<size_t>(workspace_bytes), num_sms, stream));
+  return_outputs(stack, std::move(out));
+}
+
 }  // namespace
 }  // namespace nanscan
 
@@ -412,4 +458,5 @@ STABLE_TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
   m.impl("scan", &nanscan::scan_cuda);
   m.impl("scale_", &nanscan::scale_cuda);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cuda);
+  m.impl("scan_difference", &nanscan::scan_difference_cuda);
 }

@@ -39,6 +39,14 @@ std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* o
   return tags;
 }
 
+bool same_dense_layout(const TensorInfo& a, const TensorInfo& b) {
+  if (!a.dense || !b.dense || a.dim != b.dim) return false;
+  for (int64_t d = 0; d < a.dim; ++d) {
+    if (a.sizes[d] > 1 && a.strides[d] != b.strides[d]) return false;
+  }
+  return true;
+}
+
 void check_difference_pairs(const TensorListArg& before, const std::vector<DType>& before_tags,
                             const TensorListArg& after, const std::vector<DType>& after_tags, const char* op) {
   NANSCAN_CHECK(before.size() == after.size(), op, ": before holds ", before.size(), " tensors and after ",

@@ -40,6 +40,11 @@ std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* o
 void check_difference_pairs(const TensorListArg& before, const std::vector<DType>& before_tags,
                             const TensorListArg& after, const std::vector<DType>& after_tags, const char* op);
 
+// Whether a pair's elements lie in the same order in memory, each tensor dense: then they are paired
+// by memory offset, whatever the order of the dimensions (scan_difference's backends read such pairs
+// in place).
+bool same_dense_layout(const TensorInfo& a, const TensorInfo& b);
+
 // Rejects float8 tensors for ops that write (torch has no float8 arithmetic to match).
 void check_multipliable(const std::vector<DType>& tags, const char* op);
 

@@ -15,8 +15,8 @@ The ops themselves are declared once, in csrc/ops.cpp:
   total_norm_cast)``: the scan's outputs for 2N entries, the differences ``before[i] - after[i]``
   (each computed in ``before[i]``'s dtype, float32 or float64, as torch's subtraction rounds it;
   ``after[i]`` of the same shape and no wider dtype), then the ``after[i]``. The update watch's pass
-  (nanscan.updates). On the CPU one fused kernel that reads each pair once and writes nothing; on
-  other devices the composite below (torch's ``_foreach_sub``, then ``scan``).
+  (nanscan.updates). On the CPU and CUDA one fused kernel that reads each pair once and writes
+  nothing; on other devices the composite below (torch's ``_foreach_sub``, then ``scan``).
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite,
   total_norm_cast)``: GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the
@@ -95,6 +95,15 @@ cuda_library = _load_cuda_library()
 
 scan_op = torch.ops.nanscan.scan.default
 scan_difference_op = torch.ops.nanscan.scan_difference.default
+
+
+def has_fused_difference(device: torch.device) -> bool:
+    """Whether ``scan_difference`` runs a fused kernel on ``device`` (the CPU's, or CUDA's when the
+    CUDA library is loaded; a ROCm torch's "cuda" devices run the composite) rather than the
+    composite, which allocates the differences."""
+    return device.type == "cpu" or (device.type == "cuda" and cuda_library is not None and torch.version.hip is None)
+
+
 scale_op = torch.ops.nanscan.scale_.default
 unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 record_op = torch.ops.nanscan.record_.default

@@ -10,10 +10,11 @@ Practitioners watch the ratio per layer (around 1e-3 in healthy training); it is
 before the loss does, and a learning rate too high shows there first. The ratio is exact: on a
 sampled step the weights are copied just before ``optimizer.step()`` (a step pre-hook), and after
 it (a step post-hook) one pass gives each difference's norm and each weight's norm; their quotient
-stays on the device. On the CPU that pass is one op, ``nanscan::scan_difference``, which reads each
-copy and its weight once and writes nothing (the differences live run by run in the kernel's stack
-buffer); on a GPU the copies become the differences in place (``_foreach_sub_``) and are scanned
-with the weights (a fused CUDA kernel is not written yet). The difference of two fp32 values is
+stays on the device. On the CPU and on CUDA that pass is one op, ``nanscan::scan_difference``, which
+reads each copy and its weight once and writes nothing (the differences live run by run in the CPU
+kernel's stack buffer, in the CUDA kernel's registers); on other devices, and for parameters spread
+over several devices, the copies become the differences in place (``_foreach_sub_``) and are scanned
+with the weights. The difference of two fp32 values is
 exact when they are within a factor of two of each other (Sterbenz), and otherwise off by at most
 2^-24 of itself; 16-bit weights are kept in fp32, where their difference is exact. So the norms are
 those of the true update to fp32's precision, whatever the weights' dtype (tested against float64
@@ -23,9 +24,9 @@ with SGD, Adam and fused AdamW). No host sync: the ratios are read to the host o
 Memory: one copy of every weight the optimizer holds, in fp32 for 16-bit weights (``nbytes``: the
 weights' bytes, twice them for bf16/fp16 weights), allocated at the first sampled step and kept.
 Traffic on a sampled step, in passes over the weights' bytes: the copy (a read and a write) and
-the fused difference scan (two reads), four on the CPU; on a GPU the in-place difference (two reads,
-a write) and the scan (two reads), seven (benchmarks/NOTES.md, entries 36 and 38). Unsampled steps
-cost two Python hooks.
+the fused difference scan (two reads), four on the CPU and on CUDA; elsewhere the in-place
+difference (two reads, a write) and the scan (two reads), seven (benchmarks/NOTES.md, entries 36,
+38 and 39). Unsampled steps cost two Python hooks.
 
 A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
 NaN or an Inf in the weights or the update makes its ratio NaN or Inf. DTensor parameters (FSDP2,
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 
 from . import layouts
-from ._ops import scan_difference_op
+from ._ops import has_fused_difference, scan_difference_op
 from .fused import ScanResult
 from .layouts import fsdp1
 from .layouts.dtensor import to_local
@@ -143,9 +144,11 @@ class UpdateWatch:
         self._sampling = False
         params = self._params()
         n = len(self.names)
-        # The CPU has the fused difference scan (each pair read once, nothing written); elsewhere the
-        # copies become the differences in place, then are scanned with the weights (module notes).
-        fused = all(p.device.type == "cpu" for p in params)
+        # The CPU and CUDA have the fused difference scan (each pair read once, nothing written), for a
+        # list on one device; elsewhere the copies become the differences in place, then are scanned
+        # with the weights (module notes).
+        devices = {p.device for p in params}
+        fused = len(devices) == 1 and has_fused_difference(next(iter(devices)))
         with torch.no_grad():
             if not fused:
                 torch._foreach_sub_(to_local(self._copies), to_local(params))  # before minus after: -Δw

@@ -111,7 +111,7 @@ def test_a_cuda_build_registers_its_kernels_for_the_cuda_key() -> None:
     library = cuda_library()
     assert library.cuda_major == int(torch.version.cuda.split(".")[0]), (library.cuda_major, torch.version.cuda)
     assert library.cuda_version // 1000 == library.cuda_major, library.cuda_version  # CUDART_VERSION: 12040
-    for op in ("scan", "scale_", "unscale_scan_"):
+    for op in ("scan", "scale_", "unscale_scan_", "scan_difference"):
         dump = torch._C._dispatch_dump(f"nanscan::{op}")
         cuda = [line for line in dump.splitlines() if line.startswith("CUDA:")]
         # The real kernels are registered by cuda_binding.cpp; the stand-ins of an install without

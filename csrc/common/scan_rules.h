@@ -325,6 +325,14 @@ NANSCAN_HD void accumulate_scaled(typename Codec::Wide& sumsq, typename Codec::R
   sumsq += scaled * scaled;
 }
 
+// One element of the difference before - after (nanscan::scan_difference, the update watch's pass), in
+// before's format: computed in before's Wide (after's dtype is never wider: the op refuses that),
+// where every after format decodes exactly, and rounded once, as torch's before - after rounds it.
+template <class Before, class After>
+NANSCAN_HD typename Before::Raw difference_of(typename Before::Raw before, typename After::Raw after) {
+  return Before::encode(Before::decode(before) - static_cast<typename Before::Wide>(After::decode(after)));
+}
+
 // One element through the checked rule: counts a non-finite element, and a NaN, by its bits (the Infs
 // are the difference: checked_counts()), and takes a finite value into min/max. Branch-free: bit
 // arithmetic, no && (gcc turned a short-circuit into per-element branches), and a non-finite value

@@ -400,14 +400,6 @@ TensorStats scan_chunk(const TensorInfo& t, DType dtype, const void* dense, int6
 
 // ---- the difference scan (nanscan::scan_difference: update ratios) -------------------------------
 
-// One element of the difference before - after, in before's format: computed in before's Wide (after's
-// dtype is never wider: the op refuses that), where every after format decodes exactly, and rounded
-// once, as torch's before - after rounds it.
-template <class Before, class After>
-NANSCAN_INLINE typename Before::Raw difference(typename Before::Raw before, typename After::Raw after) {
-  return Before::encode(Before::decode(before) - static_cast<typename Before::Wide>(After::decode(after)));
-}
-
 // Elements [begin, end) of a pair held dense with the same strides: run by run, the differences into a
 // stack buffer and scanned from there, and `after`'s run scanned while it is still in L1 from making
 // them. One read of each tensor, no write.
@@ -421,7 +413,7 @@ NANSCAN_INLINE void difference_dense(const TensorInfo& b, const TensorInfo& a, i
   RunScale<After> carried_after;
   for (int64_t i = begin; i < end; i += kRunElements) {
     const int64_t len = std::min(kRunElements, end - i);
-    for (int64_t k = 0; k < len; ++k) buffer[k] = difference<Before, After>(pb[i + k], pa[i + k]);
+    for (int64_t k = 0; k < len; ++k) buffer[k] = difference_of<Before, After>(pb[i + k], pa[i + k]);
     scan_run<Before, false>(buffer, len, diff, carried_diff, false);
     scan_run<After, false>(pa + i, len, after, carried_after, i + len < end);
   }
@@ -443,21 +435,11 @@ NANSCAN_INLINE void difference_strided(const TensorInfo& b, const TensorInfo& a,
     const int64_t len = std::min(kRunElements, end - i);
     for (int64_t k = 0; k < len; ++k, walk.next()) {
       afters[k] = pa[walk.offset(a.strides)];
-      diffs[k] = difference<Before, After>(pb[walk.offset(b.strides)], afters[k]);
+      diffs[k] = difference_of<Before, After>(pb[walk.offset(b.strides)], afters[k]);
     }
     scan_run<Before, false>(diffs, len, diff, carried_diff, false);
     scan_run<After, false>(afters, len, after, carried_after, false);
   }
-}
-
-// Whether a pair's elements lie in the same order in memory, each tensor dense: then they are paired
-// by memory offset, whatever the order of the dimensions.
-bool same_dense_layout(const TensorInfo& b, const TensorInfo& a) {
-  if (!b.dense || !a.dense || b.dim != a.dim) return false;
-  for (int64_t d = 0; d < a.dim; ++d) {
-    if (a.sizes[d] > 1 && a.strides[d] != b.strides[d]) return false;
-  }
-  return true;
 }
 
 struct PairStats {

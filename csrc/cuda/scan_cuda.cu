@@ -1,4 +1,5 @@
-// CUDA backend: the fused scan and the clip multiply over a whole tensor list, in one launch.
+// CUDA backend: the fused scan, the clip multiply and the update watch's difference scan over a whole
+// tensor list, each in one launch.
 //
 // Work is cut into chunks of at most kChunkBytes of one tensor (list_plan.h); a warp scans a chunk
 // with 16-byte loads (kUnroll in flight per lane) into a FastRun per lane, reduces across the warp in
@@ -322,35 +323,36 @@ __device__ __forceinline__ void reread_lane_elements(Raw* p, int64_t n, int lane
   }
 }
 
-// The sum of squares of elements [0, n) of p, all finite, through the scaled rule (scan_rules.h) with
+// A chunk's second read goes through `reread(fn, after_group)`, which walks the chunk's values (a
+// dense range: reread_lane_elements; a pair's differences: for_each_lane_difference) as the first
+// read did, calling fn on each value and after_group after each group of at most 65 per lane.
+
+// The sum of squares of a chunk's values, all finite, through the scaled rule (scan_rules.h) with
 // `scale`; undone to the values' own scale, valid in every lane.
-template <class Codec>
-__device__ double scaled_chunk_sumsq(typename Codec::Raw* p, int64_t n, int lane, const RunScale<Codec>& scale,
-                                     bool rewritten) {
+template <class Codec, class Reread>
+__device__ double scaled_chunk_sumsq(Reread&& reread, const RunScale<Codec>& scale) {
   using Wide = typename Codec::Wide;
   Wide sumsq = Wide(0);
   double lane_sumsq = 0.0;
-  reread_lane_elements(
-      p, n, lane, rewritten, [&](typename Codec::Raw r) { accumulate_scaled<Codec>(sumsq, r, scale); },
-      [&] {  // as the fast pass folds: at most 65 fp32 squares per lane
-        lane_sumsq += static_cast<double>(sumsq);
-        sumsq = Wide(0);
-      });
+  reread([&](typename Codec::Raw r) { accumulate_scaled<Codec>(sumsq, r, scale); },
+         [&] {  // as the fast pass folds: at most 65 fp32 squares per lane
+           lane_sumsq += static_cast<double>(sumsq);
+           sumsq = Wide(0);
+         });
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) lane_sumsq += shfl_xor(lane_sumsq, offset);
   return scale.undo(lane_sumsq);
 }
 
-// One warp reads elements [0, n) of p with the checked rule (scan_rules.h): NaN/Inf counts, min/max of
-// the finite values and their fp16-range counts, no sum of squares; valid in every lane.
-template <class Codec, bool kHalfRange>
-__device__ TensorStats checked_chunk(typename Codec::Raw* p, int64_t n, int lane, bool rewritten) {
+// One warp reads a chunk's values again with the checked rule (scan_rules.h): NaN/Inf counts, min/max
+// of the finite values and their fp16-range counts, no sum of squares; valid in every lane.
+template <class Codec, bool kHalfRange, class Reread>
+__device__ TensorStats checked_chunk(Reread&& reread) {
   using Raw = typename Codec::Raw;
   using Wide = typename Codec::Wide;
   FastRun<Codec> run = empty_run<Codec>();
   int nonfinite = 0, nan = 0, over = 0, under = 0;  // a lane's: at most 1,024 elements (see scan_chunk)
-  reread_lane_elements(
-      p, n, lane, rewritten,
+  reread(
       [&](Raw r) {
         const Wide v = accumulate_checked<Codec>(run.min, run.max, nonfinite, nan, r);
         if constexpr (kHalfRange) count_half_range(over, under, v);
@@ -363,6 +365,49 @@ __device__ TensorStats checked_chunk(typename Codec::Raw* p, int64_t n, int lane
   s.half_overflow = over;
   s.half_underflow = under;
   return warp_combine(s);
+}
+
+// A chunk of n values after its fast read (scan_rules.h): each lane's fast run and fp64 sum of
+// squares, fp16-range counts and (warp-wide) checksum. Merged over the warp, then taken, told, or
+// settled by a second read through `reread` (above). Valid in every lane.
+template <class Codec, bool kHalfRange, class Reread>
+__device__ __forceinline__ TensorStats settle_chunk(const FastRun<Codec>& run, double lane_sumsq, int over, int under,
+                                                    uint32_t checksum, int64_t n, Reread&& reread) {
+  double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
+  double run_sumsq = lane_sumsq;
+  merge_fast_results<kWarpSize>(run_min, run_max, run_sumsq);
+  TensorStats s = empty_stats();
+  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
+  bool finite = exact || fast_run_was_finite(run_sumsq);
+  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
+    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
+    // (scan_rules.h), from L1/L2; finite, it proves every element was.
+    run_sumsq = scaled_chunk_sumsq<Codec>(reread, scale_for_run<Codec>(run_min, run_max));
+    finite = fast_run_was_finite(run_sumsq);
+  }
+  if (finite) {
+    s.checksum = checksum;
+    if constexpr (kHalfRange) {
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        over += shfl_xor(over, offset);
+        under += shfl_xor(under, offset);
+      }
+      s.half_overflow = over;
+      s.half_underflow = under;
+    }
+    merge_run(s, run_min, run_max, run_sumsq);
+    return s;
+  }
+  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
+  // all one Inf), or classified by re-reading what the first pass left (the products, when it
+  // rewrote).
+  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
+    s = checked_chunk<Codec, kHalfRange>(reread);
+    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
+  }
+  s.checksum = checksum;
+  return s;
 }
 
 // One warp scans elements [begin, end) of a tensor; the result is valid in every lane. With
@@ -430,41 +475,9 @@ __device__ TensorStats scan_chunk(const void* data, int64_t begin, int64_t end, 
     for_each_lane_element<Access::ReadOnly>(p, n, lane, observe, fold_group);
   }
 
-  double run_min = static_cast<double>(run.min), run_max = static_cast<double>(run.max);
-  double run_sumsq = lane_sumsq;
-  merge_fast_results<kWarpSize>(run_min, run_max, run_sumsq);
-  TensorStats s = empty_stats();
-  const bool exact = run_is_exact<Codec>(run_min, run_max, run_sumsq);
-  bool finite = exact || fast_run_was_finite(run_sumsq);
-  if (!exact && (finite || squares_may_have_overflowed<Codec>(run_min, run_max, false))) {
-    // Tiny values, or squares that may have overflowed: the sum alone is redone, scaled
-    // (scan_rules.h), from L1/L2; finite, it proves every element was.
-    run_sumsq = scaled_chunk_sumsq<Codec>(p, n, lane, scale_for_run<Codec>(run_min, run_max), rewritten);
-    finite = fast_run_was_finite(run_sumsq);
-  }
-  if (finite) {
-    s.checksum = checksum;
-    if constexpr (kHalfRange) {
-#pragma unroll
-      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-        over += shfl_xor(over, offset);
-        under += shfl_xor(under, offset);
-      }
-      s.half_overflow = over;
-      s.half_underflow = under;
-    }
-    merge_run(s, run_min, run_max, run_sumsq);
-    return s;
-  }
-  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result (a chunk all NaN, or
-  // all one Inf), or classified by re-reading what the first pass left (the products, when it
-  // rewrote).
-  if (!uniform_nonfinite_run(run_min, run_max, run_sumsq, n, s)) {
-    s = checked_chunk<Codec, kHalfRange>(p, n, lane, rewritten);
-    if (all_finite(s)) s.sumsq = run_sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
-  }
-  s.checksum = checksum;
-  return s;
+  return settle_chunk<Codec, kHalfRange>(run, lane_sumsq, over, under, checksum, n, [&](auto&& fn, auto&& after_group) {
+    reread_lane_elements(p, n, lane, rewritten, fn, after_group);
+  });
 }
 
 // One warp scans elements [begin, end) of a tensor a chunk at a time (each chunk is one exactness
@@ -493,6 +506,112 @@ __device__ void scan_run_any(DType dtype, const void* data, ElementRange e, int 
     NANSCAN_RUN(Float8E5M2, Float8E5M2Codec)
 #undef NANSCAN_RUN
   }
+}
+
+// The difference scan (nanscan::scan_difference, the update watch's pass): pairs (before, after) of
+// one shape, before float32 or float64 and after of a format no wider. Per chunk of before's elements,
+// one walk reads both tensors once and feeds two fast runs, of the differences before - after
+// (difference_of, scan_rules.h) and of after itself; each is then settled as a scan's chunk is, the
+// differences' second read taking them from the pair again, after's from after alone. Nothing is
+// written but the results. The two formats' 16-byte vectors do not line up, so the walk loads one
+// element of each per lane and step (a warp's loads still cover consecutive addresses), with
+// kPairsInFlight steps issued before any is used.
+constexpr int kPairsInFlight = 8;
+
+// Visits elements [0, n) of a pair, lane, lane + 32, ...: fn(before_raw, after_raw), and
+// after_group() after each group of kPairsInFlight per lane (the fast rule's fold: at most 65).
+template <class Before, class After, class Fn, class AfterGroup>
+__device__ __forceinline__ void for_each_lane_pair(const typename Before::Raw* b, const typename After::Raw* a,
+                                                   int64_t n, int lane, Fn&& fn, AfterGroup&& after_group) {
+#pragma unroll 1
+  for (int64_t i = lane; i < n; i += int64_t{kWarpSize} * kPairsInFlight) {
+    typename Before::Raw rb[kPairsInFlight];
+    typename After::Raw ra[kPairsInFlight];
+#pragma unroll
+    for (int k = 0; k < kPairsInFlight; ++k) {
+      const int64_t e = i + int64_t{k} * kWarpSize;
+      if (e < n) {
+        rb[k] = __ldg(b + e);
+        ra[k] = __ldg(a + e);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kPairsInFlight; ++k) {
+      if (i + int64_t{k} * kWarpSize < n) fn(rb[k], ra[k]);
+    }
+    after_group();
+  }
+}
+
+// One warp's statistics of elements [begin, end) of a pair, the differences' and after's, combined
+// into *diff_part and *after_part (shared memory), which lane 0 writes: each as soon as it is
+// settled, so that the first is not held in registers while the second is.
+template <class Before, class After>
+__device__ void difference_chunk(const void* before, const void* after, int64_t begin, int64_t end, int lane,
+                                 TensorStats* diff_part, TensorStats* after_part) {
+  using RawB = typename Before::Raw;
+  using RawA = typename After::Raw;
+  const RawB* b = static_cast<const RawB*>(before) + begin;
+  RawA* a = static_cast<RawA*>(const_cast<void*>(after)) + begin;  // read only
+  const int64_t n = end - begin;
+  FastRun<Before> diff = empty_run<Before>();
+  FastRun<After> kept = empty_run<After>();
+  double diff_sumsq = 0.0, kept_sumsq = 0.0;
+  for_each_lane_pair<Before, After>(
+      b, a, n, lane,
+      [&](RawB rb, RawA ra) {
+        accumulate_fast<Before>(diff.min, diff.max, diff.sumsq, difference_of<Before, After>(rb, ra));
+        accumulate_fast<After>(kept.min, kept.max, kept.sumsq, ra);
+      },
+      [&] {
+        diff_sumsq += static_cast<double>(diff.sumsq);
+        diff.sumsq = typename Before::Wide(0);
+        kept_sumsq += static_cast<double>(kept.sumsq);
+        kept.sumsq = typename After::Wide(0);
+      });
+  const TensorStats d = settle_chunk<Before, false>(diff, diff_sumsq, 0, 0, 0u, n, [&](auto&& fn, auto&& after_group) {
+    for_each_lane_pair<Before, After>(
+        b, a, n, lane, [&](RawB rb, RawA ra) { fn(difference_of<Before, After>(rb, ra)); }, after_group);
+  });
+  if (lane == 0) *diff_part = combine(*diff_part, d);
+  const TensorStats k = settle_chunk<After, false>(kept, kept_sumsq, 0, 0, 0u, n, [&](auto&& fn, auto&& after_group) {
+    reread_lane_elements(a, n, lane, false, fn, after_group);
+  });
+  if (lane == 0) *after_part = combine(*after_part, k);
+}
+
+// A pair's elements [begin, end), a chunk of before's at a time (the list plan's chunks), combined in
+// order into *diff_part and *after_part.
+template <class Before, class After>
+__device__ void difference_run(const void* before, const void* after, ElementRange e, int lane, TensorStats* diff_part,
+                               TensorStats* after_part) {
+  constexpr int64_t kPerChunk = kChunkBytes / sizeof(typename Before::Raw);
+  for (int64_t b = e.begin; b < e.end; b += kPerChunk) {
+    const int64_t chunk_end = b + kPerChunk < e.end ? b + kPerChunk : e.end;
+    difference_chunk<Before, After>(before, after, b, chunk_end, lane, diff_part, after_part);
+  }
+}
+
+__device__ void difference_run_any(DType before_dtype, DType after_dtype, const void* before, const void* after,
+                                   ElementRange e, int lane, TensorStats* diff_part, TensorStats* after_part) {
+#define NANSCAN_PAIR(BEFORE, AFTER) return difference_run<BEFORE, AFTER>(before, after, e, lane, diff_part, after_part);
+#define NANSCAN_AFTER(BEFORE)                                            \
+  switch (after_dtype) {                                                 \
+    case DType::Float32: NANSCAN_PAIR(BEFORE, Float32Codec)              \
+    case DType::Float16: NANSCAN_PAIR(BEFORE, Float16Codec)              \
+    case DType::BFloat16: NANSCAN_PAIR(BEFORE, BFloat16Codec)            \
+    case DType::Float8E4M3FN: NANSCAN_PAIR(BEFORE, Float8E4M3FNCodec)    \
+    case DType::Float8E5M2: NANSCAN_PAIR(BEFORE, Float8E5M2Codec)        \
+    case DType::Float64: break; /* only after a float64 before: below */ \
+  }
+  if (before_dtype == DType::Float64) {
+    if (after_dtype == DType::Float64) NANSCAN_PAIR(Float64Codec, Float64Codec)
+    NANSCAN_AFTER(Float64Codec)
+  } else {  // float32 (the op admits float32 and float64 befores), never with a float64 after (refused)
+    NANSCAN_AFTER(Float32Codec)
+  }
+#undef NANSCAN_AFTER
+#undef NANSCAN_PAIR
 }
 
 // The small-tensor path. A warp's share of 10,000 tensors of 4 KB was a chain of ~960 instructions
@@ -622,9 +741,10 @@ struct WarpSync {
   const Workspace& ws;
   const ResultPointers& out;
   int lane;
+  int64_t first_result = 0;  // where tensor 0's result goes in `out` (the difference scan's afters: N)
 
   __device__ void write_result(int32_t t, const TensorStats& s) const {
-    if (lane == 0) write_tensor_result(out, t, s);
+    if (lane == 0) write_tensor_result(out, first_result + t, s);
   }
 
   // True, in every lane, for the warp whose arrival is the `expected`-th: that warp then reads every
@@ -671,6 +791,28 @@ __device__ void write_totals_of_blocks(const TensorStats* block_totals, int32_t 
     __syncthreads();
   }
   if (threadIdx.x == 0) write_totals(out, partial[0]);
+}
+
+// The end of a scan kernel's block, once every warp's total is in warp_totals: the block's total is
+// left in the workspace, the block takes a ticket at `ticket`, and the last block to take one writes
+// the totals, from every block's, in block order.
+__device__ __forceinline__ void finish_block(const TensorStats* warp_totals, const Workspace& ws, unsigned int* ticket,
+                                             const ResultPointers& out) {
+  __syncthreads();
+  // Last-block-done: the block's total is visible device-wide before the block takes its ticket.
+  __shared__ bool is_last_block;
+  if (threadIdx.x == 0) {
+    TensorStats block_total = empty_stats();
+    for (int k = 0; k < kWarps; ++k) block_total = combine(block_total, warp_totals[k]);
+    ws.block_totals[blockIdx.x] = block_total;
+    __threadfence();
+    is_last_block = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __threadfence();  // the other blocks' totals are read after this block's ticket
+  }
+  __syncthreads();
+  if (!is_last_block) return;
+  __threadfence();
+  write_totals_of_blocks(ws.block_totals, static_cast<int32_t>(gridDim.x), out);
 }
 
 // One instantiation per option, so the plain scan carries no register cost of the options.
@@ -759,22 +901,56 @@ __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
     WarpSync sync{p.ws, p.out, lane};
     finish_share(list, shares, t, w, part, sync);
   });
-  __syncthreads();
+  finish_block(warp_totals, p.ws, p.ws.counters + shares.fold_slots(p.list.num_tensors), p.out);
+}
 
-  // Last-block-done: the block's total is visible device-wide before the block takes its ticket.
-  __shared__ bool is_last_block;
-  if (threadIdx.x == 0) {
-    TensorStats block_total = empty_stats();
-    for (int k = 0; k < kWarps; ++k) block_total = combine(block_total, warp_totals[k]);
-    p.ws.block_totals[blockIdx.x] = block_total;
-    __threadfence();
-    is_last_block = atomicAdd(p.ws.counters + shares.fold_slots(p.list.num_tensors), 1u) == gridDim.x - 1;
-    __threadfence();  // the other blocks' totals are read after this block's ticket
-  }
-  __syncthreads();
-  if (!is_last_block) return;
-  __threadfence();
-  write_totals_of_blocks(p.ws.block_totals, static_cast<int32_t>(gridDim.x), p.out);
+// The difference scan's kernel (see difference_chunk). The plan lists the N befores, then the N
+// afters; the warps' shares cover the befores' cost alone, and a warp that meets before t reads after
+// t beside it. Each pair leaves two results, the differences' at t and after's at N + t, through two
+// fold trees of the same shape (the afters' in the second half of the workspace's slots).
+//
+// Left alone, ptxas gives it 238-244 registers on sm_90 (one block per SM, 8 warps to cover memory
+// latency). Bounded at 2 blocks it keeps 128, and spills: 68-88 bytes in the kernel and ~2.5 KB in
+// difference_run_any, which ptxas does not inline (its eleven pairs' paths, ~230 bytes each, most in
+// the re-reads), whatever the pairs in flight (4 or 8). Two blocks, unmeasured: a GPU session is to
+// time 2 against 3 and none (NANSCAN_DIFFERENCE_MIN_BLOCKS, a build flag; benchmarks/NOTES.md entry
+// 39), and the spill's cost.
+#ifdef NANSCAN_DIFFERENCE_MIN_BLOCKS
+constexpr int kDifferenceMinBlocks = NANSCAN_DIFFERENCE_MIN_BLOCKS;
+#else
+constexpr int kDifferenceMinBlocks = 2;
+#endif
+
+template <int32_t kCapacity>
+__global__ void __launch_bounds__(kThreads, kDifferenceMinBlocks)
+    difference_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
+  const ListView list = p.list.view();
+  const int32_t num_pairs = list.num_tensors / 2;
+  ListView befores = list;
+  befores.num_tensors = num_pairs;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
+  const Shares shares = Shares::of(befores.total_cost(), static_cast<int64_t>(gridDim.x) * kWarps);
+  const int64_t fold_slots = shares.fold_slots(num_pairs);
+  const Workspace after_ws{p.ws.partials + fold_slots, p.ws.block_totals, p.ws.counters + fold_slots};
+  __shared__ TensorStats warp_totals[kWarps], diff_parts[kWarps], after_parts[kWarps];
+  if (lane == 0) warp_totals[warp] = empty_stats();
+  walk_warp_share<kCapacity>(befores, shares, w, lane, [&](int32_t t, ChunkRange chunks, int64_t) {
+    if (lane == 0) diff_parts[warp] = empty_stats(), after_parts[warp] = empty_stats();
+    difference_run_any(befores.dtype_of(t), list.dtype_of(num_pairs + t), list.data[t], list.data[num_pairs + t],
+                       befores.elements_of(t, chunks), lane, &diff_parts[warp], &after_parts[warp]);
+    __syncwarp();  // lane 0's partials, to every lane
+    const TensorStats diff = diff_parts[warp];
+    if (lane == 0) warp_totals[warp] = combine(warp_totals[warp], diff);
+    WarpSync diff_sync{p.ws, p.out, lane};
+    finish_share(befores, shares, t, w, diff, diff_sync);
+    const TensorStats after = after_parts[warp];
+    __syncwarp();  // both read by all before lane 0 starts the next pair's
+    if (lane == 0) warp_totals[warp] = combine(warp_totals[warp], after);
+    WarpSync after_sync{after_ws, p.out, lane, num_pairs};
+    finish_share(befores, shares, t, w, after, after_sync);
+  });
+  finish_block(warp_totals, p.ws, p.ws.counters + 2 * fold_slots, p.out);
 }
 
 __device__ double load_scalar(const void* p, DType dtype) {
@@ -880,11 +1056,14 @@ struct Kernels {
   template <bool kHalfRange, bool kMultiply, bool kChecksum>
   static constexpr auto scan = scan_kernel<kHalfRange, kMultiply, kChecksum, kCapacity>;
 
+  static constexpr auto difference = difference_kernel<kCapacity>;
+
   static auto scan_for(ScanKind kind) {
     switch (kind) {
       case ScanKind::HalfRange: return scan<true, false, false>;
       case ScanKind::Unscale: return scan<false, true, false>;
       case ScanKind::Checksum: return scan<false, false, true>;
+      case ScanKind::Difference: return difference;
       case ScanKind::Plain: break;
     }
     return scan<false, false, false>;
@@ -895,6 +1074,7 @@ struct Kernels {
       case ScanKind::HalfRange: return resident_blocks_per_sm<scan<true, false, false>>();
       case ScanKind::Unscale: return resident_blocks_per_sm<scan<false, true, false>>();
       case ScanKind::Checksum: return resident_blocks_per_sm<scan<false, false, true>>();
+      case ScanKind::Difference: return resident_blocks_per_sm<difference>();
       case ScanKind::Plain: break;
     }
     return resident_blocks_per_sm<scan<false, false, false>>();
@@ -919,16 +1099,26 @@ Params& parameter_buffer() {
   return *buffer;
 }
 
+// The fold-tree slots a scan's kernel uses (as difference_kernel and scan_kernel cut the list).
+size_t fold_slots_of(const ListPlan& plan, ScanKind kind, int grid) {
+  const int64_t warps = int64_t{grid} * kWarps;
+  if (kind == ScanKind::Difference) {  // two trees over the befores' shares
+    const ListView list = plan.view();
+    const int32_t num_pairs = list.num_tensors / 2;
+    return 2 * static_cast<size_t>(Shares::of(list.cost_begin[num_pairs], warps).fold_slots(num_pairs));
+  }
+  return static_cast<size_t>(Shares::of(plan.total_cost(), warps).fold_slots(plan.num_tensors()));
+}
+
 // Where each part of a scan's workspace starts, for a grid of `grid` blocks: O(tensors + grid).
 struct WorkspaceLayout {
   int grid;
   size_t slots;  // fold-tree slots, and as many arrival counters (then the blocks' ticket)
   size_t partial_bytes, block_total_bytes, counter_bytes;
 
-  WorkspaceLayout(const ListPlan& plan, int grid_)
+  WorkspaceLayout(const ListPlan& plan, ScanKind kind, int grid_)
       : grid(grid_),
-        slots(
-            static_cast<size_t>(Shares::of(plan.total_cost(), int64_t{grid_} * kWarps).fold_slots(plan.num_tensors()))),
+        slots(fold_slots_of(plan, kind, grid_)),
         partial_bytes(align_up(slots * sizeof(TensorStats))),
         block_total_bytes(align_up(static_cast<size_t>(grid_) * sizeof(TensorStats))),
         counter_bytes(align_up((slots + 1) * sizeof(unsigned int))) {}
@@ -971,13 +1161,28 @@ cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t st
 }
 
 size_t scan_workspace_bytes(const ListPlan& plan, ScanKind kind, int num_sms) {
-  return WorkspaceLayout(plan, scan_grid(plan, kind, num_sms)).bytes();
+  return WorkspaceLayout(plan, kind, scan_grid(plan, kind, num_sms)).bytes();
 }
 
 namespace {
 // A device copy is given exactly when the plan does not fit in the parameters.
 bool blob_matches_plan(const ListPlan& plan, const void* device_blob) {
   return fits_in_parameters(plan) == (device_blob == nullptr);
+}
+
+// A difference scan's plan: N befores (float32 or float64) then N afters of the same sizes, each no
+// wider than its before (the kernel has no other pairs; the op checks this with its own words).
+bool valid_pairs(const ListPlan& plan) {
+  const ListView list = plan.view();
+  if (list.num_tensors % 2 != 0) return false;
+  const int32_t n = list.num_tensors / 2;
+  for (int32_t t = 0; t < n; ++t) {
+    const DType before = list.dtype_of(t), after = list.dtype_of(n + t);
+    if (before != DType::Float32 && before != DType::Float64) return false;
+    if (after == DType::Float64 && before != DType::Float64) return false;
+    if (list.numel[t] != list.numel[n + t]) return false;
+  }
+  return true;
 }
 }  // namespace
 
@@ -987,8 +1192,9 @@ cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, c
   if ((kind == ScanKind::Unscale) != (multiply_by != nullptr)) return cudaErrorInvalidValue;
   if ((kind == ScanKind::HalfRange) != out.half_range) return cudaErrorInvalidValue;
   if ((kind == ScanKind::Checksum) != out.checksum) return cudaErrorInvalidValue;
+  if (kind == ScanKind::Difference && !valid_pairs(plan)) return cudaErrorInvalidValue;
   if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
-  const WorkspaceLayout layout(plan, scan_grid(plan, kind, num_sms));
+  const WorkspaceLayout layout(plan, kind, scan_grid(plan, kind, num_sms));
   // Every slot, counter and block total is indexed by the grid: refuse rather than overrun a
   // workspace sized for another.
   if (layout.bytes() > workspace_bytes) return cudaErrorInvalidValue;

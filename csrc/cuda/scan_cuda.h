@@ -23,9 +23,11 @@ inline bool fits_in_parameters(const ListPlan& plan) { return plan.num_tensors()
 // CUDA graph that captures the copy replays it correctly for as long as it lives.
 cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream);
 
-// Which scan: the plain one, with the fp16-range counts, with the replica checksums, or fused with
-// GradScaler's unscale.
-enum class ScanKind { Plain, HalfRange, Unscale, Checksum };
+// Which scan: the plain one, with the fp16-range counts, with the replica checksums, fused with
+// GradScaler's unscale, or of differences: a plan of N befores then N afters (nanscan::scan_difference;
+// befores float32 or float64, afters of the same sizes and no wider), whose 2N results are the
+// differences before - after, then the afters.
+enum class ScanKind { Plain, HalfRange, Unscale, Checksum, Difference };
 
 // Device memory a scan needs (from the caching allocator; its contents need not be initialised):
 // a partial-result slot and an arrival counter per (tensor, warp) pair that can meet (tensors + warps

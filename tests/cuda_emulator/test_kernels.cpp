@@ -3,9 +3,9 @@
 // executes the kernels' own code: the warps' shares, 16-byte vector loads and tails, the fast rule
 // with its checked re-read (unscaled, and scaled for tiny values), warp reductions, the fold tree,
 // the last-block totals, the three list placements (small and large parameter blobs, a device blob
-// written by the upload kernel), the fp16-range counts, the fused unscale and the clip multiply; and
-// that the bits do not depend on the order in which blocks run. Built and run by
-// tests/test_cuda_emulated.py.
+// written by the upload kernel), the fp16-range counts, the fused unscale, the clip multiply and the
+// difference scan of pairs; and that the bits do not depend on the order in which blocks run. Built
+// and run by tests/test_cuda_emulated.py.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -597,6 +597,106 @@ void check_sub_warp_runs(std::mt19937_64& rng) {
   }
 }
 
+// The difference scan (nanscan::scan_difference, the update watch's pass): the plan lists N befores,
+// then N afters; the 2N results are the differences before - after (difference_of: rounded once in
+// before's format), then the afters. Every pair of formats the op admits; the two tensors at
+// independent offsets (their vectors do not line up, and the walk must not assume they do); sizes
+// around the chunk; updates of 1e-3 of weights of 1 and of 1e-18 (the differences, ~1e-21, take the
+// scaled re-read); NaN/Inf planted in either tensor (the differences' checked re-read); lists in all
+// three blob placements, with the blocks in index order and shuffled (the same bits).
+template <class Before>
+HostTensor difference_of_pair(const HostTensor& before, const HostTensor& after) {
+  HostTensor d{before.dtype, before.numel,
+               AlignedBytes(static_cast<size_t>(before.numel) * sizeof(typename Before::Raw))};
+  with_codec(after.dtype, [&](auto after_codec) {
+    using After = decltype(after_codec);
+    for (int64_t i = 0; i < before.numel; ++i) {
+      const typename Before::Raw r = difference_of<Before, After>(raw_at<Before>(before, i), raw_at<After>(after, i));
+      memcpy(d.data() + i * sizeof r, &r, sizeof r);
+    }
+  });
+  return d;
+}
+
+// A weight of `before_dtype` and its value after a step, in `after_dtype`: after = before * (1 - u),
+// u ~ 1e-3 * N(0, 1), rounded to after's format (float8: random codes, as make_tensor gives).
+std::pair<HostTensor, HostTensor> make_update_pair(std::mt19937_64& rng, DType before_dtype, DType after_dtype,
+                                                   int64_t numel, double magnitude) {
+  const size_t before_offset = rng() % 3 == 0 ? element_size(before_dtype) * (1 + rng() % 3) : 0;
+  const size_t after_offset = rng() % 3 == 0 ? element_size(after_dtype) * (1 + rng() % 7) : 0;
+  HostTensor before = make_tensor(rng, before_dtype, numel, before_offset);
+  HostTensor after = make_tensor(rng, after_dtype, numel, after_offset);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (int64_t i = 0; i < numel; ++i) {
+    const double w = normal(rng) * magnitude;
+    store(before, i, w);
+    if (after_dtype != DType::Float8E4M3FN && after_dtype != DType::Float8E5M2) {
+      store(after, i, w * (1.0 - 1e-3 * normal(rng)));
+    }
+  }
+  return {std::move(before), std::move(after)};
+}
+
+void expect_difference_matches(const char* what, const std::vector<HostTensor>& befores,
+                               const std::vector<HostTensor>& afters, int num_sms) {
+  std::vector<HostTensor> pairs_list, want;
+  for (size_t i = 0; i < befores.size(); ++i) {
+    want.push_back(befores[i].dtype == DType::Float64 ? difference_of_pair<Float64Codec>(befores[i], afters[i])
+                                                      : difference_of_pair<Float32Codec>(befores[i], afters[i]));
+  }
+  for (const HostTensor& t : befores) pairs_list.push_back(t);
+  for (const HostTensor& t : afters) {
+    pairs_list.push_back(t);
+    want.push_back(t);
+  }
+  const ScanOutput out = run_scan(pairs_list, ScanKind::Difference, num_sms);
+  expect_matches(what, want, out, false);
+  cuda_emulator::block_order_seed = 7 + static_cast<unsigned>(befores.size());
+  const ScanOutput shuffled = run_scan(pairs_list, ScanKind::Difference, num_sms);
+  cuda_emulator::block_order_seed = 0;
+  CHECK(memcmp(out.stats.data(), shuffled.stats.data(), out.stats.size() * sizeof(double)) == 0 &&
+            out.counts == shuffled.counts && memcmp(&out.total_norm, &shuffled.total_norm, sizeof(double)) == 0,
+        "%s: a run with the blocks in another order differs in its bits", what);
+}
+
+void check_difference(std::mt19937_64& rng) {
+  const std::pair<DType, DType> admitted[] = {
+      {DType::Float32, DType::Float32},      {DType::Float32, DType::Float16},    {DType::Float32, DType::BFloat16},
+      {DType::Float32, DType::Float8E4M3FN}, {DType::Float32, DType::Float8E5M2}, {DType::Float64, DType::Float64},
+      {DType::Float64, DType::Float32},      {DType::Float64, DType::Float16},    {DType::Float64, DType::BFloat16},
+      {DType::Float64, DType::Float8E4M3FN}, {DType::Float64, DType::Float8E5M2}};
+  for (const auto& [before_dtype, after_dtype] : admitted) {
+    for (double magnitude : {1.0, 1e-18}) {
+      std::vector<HostTensor> befores, afters;
+      for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{4095}, int64_t{8193}, int64_t{20000}}) {
+        auto [b, a] = make_update_pair(rng, before_dtype, after_dtype, numel, magnitude);
+        if (numel > 0 && rng() % 2 == 0) plant(rng() % 2 ? b : a, static_cast<int64_t>(rng() % numel), rng() % 2 == 0);
+        befores.push_back(std::move(b));
+        afters.push_back(std::move(a));
+      }
+      char what[96];
+      std::snprintf(what, sizeof what, "difference %d-%d at %g", static_cast<int>(before_dtype),
+                    static_cast<int>(after_dtype), magnitude);
+      expect_difference_matches(what, befores, afters, 3);
+    }
+  }
+  // Mixed pairs in the large parameter blob (over 256 tensors) and in a device blob (over 1300).
+  for (int pairs : {150, 700}) {
+    std::vector<HostTensor> befores, afters;
+    for (int i = 0; i < pairs; ++i) {
+      const auto& [before_dtype, after_dtype] = admitted[rng() % 11];
+      auto [b, a] =
+          make_update_pair(rng, before_dtype, after_dtype, static_cast<int64_t>(rng() % 3000), rng() % 4 ? 1.0 : 1e-18);
+      if (b.numel > 0 && rng() % 5 == 0)
+        plant(rng() % 2 ? b : a, static_cast<int64_t>(rng() % b.numel), rng() % 2 == 0);
+      befores.push_back(std::move(b));
+      afters.push_back(std::move(a));
+    }
+    expect_difference_matches(pairs == 150 ? "difference, large parameter blob" : "difference, device blob", befores,
+                              afters, 4);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -636,6 +736,7 @@ int main() {
   check_unscale(rng, 3);
   check_scale(rng, 3, 50);
   check_scale(rng, 2, 1600);  // device blob
+  check_difference(rng);
   if (nanscan_test::failures == 0) {
     std::printf("emulated kernels: all checks passed (worst norm error on constant tensors: %.3g)\n", worst);
   }
