@@ -381,12 +381,8 @@ void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_o
   const TensorListArg before(stack[0]);
   const TensorListArg after(stack[1]);
   check_stack(num_args, num_outputs, 2, 5, kOp);
-  const std::vector<DType> before_tags = check_scan_inputs(before, kOp, "before");
-  const std::vector<DType> after_tags = check_scan_inputs(after, kOp, "after");
-  check_difference_pairs(before, before_tags, after, after_tags, kOp);
+  const DifferenceTags tags = check_difference_inputs(before, after, kOp);
   const auto n = static_cast<int64_t>(before.size());
-  std::vector<DType> tags = before_tags;
-  tags.insert(tags.end(), after_tags.begin(), after_tags.end());
   const TensorInfo& like = after[0];
   const CudaDeviceGuard guard(like.device_index);
   std::vector<OwnedTensor> copies;
@@ -402,12 +398,12 @@ void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_o
       copies.push_back(contiguous(a.handle));
       after_data = copies.back().data();
     }
-    args[i] = cuda::TensorArg{before_data, b.numel, before_tags[i]};
-    args[n + i] = cuda::TensorArg{after_data, a.numel, after_tags[i]};
+    args[i] = cuda::TensorArg{before_data, b.numel, tags.before[i]};
+    args[n + i] = cuda::TensorArg{after_data, a.numel, tags.after[i]};
   }
   const cuda::ListPlan& plan = plan_of(args);
   const cudaStream_t stream = current_stream(like.device_index);
-  ScanOutputs out = allocate_scan_outputs(tags, like, ScanOptions{});
+  ScanOutputs out = allocate_scan_outputs(tags.all, like, ScanOptions{});
   const DeviceList list = device_list(plan, like, stream);
   const int num_sms = sm_count();
   const auto workspace_bytes =

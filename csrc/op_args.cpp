@@ -39,6 +39,14 @@ std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* o
   return tags;
 }
 
+DifferenceTags check_difference_inputs(const TensorListArg& before, const TensorListArg& after, const char* op) {
+  DifferenceTags tags{check_scan_inputs(before, op, "before"), check_scan_inputs(after, op, "after"), {}};
+  check_difference_pairs(before, tags.before, after, tags.after, op);
+  tags.all = tags.before;
+  tags.all.insert(tags.all.end(), tags.after.begin(), tags.after.end());
+  return tags;
+}
+
 bool same_dense_layout(const TensorInfo& a, const TensorInfo& b) {
   if (!a.dense || !b.dense || a.dim != b.dim) return false;
   for (int64_t d = 0; d < a.dim; ++d) {

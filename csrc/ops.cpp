@@ -168,14 +168,10 @@ void scan_difference_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_ou
   const TensorListArg before(stack[0]);
   const TensorListArg after(stack[1]);
   check_stack(num_args, num_outputs, 2, 5, kOp);
-  const std::vector<DType> before_tags = check_scan_inputs(before, kOp, "before");
-  const std::vector<DType> after_tags = check_scan_inputs(after, kOp, "after");
-  check_difference_pairs(before, before_tags, after, after_tags, kOp);
-  std::vector<DType> tags = before_tags;
-  tags.insert(tags.end(), after_tags.begin(), after_tags.end());
-  ScanOutputs out = allocate_scan_outputs(tags, after[0], ScanOptions{});
-  cpu::scan_difference(before.infos(), before_tags, after.infos(), after_tags,
-                       result_pointers(out, static_cast<int64_t>(tags.size()), ScanOptions{}));
+  const DifferenceTags tags = check_difference_inputs(before, after, kOp);
+  ScanOutputs out = allocate_scan_outputs(tags.all, after[0], ScanOptions{});
+  cpu::scan_difference(before.infos(), tags.before, after.infos(), tags.after,
+                       result_pointers(out, static_cast<int64_t>(tags.all.size()), ScanOptions{}));
   return_outputs(stack, std::move(out));
 }
 

@@ -40,6 +40,15 @@ std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* o
 void check_difference_pairs(const TensorListArg& before, const std::vector<DType>& before_tags,
                             const TensorListArg& after, const std::vector<DType>& after_tags, const char* op);
 
+// scan_difference's two lists, checked as every backend checks them (each as a scan's list, then the
+// pairs), and their dtype tags: the befores', the afters', and both in the outputs' order.
+struct DifferenceTags {
+  std::vector<DType> before;
+  std::vector<DType> after;
+  std::vector<DType> all;  // the befores' then the afters'
+};
+DifferenceTags check_difference_inputs(const TensorListArg& before, const TensorListArg& after, const char* op);
+
 // Whether a pair's elements lie in the same order in memory, each tensor dense: then they are paired
 // by memory offset, whatever the order of the dimensions (scan_difference's backends read such pairs
 // in place).
