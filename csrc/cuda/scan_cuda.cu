@@ -324,7 +324,7 @@ __device__ __forceinline__ void reread_lane_elements(Raw* p, int64_t n, int lane
 }
 
 // A chunk's second read goes through `reread(fn, after_group)`, which walks the chunk's values (a
-// dense range: reread_lane_elements; a pair's differences: for_each_lane_difference) as the first
+// dense range: reread_lane_elements; a pair's differences: for_each_lane_pair) as the first
 // read did, calling fn on each value and after_group after each group of at most 65 per lane.
 
 // The sum of squares of a chunk's values, all finite, through the scaled rule (scan_rules.h) with
