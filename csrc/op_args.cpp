@@ -64,10 +64,10 @@ void check_difference_pairs(const TensorListArg& before, const std::vector<DType
   for (size_t i = 0; i < before.size(); ++i) {
     const TensorInfo& b = before[i];
     const TensorInfo& a = after[i];
-    NANSCAN_CHECK(before_tags[i] == DType::Float32 || before_tags[i] == DType::Float64, op, ": before[", i,
-                  "] has dtype ", dtype_name(b.dtype), "; the differences are kept in float32 or float64");
-    NANSCAN_CHECK(before_tags[i] == DType::Float64 || after_tags[i] != DType::Float64, op, ": after[", i,
-                  "] is float64 but before[", i, "] is float32: keep a float64 tensor's copy in float64");
+    NANSCAN_CHECK(keeps_differences(before_tags[i]), op, ": before[", i, "] has dtype ", dtype_name(b.dtype),
+                  "; the differences are kept in float32 or float64");
+    NANSCAN_CHECK(no_wider_than(after_tags[i], before_tags[i]), op, ": after[", i, "] is float64 but before[", i,
+                  "] is float32: keep a float64 tensor's copy in float64");
     bool same_shape = b.dim == a.dim;
     for (int64_t d = 0; same_shape && d < a.dim; ++d) same_shape = b.sizes[d] == a.sizes[d];
     NANSCAN_CHECK(same_shape, op, ": before[", i, "] has shape ", shape_string(b.sizes, b.dim), " but after[", i,

@@ -95,6 +95,10 @@ cuda_library = _load_cuda_library()
 
 scan_op = torch.ops.nanscan.scan.default
 scan_difference_op = torch.ops.nanscan.scan_difference.default
+scale_op = torch.ops.nanscan.scale_.default
+unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
+record_op = torch.ops.nanscan.record_.default
+_record_composite_op = torch.ops.nanscan._record_composite_.default
 
 
 def has_fused_difference(device: torch.device) -> bool:
@@ -103,11 +107,6 @@ def has_fused_difference(device: torch.device) -> bool:
     composite, which allocates the differences."""
     return device.type == "cpu" or (device.type == "cuda" and cuda_library is not None and torch.version.hip is None)
 
-
-scale_op = torch.ops.nanscan.scale_.default
-unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
-record_op = torch.ops.nanscan.record_.default
-_record_composite_op = torch.ops.nanscan._record_composite_.default
 
 # Kept for the life of the process: dropping a Library object removes its registrations.
 _LIBRARY = torch.library.Library("nanscan", "IMPL")

@@ -34,6 +34,16 @@ NANSCAN_HD constexpr int element_size(DType d) {
   return d == DType::Float64 ? 8 : d == DType::Float32 ? 4 : (d == DType::Float16 || d == DType::BFloat16) ? 2 : 1;
 }
 
+// scan_difference's pairs (the update watch's copies and weights), the one statement of which it
+// admits: the differences are kept in a before of float32 or float64, and an after is never wider
+// than its before (op_args.cpp refuses the rest with its words; the CUDA launcher checks its plan).
+NANSCAN_HD constexpr bool keeps_differences(DType before) {
+  return before == DType::Float32 || before == DType::Float64;
+}
+NANSCAN_HD constexpr bool no_wider_than(DType after, DType before) {
+  return before == DType::Float64 || after != DType::Float64;
+}
+
 NANSCAN_HD float bits_to_float(uint32_t bits) {
   float f;
   memcpy(&f, &bits, sizeof f);

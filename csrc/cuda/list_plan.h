@@ -176,6 +176,14 @@ struct ListView {
   }
 };
 
+// A difference scan's plan (scan_cuda.cu) lists N befores, then their N afters; its warps' shares
+// cover the befores alone, each after read beside its before: the list as that kernel cuts it.
+NANSCAN_HD ListView befores_of(const ListView& pairs) {
+  ListView befores = pairs;
+  befores.num_tensors = pairs.num_tensors / 2;
+  return befores;
+}
+
 // A range of warps, both ends included.
 struct WarpRange {
   int32_t first;

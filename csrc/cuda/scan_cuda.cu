@@ -925,9 +925,8 @@ template <int32_t kCapacity>
 __global__ void __launch_bounds__(kThreads, kDifferenceMinBlocks)
     difference_kernel(const __grid_constant__ ScanParams<kCapacity> p) {
   const ListView list = p.list.view();
-  const int32_t num_pairs = list.num_tensors / 2;
-  ListView befores = list;
-  befores.num_tensors = num_pairs;
+  const ListView befores = befores_of(list);
+  const int32_t num_pairs = befores.num_tensors;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int32_t w = static_cast<int32_t>(blockIdx.x) * kWarps + warp;
   const Shares shares = Shares::of(befores.total_cost(), static_cast<int64_t>(gridDim.x) * kWarps);
@@ -1103,9 +1102,8 @@ Params& parameter_buffer() {
 size_t fold_slots_of(const ListPlan& plan, ScanKind kind, int grid) {
   const int64_t warps = int64_t{grid} * kWarps;
   if (kind == ScanKind::Difference) {  // two trees over the befores' shares
-    const ListView list = plan.view();
-    const int32_t num_pairs = list.num_tensors / 2;
-    return 2 * static_cast<size_t>(Shares::of(list.cost_begin[num_pairs], warps).fold_slots(num_pairs));
+    const ListView befores = befores_of(plan.view());
+    return 2 * static_cast<size_t>(Shares::of(befores.total_cost(), warps).fold_slots(befores.num_tensors));
   }
   return static_cast<size_t>(Shares::of(plan.total_cost(), warps).fold_slots(plan.num_tensors()));
 }
@@ -1178,9 +1176,9 @@ bool valid_pairs(const ListPlan& plan) {
   const int32_t n = list.num_tensors / 2;
   for (int32_t t = 0; t < n; ++t) {
     const DType before = list.dtype_of(t), after = list.dtype_of(n + t);
-    if (before != DType::Float32 && before != DType::Float64) return false;
-    if (after == DType::Float64 && before != DType::Float64) return false;
-    if (list.numel[t] != list.numel[n + t]) return false;
+    if (!keeps_differences(before) || !no_wider_than(after, before) || list.numel[t] != list.numel[n + t]) {
+      return false;
+    }
   }
   return true;
 }
