@@ -525,15 +525,16 @@ __device__ __forceinline__ void for_each_lane_pair(const typename Before::Raw* b
                                                    int64_t n, int lane, Fn&& fn, AfterGroup&& after_group) {
 #pragma unroll 1
   for (int64_t i = lane; i < n; i += int64_t{kWarpSize} * kPairsInFlight) {
+    // Zero where past the end, not left unset: an unset element is the previous step's value to
+    // ptxas, which then kept all 16 across steps and spilled them inside the loop.
     typename Before::Raw rb[kPairsInFlight];
     typename After::Raw ra[kPairsInFlight];
 #pragma unroll
     for (int k = 0; k < kPairsInFlight; ++k) {
       const int64_t e = i + int64_t{k} * kWarpSize;
-      if (e < n) {
-        rb[k] = __ldg(b + e);
-        ra[k] = __ldg(a + e);
-      }
+      const bool in_range = e < n;
+      rb[k] = in_range ? __ldg(b + e) : typename Before::Raw(0);
+      ra[k] = in_range ? __ldg(a + e) : typename After::Raw(0);
     }
 #pragma unroll
     for (int k = 0; k < kPairsInFlight; ++k) {
@@ -909,12 +910,11 @@ __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
 // t beside it. Each pair leaves two results, the differences' at t and after's at N + t, through two
 // fold trees of the same shape (the afters' in the second half of the workspace's slots).
 //
-// Left alone, ptxas gives it 238-244 registers on sm_90 (one block per SM, 8 warps to cover memory
-// latency). Bounded at 2 blocks it keeps 128, and spills: 68-88 bytes in the kernel and ~2.5 KB in
-// difference_run_any, which ptxas does not inline (its eleven pairs' paths, ~230 bytes each, most in
-// the re-reads), whatever the pairs in flight (4 or 8). Two blocks, unmeasured: a GPU session is to
-// time 2 against 3 and none (NANSCAN_DIFFERENCE_MIN_BLOCKS, a build flag; benchmarks/NOTES.md entry
-// 39), and the spill's cost.
+// ptxas gives it 119-126 registers (sm_80, sm_90, sm_120) and no spill, in it or in
+// difference_run_any, which it keeps as a function of its own: 2 blocks of 8 warps per SM. The bound
+// of 2 holds it there (tools/check_cuda_build.sh fails past 128 registers or on any spill); 3 blocks
+// (80 registers) spill ~400 bytes. Unmeasured on a GPU: a session is to time 2 against 3
+// (NANSCAN_DIFFERENCE_MIN_BLOCKS, a build flag; benchmarks/NOTES.md entries 39 and 40).
 #ifdef NANSCAN_DIFFERENCE_MIN_BLOCKS
 constexpr int kDifferenceMinBlocks = NANSCAN_DIFFERENCE_MIN_BLOCKS;
 #else
