@@ -31,15 +31,19 @@
 #   tools/gpu_session.sh host              # build, then bench_host.py on the GPU: host ns per tensor of
 #                                          # check(params), the clips and the scalers, 10,000 tensors
 #   tools/gpu_session.sh lend              # one 15-minute lend's worth, most needed first, each stage
-#                                          # bounded in time: build, test_cuda.py, sanitize,
+#                                          # bounded in time: build, the CUDA tests, sanitize,
 #                                          # capabilities; the whole suite is the next command's
 #                                          # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`), ~6 minutes
-#   tools/gpu_session.sh ab NAME=VALUE     # the default build and a -DNAME=VALUE one side by side,
-#                                          # then bench_scan's scan rows of each (~5 minutes)
+#   tools/gpu_session.sh ab NAME=VALUE [ROWS]  # the default build and a -DNAME=VALUE one side by
+#                                          # side, then the rows of each: ROWS scan (bench_scan's, the
+#                                          # default) or updates (bench_state --updates: the update
+#                                          # watch's difference kernel, e.g. with
+#                                          # NANSCAN_DIFFERENCE_MIN_BLOCKS=3) (~5 minutes)
 #   tools/gpu_session.sh subwarp           # the small-tensor path: build (and one without it beside),
 #                                          # test_cuda.py, memcheck and racecheck, the scan rows of both
 #   tools/gpu_session.sh capabilities      # build, then bench_activations (GPT-2 size, fp16 autocast)
-#                                          # and bench_state on the GPU
+#                                          # and bench_state on the GPU: check_state, and the update
+#                                          # watch's sampled step (--updates)
 #   tools/gpu_session.sh wheel WHEEL       # the wheel as it ships (tools/build_wheel.sh, carried in:
 #                                          # dist/ is git-ignored): its libraries in a copy of the
 #                                          # checkout, no build; --version, test_build.py with a CUDA
@@ -65,7 +69,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|wheel WHEEL|ab NAME=VALUE|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|wheel WHEEL|ab NAME=VALUE [scan|updates]|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -160,28 +164,37 @@ variant_build() {
     { tail -30 "$out/variant_build.log"; return 1; }
 }
 
-# bench_scan's ceiling and scan rows in folder $1 (a checkout with its own build), to $out/ab_$2.txt.
-# Run from inside the folder with PYTHONPATH on it: the copy's nanscan, not the editable install.
+# The rows of folder $1 (a checkout with its own build), to $out/ab_$2.txt: with $3 = scan (the
+# default), bench_scan's ceiling and scan rows; with updates, bench_state --updates' rows (the update
+# watch's sampled step against a read, a copy and the unfused 7W pass). Run from inside the folder
+# with PYTHONPATH on it: the copy's nanscan, not the editable install.
 ab_rows() {
+  local rows=(benchmarks/bench_scan.py --device cuda --dtype float32,bfloat16
+    --models many_small_10000x1024,gpt2-small,llama-1b --magnitudes ordinary,tiny --methods nanscan.scan
+    --max-repeats 30 --min-time 0.2)
+  local shown="^ab: |^== |^ceiling_sum|^nanscan.scan"
+  if [ "${3:-scan}" = updates ]; then
+    rows=(benchmarks/bench_state.py --device cuda --updates --models many_small_10000x1024,gpt2-small,llama-1b)
+    shown="^ab: |^model |^[a-z]"
+  fi
   (cd "$1" && PYTHONPATH="$PWD" "$PY" -c "import nanscan; print('ab: $2 imports', nanscan._C.__file__)" &&
-    PYTHONPATH="$PWD" "$PY" benchmarks/bench_scan.py --device cuda --dtype float32,bfloat16 \
-      --models many_small_10000x1024,gpt2-small,llama-1b --magnitudes ordinary,tiny --methods nanscan.scan \
-      --max-repeats 30 --min-time 0.2 --json "$out/ab_$2.json" 2>>"$out/ab.err") |
-    tee "$out/ab_$2.txt" | grep -E "^ab: |^== |^ceiling_sum|^nanscan.scan" || echo "ab: no rows for $2 (see $out/ab.err)"
+    PYTHONPATH="$PWD" "$PY" "${rows[@]}" --json "$out/ab_$2.json" 2>>"$out/ab.err") |
+    tee "$out/ab_$2.txt" | grep -E "$shown" || echo "ab: no rows for $2 (see $out/ab.err)"
 }
 
 # The default build (in place) against a -DNAME=VALUE build of a copy, built side by side, then the
-# scan rows of each: what a kernel flag changes, measured in one session on one GPU. The default
-# build stays for what follows.
+# rows ($2: scan or updates, see ab_rows) of each: what a kernel flag changes, measured in one session
+# on one GPU. The default build stays for what follows.
 ab() {
-  local variant="${1:?usage: ab NAME=VALUE}" copy
+  local variant="${1:?usage: ab NAME=VALUE [scan|updates]}" rows="${2:-scan}" copy
+  case "$rows" in scan | updates) ;; *) echo "ab: ROWS is scan or updates, not $rows" >&2; return 1 ;; esac
   copy="$(mktemp -d)"
   variant_build "$copy" "$variant" &
   local background=$!
   build || return 1
   wait "$background" || return 1
-  ab_rows . default
-  ab_rows "$copy" "$variant"
+  ab_rows . default "$rows"
+  ab_rows "$copy" "$variant" "$rows"
   rm -rf "$copy"
 }
 
@@ -297,10 +310,15 @@ subwarp() {
   rm -rf "$copy"
 }
 
-# What the open issues added, on the GPU: the activation watch on GPT-2-small's size under fp16
-# autocast, check_state, and the host floor (~2 minutes).
+# What the open issues added, on the GPU: the update watch's sampled step, the activation watch on
+# GPT-2-small's size under fp16 autocast, and check_state (~3 minutes).
 capabilities() {
-  echo "== activations, check_state"
+  echo "== the update watch, activations, check_state"
+  # First, as the newest kernel and never measured: the update watch's difference kernel, against
+  # NOTES.md entry 39's prediction (4.2-4.7x a read of fp32 weights).
+  timeout 120 "$PY" benchmarks/bench_state.py --device cuda --updates \
+      --models many_small_10000x1024,gpt2-small,llama-1b \
+      --json "$out/updates_cuda.json" 2>&1 | tee "$out/updates_cuda.txt" | tail -6 || echo "updates: exit $?"
   timeout 150 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 \
       --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -14 || echo "activations: exit $?"
   timeout 120 "$PY" benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b \
@@ -310,18 +328,22 @@ capabilities() {
 # One lend: the stages in the order of their need, each bounded (seconds), so that a slow one leaves
 # time to the next; the built library stays for the next command on the same warm machine, and a
 # copy goes to $out/libs.tgz for one on a fresh machine (a bare machine's build took over 120 s on
-# 2026-11-26). What the fifth session left unrun: test_cuda.py on the final library, the four
-# sanitizer tools on the small-tensor path, and the activation watch measured on one model (NOTES.md
-# entry 35). The whole suite is the next command's (`NANSCAN_PREBUILT=1 tools/gpu_session.sh
-# suite`, ~5 minutes); nccl, host, magnitudes and no-kernel are stages of their own (their paths
-# unchanged since the fourth session). ~6 minutes on the H100 machine.
+# 2026-11-26). What no GPU has run yet: the library since the stable-ABI port, the difference kernel
+# (tests, sanitizer, speed: NOTES.md entries 39-40), the four sanitizer tools on the small-tensor
+# path, the activation watch on one model (entry 35). The whole suite is the next command's
+# (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`, ~5 minutes); nccl, host, magnitudes and no-kernel
+# are stages of their own (their paths unchanged since the fourth session). ~6-8 minutes on the
+# H100 machine: give the command 555 s or more.
 lend() {
   build || return 1
   tar czf "$out/libs.tgz" nanscan/_C*.so
   export NANSCAN_PREBUILT=1
-  timeout 80 "$PY" -m pytest -q -rfE tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
+  # test_cuda.py, and the CUDA tests of what no GPU has run yet: the difference kernel, the update
+  # watch, check_state, the activation watch.
+  timeout 110 "$PY" -m pytest -q -rfE tests/test_cuda.py tests/test_scan_difference.py tests/test_updates.py \
+    tests/test_state.py tests/test_activations.py -k cuda 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
   timeout 120 "$self" sanitize || echo "sanitize: exit $?"
-  timeout 240 "$self" capabilities || echo "capabilities: exit $?"
+  timeout 300 "$self" capabilities || echo "capabilities: exit $?"
 }
 
 # Nsight Compute's command line: on PATH, in the toolkit, or where its installer puts it (empty if none).

@@ -11,7 +11,9 @@ within a 16-byte vector (the kernels' head path), the replica checksum, a tensor
 chunks (met by over 1024 warps' shares on a GPU's grid: both levels of the fold tree), NaN/Inf
 planted, runs of small tensors (the small-tensor path), chunks of tiny, huge, all-NaN, all-Inf and
 mixed NaN/Inf values (every re-read of scan_rules.h), the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
-the clip multiply with a coefficient of 1 (no write) and below 1. With ``--part graph``: a CUDA graph
+the clip multiply with a coefficient of 1 (no write) and below 1, and the difference scan (the update
+watch's kernel: every pair of formats it admits, in each list capacity, with tiny updates, NaN/Inf
+and an all-NaN chunk). With ``--part graph``: a CUDA graph
 of a scan of a list in device memory, replayed (the blob's upload kernels run at every replay).
 
 Built to keep the sanitizer's work on nanscan's kernels: every list is a set of views into one flat
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 import nanscan
+from nanscan._ops import scan_difference_op
+from nanscan.fused import ScanResult
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -108,6 +112,56 @@ def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     return params
+
+
+# The difference scan's pairs (before, after): every format pair its kernel is built for.
+DIFFERENCE_PAIRS = [(torch.float32, after) for after in [torch.float32, torch.float16, torch.bfloat16, *FP8]] + [
+    (torch.float64, after) for after in [torch.float64, torch.float32, torch.float16, torch.bfloat16, *FP8]
+]
+
+
+def differences(gen: torch.Generator, device: str) -> None:
+    """``scan_difference`` on the device against the CPU backend's, for lists of 40, 400 and 900 pairs
+    (80, 800 and 1,800 tensors: the small and the large parameter capacity, and device memory), the
+    pairs cycling through DIFFERENCE_PAIRS at sizes from 1 element to several chunks, each a view at its
+    own offset. Weights ~1, updates of ~1e-3 of them, and in every list: a pair of weights of 1e-18
+    (differences of ~1e-21, whose fp32 squares are subnormal: the scaled re-read), a NaN in a before and an Inf in an after
+    (the checked re-reads), and a before whose second chunk is all NaN (told by the fast result)."""
+    for count in (40, 400, 900):
+        kinds = [DIFFERENCE_PAIRS[i % len(DIFFERENCE_PAIRS)] for i in range(count)]
+        sizes = [1 + (i * 7919) % 30_000 for i in range(count)]
+        sizes[5] = 3 * 8192 + 7  # three chunks of fp32 and more of fp64 (32 KiB of before's elements each)
+        afters = Views.random(sizes, [after for _, after in kinds], gen)
+        befores = Views({}, [])
+        totals: dict[torch.dtype, int] = {}
+        for (before_dtype, _), n in zip(kinds, sizes, strict=True):
+            befores.layout.append((before_dtype, totals.get(before_dtype, 0), n))
+            totals[before_dtype] = totals.get(before_dtype, 0) + n
+        befores.flats = {dtype: torch.empty(total, dtype=dtype) for dtype, total in totals.items()}
+        for i, ((before_dtype, offset, n), (after_dtype, after_offset, _)) in enumerate(
+            zip(befores.layout, afters.layout, strict=True)
+        ):
+            weight = afters.flats[after_dtype][after_offset : after_offset + n].double()
+            if i == 2:  # weights of 1e-18: differences of ~1e-21, whose fp32 squares are subnormal
+                weight = weight * 1e-18
+                afters.flats[after_dtype][after_offset : after_offset + n] = weight.to(after_dtype)
+            moved = weight * (1 + 1e-3 * torch.randn(n, generator=gen, dtype=torch.float64))
+            befores.flats[before_dtype][offset : offset + n] = moved.to(before_dtype)
+        befores.plant(3, 1, math.nan)
+        afters.plant(4, -1, math.inf)
+        dtype, offset, _ = befores.layout[5]
+        chunk = 32 * 1024 // dtype.itemsize
+        befores.flats[dtype][offset + chunk : offset + 2 * chunk] = math.nan
+        got = ScanResult.from_op(*scan_difference_op(befores.to(device).tensors, afters.to(device).tensors))
+        want = ScanResult.from_op(*scan_difference_op(befores.tensors, afters.tensors))
+        # The planted values are there, so no path above goes untaken unseen (results: the differences
+        # at t, the afters at count + t).
+        assert int(want.nan_count[3]) == 1 and int(want.nan_count[5]) == chunk and int(want.inf_count[count + 4]) == 1
+        assert 0 < float(want.norm[2]) < 1e-17, "the tiny pair's differences are not tiny"
+        got_exact, got_norms = packed(got)
+        want_exact, want_norms = packed(want)
+        assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), f"{count} pairs: the differences differ"
+        torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
 
 
 def graph_replay(gen: torch.Generator) -> None:
@@ -245,6 +299,8 @@ def main() -> None:
     torch.nn.utils.clip_grad_norm_(with_grads(before.tensors), 1.0)
     assert float(total) > 10  # so the multiply really scaled
     torch.testing.assert_close(on_device.values(), before.values(), rtol=1e-6, atol=1e-7)
+
+    differences(gen, device)
     if device == "cuda":
         torch.cuda.synchronize()
     print("sanitize_workload: all paths ran and agreed with the CPU")
