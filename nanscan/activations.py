@@ -24,9 +24,9 @@ holds. Under ``torch.inference_mode()`` tensors have no version counter, so ever
 are scanned (a container's output a second time). The per-call statistics wait on the device until
 the model's forward returns; then one concatenation and a few indexed reductions fold the whole pass
 into per-module accumulators (an int64 [modules, 4] table of counts, a float64 [modules] amax, and
-the first call, in execution order, whose outputs held a NaN/Inf), so a step costs a scan per module
-call and a few launches, whatever the number of modules. Host-side, the watch counts the calls and
-the elements scanned (Python integers; no device value is read). Each read of the figures
+the first call, in execution order, whose outputs held a NaN/Inf, and an int64 [modules, 3] table of
+calls, fp16 calls and elements scanned), so a step costs a scan per module call and a few launches,
+whatever the number of modules. Each read of the figures
 (``table()``, ``str()``, ``figures()``, ``first_nonfinite``, the Advisor) copies the accumulators to
 the host: one sync per device; under torch.distributed also three small all-reduces, which every
 rank of the group must make (``process_group``).
@@ -37,6 +37,14 @@ model's own three hooks. A compiled model retraces once for each state (hooked, 
 reuses both graphs. Only calls inside the model's
 own forward are scanned: a submodule called on its own, or re-run by activation checkpointing during
 backward, is not counted twice.
+
+CUDA graphs: a sampled forward captured in a graph (``torch.cuda.graph``, ``make_graphed_callables``)
+scans at every replay, and every figure, the calls, elements and sampled passes included, is kept on
+the device, so each replay counts as the forward it repeats. What a replay does not run is Python:
+``forwards`` and ``sampled`` count the passes the hooks saw, the sampling decision is the captured
+pass's, and a non-finite call's number is the one it had in that pass. The watch's accumulators must
+exist before the capture: run one sampled forward first (the warm-up torch's graph API asks for
+anyway); a watch whose first scan is captured refuses it.
 
 torch.compile: the hooks run eagerly, as a graph break at each module's forward hook (they are marked
 ``torch.compiler.disable``): their Python bookkeeping (the step counter, the sampling decision) would
@@ -127,33 +135,50 @@ class ModuleActivations:
 _NONE = torch.iinfo(torch.int64).max  # no non-finite call yet
 
 
+class _Pending(NamedTuple):
+    """One scanned module call's results on one device, waiting for the pass's fold."""
+
+    call: int  # its number among the scanned calls, in execution order
+    slot: int  # its module's
+    counts: torch.Tensor  # int64 [4, k] of its k tensors on this device: NaN, Inf, overflow, underflow
+    stats: torch.Tensor  # [3, k]: min, max, norm
+    tally: tuple[int, int, int]  # (calls, fp16 calls, elements) it adds: (1, ...) on one device only
+
+
 class _DeviceTotals:
     """The accumulators on one device: counts int64 [modules, 4] (NaN, Inf, overflow, underflow),
-    amax float64 [modules], and the first non-finite call (``first``: its call number times the
-    module count plus its module's slot, or _NONE), with the module calls scanned since the last fold."""
+    amax float64 [modules], the first non-finite call (``first``: its call number times the module
+    count plus its module's slot, or _NONE), tallies int64 [modules, 3] (calls, fp16 calls, elements)
+    and the sampled passes folded (``passes``), with the module calls scanned since the last fold.
+    All on the device, so that a CUDA graph's replays count as the passes they repeat."""
 
     def __init__(self, modules: int, device: torch.device) -> None:
         self.modules = modules
         self.counts = torch.zeros((modules, 4), dtype=torch.int64, device=device)
         self.amax = torch.zeros(modules, dtype=torch.float64, device=device)
         self.first = torch.full((), _NONE, dtype=torch.int64, device=device)
+        self.tallies = torch.zeros((modules, 3), dtype=torch.int64, device=device)
+        self.passes = torch.zeros((), dtype=torch.int64, device=device)
         # The same figures of the passes since a recorder last took them (ActivationWatch._take_recent):
         # counts [4, modules] (a recorder's row takes the first three rows as they lie), amax [modules].
         self.recent_counts = torch.zeros((4, modules), dtype=torch.int64, device=device)
         self.recent_amax = torch.zeros(modules, dtype=torch.float64, device=device)
-        # (call number, slot, counts [4, k], stats [3, k]) per scanned module call
-        self.pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[_Pending] = []
 
     def fold(self) -> None:
         """Adds the pending calls into the accumulators: a handful of launches for the whole pass."""
         if not self.pending:
             return
-        # Each scanned tensor's code: its call number times the module count plus its module's slot.
-        codes = [call * self.modules + slot for call, slot, counts, _ in self.pending for _ in range(counts.shape[1])]
-        counts = torch.cat([counts for _, _, counts, _ in self.pending], dim=1)
-        stats = torch.cat([stats for _, _, _, stats in self.pending], dim=1)
+        # Each scanned tensor's code (its call number times the module count plus its module's slot),
+        # then each call's tally row (slot, calls, fp16 calls, elements): one upload.
+        codes = [p.call * self.modules + p.slot for p in self.pending for _ in range(p.counts.shape[1])]
+        rows = [x for p in self.pending for x in (p.slot, *p.tally)]
+        counts = torch.cat([p.counts for p in self.pending], dim=1)
+        stats = torch.cat([p.stats for p in self.pending], dim=1)
         self.pending.clear()
-        code_of = upload(codes, torch.int64, self.counts.device)  # one upload; the slots follow from it
+        uploaded = upload(codes + rows, torch.int64, self.counts.device)
+        code_of, tally = uploaded[: len(codes)], uploaded[len(codes) :].view(-1, 4)
+        self.tallies.index_add_(0, tally[:, 0], tally[:, 1:])
         index = code_of.remainder(self.modules)
         self.counts.index_add_(0, index, counts.t())
         self.recent_counts.index_add_(1, index, counts)
@@ -176,15 +201,18 @@ class _Host(NamedTuple):
     fp16_calls: list[int]
     elements: list[int]
     ranks: list[tuple[int, ...]]
+    passes: int  # sampled passes folded (the most of any device, and of any rank)
 
 
 class _Read(NamedTuple):
-    """One read of the figures: every module's, and the first non-finite call's module slot and
-    call number (None when every output was finite)."""
+    """One read of the figures: every module's, the first non-finite call's module slot and call
+    number (None when every output was finite), and the sampled passes they cover (replays of a
+    captured pass included)."""
 
     figures: list[ModuleActivations]
     first_slot: int | None
     first_call: int | None
+    passes: int
 
     def worst(self) -> list[ModuleActivations]:
         """The modules scanned, worst first: the first to go non-finite, the other non-finite ones,
@@ -216,9 +244,6 @@ class ActivationWatch:
         clean = clean_module_names(model)
         self.names = [clean.get(name, name) if clean is not None else name for name, _ in named]
         self.ops = [type(module).__name__ for _, module in named]
-        self._calls = [0] * len(named)
-        self._fp16_calls = [0] * len(named)
-        self._elements = [0] * len(named)
         self._devices: dict[torch.device, _DeviceTotals] = {}
         self._forwards = 0  # forwards of the model begun
         self._sampled = 0  # of which sampled
@@ -226,6 +251,10 @@ class ActivationWatch:
         self._call_number = 0  # module calls scanned so far, in execution order
         self._sampling = False
         self._recent = 0  # sampled passes folded since a recorder last took their figures
+        # Sampled passes captured in a CUDA graph (their kernels ran at the replays, not then). Once
+        # one is, replays fold figures no hook sees, so a recorder takes the recent figures at every
+        # record (zeros when no replay ran since).
+        self._captured = 0
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
@@ -265,6 +294,9 @@ class ActivationWatch:
         if self._sampling:
             for totals in self._devices.values():
                 totals.fold()
+                totals.passes.add_(1)
+            if any(d.type == "cuda" for d in self._devices) and torch.cuda.is_current_stream_capturing():
+                self._captured += 1
             self._recent += 1
         if self.every > 1:
             self._detach_module_hooks()
@@ -307,24 +339,37 @@ class ActivationWatch:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in fresh:
             by_device.setdefault(t.device, []).append(t)
+        # The call's tally goes with its first device's results, so that a call is counted once.
+        tally = (1, int(any(t.dtype == torch.float16 for t in fresh)), sum(t.numel() for t in fresh))
         for device, tensors in by_device.items():
-            counts, stats, _, _, _ = scan_op(tensors, True, False)
+            counts, stats, _, _, _ = scan_op(tensors, True, False)  # counts [4, k] with fp16_range
             totals = self._devices.get(device)
             if totals is None:
-                totals = self._devices[device] = _DeviceTotals(len(self.names), device)
-            totals.pending.append((self._call_number, slot, counts, stats))  # counts [4, k] with fp16_range
+                totals = self._devices[device] = self._new_totals(device)
+            totals.pending.append(_Pending(self._call_number, slot, counts, stats, tally))
+            tally = (0, 0, 0)
             if len(totals.pending) >= _MAX_PENDING:
                 totals.fold()
-        self._calls[slot] += 1
-        self._fp16_calls[slot] += any(t.dtype == torch.float16 for t in fresh)
         self._call_number += 1
-        self._elements[slot] += sum(t.numel() for t in fresh)
+
+    def _new_totals(self, device: torch.device) -> _DeviceTotals:
+        """The accumulators of a device's first scanned call. Made in a CUDA graph capture, their
+        zeroing would be captured too and undo every replay's figures: refused."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._sampling = False  # the rest of the captured pass scans nothing
+            raise RuntimeError(
+                f"nanscan.watch_activations: the watch's first scan on {device} is being captured in a CUDA "
+                "graph, and its accumulators cannot be made inside one; run one sampled forward of the model "
+                "before the capture (the warm-up torch.cuda.graph asks for)"
+            )
+        return _DeviceTotals(len(self.names), device)
 
     # ----------------------------------------------------------------------------------- results
 
     @property
     def forwards(self) -> int:
-        """Forward passes of the model since the watch was attached."""
+        """Forward passes of the model since the watch was attached, as its hooks saw them; a CUDA
+        graph's replays are not among them (the figures count them, and ``table()`` says how many)."""
         return self._forwards
 
     @property
@@ -339,17 +384,39 @@ class ActivationWatch:
         m = len(self.names)
         counts = [[0, 0, 0, 0] for _ in range(m)]
         amax = [0.0] * m
-        first = _NONE
+        tallies = [[0, 0, 0] for _ in range(m)]
+        first, passes = _NONE, 0
         for totals in self._devices.values():
             totals.fold()
             code = torch.where(totals.first == _NONE, -1, totals.first)
-            packed = torch.cat([totals.counts.flatten().double(), totals.amax, code.double().view(1)]).tolist()
+            packed = torch.cat(
+                [
+                    totals.counts.flatten().double(),
+                    totals.amax,
+                    totals.tallies.flatten().double(),
+                    totals.passes.double().view(1),
+                    code.double().view(1),
+                ]
+            ).tolist()
             for i in range(m):
                 counts[i] = [a + int(b) for a, b in zip(counts[i], packed[4 * i : 4 * i + 4], strict=True)]
                 amax[i] = max(amax[i], packed[4 * m + i])
+                tallies[i] = [
+                    a + int(b) for a, b in zip(tallies[i], packed[5 * m + 3 * i : 5 * m + 3 * i + 3], strict=True)
+                ]
+            passes = max(passes, int(packed[-2]))
             if packed[-1] >= 0:
                 first = min(first, int(packed[-1]))
-        host = _Host(counts, amax, first, self._calls, self._fp16_calls, self._elements, [()] * m)
+        host = _Host(
+            counts,
+            amax,
+            first,
+            calls=[t[0] for t in tallies],
+            fp16_calls=[t[1] for t in tallies],
+            elements=[t[2] for t in tallies],
+            ranks=[()] * m,
+            passes=passes,
+        )
         group = self._group()
         if group is not None:
             host = self._reduce(group, host)
@@ -368,17 +435,18 @@ class ActivationWatch:
             )
         ]
         if host.first == _NONE:
-            return _Read(figures, None, None)
+            return _Read(figures, None, None, host.passes)
         call, slot = divmod(host.first, m)
-        return _Read(figures, slot, call)
+        return _Read(figures, slot, call, host.passes)
 
     def _take_recent(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The figures of the sampled passes since the last take, for a recorder's row on ``device``:
         (amax float64 [modules], counts int64 [4, modules]: NaN, Inf, overflow, underflow), every
         device's combined and, under torch.distributed, every rank's (two all-reduces: only when a
         pass was sampled, so every rank must run as many forwards, as DDP and FSDP do); None when no
-        pass was sampled. The recent figures start again from zero; the watch's own do not. No sync."""
-        if self._recent == 0:
+        pass was sampled and none was captured in a CUDA graph (whose replays no hook sees: taken at
+        every record then). The recent figures start again from zero; the watch's own do not. No sync."""
+        if self._recent == 0 and not self._captured:
             return None
         self._recent = 0
         amax = torch.zeros(len(self.names), dtype=torch.float64, device=device)
@@ -447,7 +515,7 @@ class ActivationWatch:
             ]
         ).to(device)
         first = host.first if host.first != _NONE else 2.0**62
-        largest = torch.tensor([*host.amax, -float(first)], dtype=torch.float64).to(device)
+        largest = torch.tensor([*host.amax, -float(first), float(host.passes)], dtype=torch.float64).to(device)
         all_reduce(summed, dist.ReduceOp.SUM, group)
         all_reduce(largest, dist.ReduceOp.MAX, group)
         s, big = summed.tolist(), largest.tolist()
@@ -462,6 +530,7 @@ class ActivationWatch:
             fp16_calls=rest[m : 2 * m],
             elements=rest[2 * m :],
             ranks=[tuple(r for r in range(world) if flat[i * world + r]) for i in range(m)] if per_module else [()] * m,
+            passes=int(big[m + 1]),
         )
 
     def figures(self) -> list[ModuleActivations]:
@@ -487,9 +556,11 @@ class ActivationWatch:
         """A text table of the scanned modules, worst headroom first (one sync)."""
         read = self._read()
         rows = read.worst()
+        replays = read.passes - (self._sampled - self._captured)
         head = (
-            f"activations of {len(rows)} modules over {self._sampled} sampled forward(s) of {self._forwards} "
-            f"(every {self.every}); headroom = 65504 / amax, 0 where a NaN/Inf was seen"
+            f"activations of {len(rows)} modules over {read.passes} sampled forward(s) of "
+            + (f"{self._forwards}" if replays <= 0 else f"{self._forwards} and {replays} CUDA graph replay(s)")
+            + f" (every {self.every}); headroom = 65504 / amax, 0 where a NaN/Inf was seen"
         )
         if read.first_slot is not None:
             first = read.figures[read.first_slot]

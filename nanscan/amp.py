@@ -557,7 +557,7 @@ class Advisor:
             return f"{f.name or '(model)'} ({f.op}: amax {f.amax:.4g}, headroom {room}{ranks})"
 
         reasons = [
-            f"activations: {len(figures)} modules watched over {watch.sampled} forward pass(es); the smallest "
+            f"activations: {len(figures)} modules watched over {read.passes} forward pass(es); the smallest "
             f"headroom of the finite ones is {'inf' if math.isinf(headroom) else f'{headroom:.3g}'} (65504 / amax)"
         ]
         maker = read.figures[read.first_slot] if read.first_slot is not None else None

@@ -25,13 +25,26 @@ SUPPORTED_DTYPES = frozenset(
 MAX_DIMS = 64  # the kernels' limit (kMaxDims in csrc/cpu/scan_cpu.h), which is also torch's
 
 
+# The host sources of the uploads captured in a CUDA graph: each replay copies from them again, so
+# they live as long as the process (a few bytes per value, once per capture).
+_CAPTURED_UPLOAD_SOURCES: list[torch.Tensor] = []
+
+
 def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on ``device``, with no host sync: ``torch.tensor(values, device=cuda)``
     copies from pageable memory, which waits for the GPU (``set_sync_debug_mode("error")`` raises);
     from pinned memory the copy is queued on the stream. torch's pinned allocator keeps the block
-    until that copy has run, so the host tensor may go out of scope at once."""
+    until that copy has run, so the host tensor may go out of scope at once.
+
+    Inside a CUDA graph capture the copy is recorded, not run: every replay reads the source again,
+    so the source is kept for good, and is pageable memory (a captured asynchronous copy from it is
+    legal), since the pinned allocator's reuse of a block rests on events a capture only records."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        source = torch.tensor(values, dtype=dtype)
+        _CAPTURED_UPLOAD_SOURCES.append(source)
+        return source.to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

@@ -404,6 +404,67 @@ def test_cuda_recorder_keeps_the_watch_without_a_sync() -> None:
     assert all(r.activations.overflow[i] == 3 for r in records if r.activations is not None)
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_watch_captured_in_a_graph_counts_every_replay() -> None:
+    """A sampled forward captured in a CUDA graph scans at every replay: the figures (calls, elements
+    and passes included, all kept on the device) count each replay as the forward it repeats, the
+    capture itself (recorded, not run) adds nothing, and a recorder takes each replay's figures, with
+    no sync."""
+    model = planted_model().cuda()
+    x = torch.randn(4, 16, device="cuda")
+    watch = nanscan.watch_activations(model)
+    with torch.no_grad():
+        side = torch.cuda.Stream()  # the warm-up off the capture stream, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(x)  # the watch's accumulators are made here, outside the graph
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(x)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    recorder = nanscan.Recorder(every=100, activations=watch)
+    nanscan.check(model, recorder=recorder)  # the warm-up's figures
+    torch.cuda.synchronize()
+    with syncs_refused():
+        for _ in range(3):
+            graph.replay()
+            nanscan.check(model, recorder=recorder)
+    recorder.close()
+    got = as_rows(watch)  # the warm-up and three replays: four passes
+    with torch.no_grad():
+        want = reference(model, lambda: model(x))  # one pass, which the watch would count too: read after
+    assert got["3"][:2] == [4, 4 * want["3"][1]] and got["3"][5:] == [3 * 4, 2 * 4], got["3"]
+    assert got["3"][4] == pytest.approx(want["3"][4], rel=1e-12)
+    assert got["0"][0] == 4 and got["4"][0] == 4, got
+    assert watch.forwards == 2 and "over 4 sampled forward(s) of 2 and 3 CUDA graph replay(s)" in watch.table()
+    records = list(recorder.records)
+    i = watch.names.index("3")
+    assert len(records) == 4 and all(r.activations is not None and r.activations.overflow[i] == 3 for r in records)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_watch_whose_first_scan_would_be_captured_refuses_it() -> None:
+    """The accumulators' zeroing, captured, would undo every replay's figures: a capture before any
+    sampled forward is refused, and a warm-up then lets the capture go through."""
+    model = planted_model().cuda()
+    x = torch.randn(4, 16, device="cuda")
+    watch = nanscan.watch_activations(model)
+    with torch.no_grad():
+        refused = pytest.raises(RuntimeError, match="run one sampled forward of the model before the capture")
+        with refused, torch.cuda.graph(torch.cuda.CUDAGraph()):
+            model(x)
+        model(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(x)
+    graph.replay()
+    assert as_rows(watch)["3"][0] == 2  # the warm-up and the replay
+
+
 # ------------------------------------------------------------------------- the AMP advice
 
 
