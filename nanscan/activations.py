@@ -38,9 +38,10 @@ reuses both graphs. Only calls inside the model's
 own forward are scanned: a submodule called on its own, or re-run by activation checkpointing during
 backward, is not counted twice.
 
-CUDA graphs: a sampled forward captured in a graph (``torch.cuda.graph``, ``make_graphed_callables``)
-scans at every replay, and every figure, the calls, elements and sampled passes included, is kept on
-the device, so each replay counts as the forward it repeats. What a replay does not run is Python:
+CUDA graphs: a sampled forward captured in a graph (``torch.cuda.graph``) scans at every replay, and
+every figure, the calls, elements and sampled passes included, is kept on the device, so each replay
+counts as the forward it repeats. (``torch.cuda.make_graphed_callables`` refuses a module with hooks,
+and the watch's hooks added after it see only the graphed module's own output.) What a replay does not run is Python:
 ``forwards`` and ``sampled`` count the passes the hooks saw, the sampling decision is the captured
 pass's, and a non-finite call's number is the one it had in that pass. The watch's accumulators must
 exist before the capture: run one sampled forward first (the warm-up torch's graph API asks for
