@@ -28,6 +28,7 @@ import contextlib
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,13 @@ def check_page(path: Path, verbose: bool) -> list[str]:
     env.setdefault("MPLBACKEND", "Agg")
     ran = skipped = 0
     with tempfile.TemporaryDirectory(prefix="nanscan-doc-") as scratch, tempfile.TemporaryDirectory() as bin_dir:
-        os.symlink(sys.executable, os.path.join(bin_dir, "python"))  # `python` in a block is this one
+        # `python` in a block is this one. A script, not a symlink: a link to a venv's python (itself a
+        # link to the base interpreter) is not in the venv's folder, so Python would not find the
+        # venv's pyvenv.cfg beside it and would start as the base interpreter, without the packages.
+        wrapper = os.path.join(bin_dir, "python")
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        os.chmod(wrapper, 0o755)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
         here = os.getcwd()
         os.chdir(scratch)
