@@ -67,7 +67,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .fused import floating_tensors, upload
+from .fused import capturing, floating_tensors, upload
 from .names import clean_module_names
 
 FP16_MAX = 65504.0
@@ -256,6 +256,7 @@ class ActivationWatch:
         # one is, replays fold figures no hook sees, so a recorder takes the recent figures at every
         # record (zeros when no replay ran since).
         self._captured = 0
+        self._eager_passes = 0  # sampled passes folded outside a capture: the rest of `passes` are replays
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
@@ -296,8 +297,10 @@ class ActivationWatch:
             for totals in self._devices.values():
                 totals.fold()
                 totals.passes.add_(1)
-            if any(d.type == "cuda" for d in self._devices) and torch.cuda.is_current_stream_capturing():
+            if any(capturing(d) for d in self._devices):
                 self._captured += 1
+            elif self._devices:
+                self._eager_passes += 1
             self._recent += 1
         if self.every > 1:
             self._detach_module_hooks()
@@ -356,7 +359,7 @@ class ActivationWatch:
     def _new_totals(self, device: torch.device) -> _DeviceTotals:
         """The accumulators of a device's first scanned call. Made in a CUDA graph capture, their
         zeroing would be captured too and undo every replay's figures: refused."""
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             self._sampling = False  # the rest of the captured pass scans nothing
             raise RuntimeError(
                 f"nanscan.watch_activations: the watch's first scan on {device} is being captured in a CUDA "
@@ -557,7 +560,7 @@ class ActivationWatch:
         """A text table of the scanned modules, worst headroom first (one sync)."""
         read = self._read()
         rows = read.worst()
-        replays = read.passes - (self._sampled - self._captured)
+        replays = read.passes - self._eager_passes
         head = (
             f"activations of {len(rows)} modules over {read.passes} sampled forward(s) of "
             + (f"{self._forwards}" if replays <= 0 else f"{self._forwards} and {replays} CUDA graph replay(s)")

@@ -25,6 +25,14 @@ SUPPORTED_DTYPES = frozenset(
 MAX_DIMS = 64  # the kernels' limit (kMaxDims in csrc/cpu/scan_cpu.h), which is also torch's
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work queued for ``device`` now is being captured in a CUDA graph (its current stream's)."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 # The host sources of the uploads captured in a CUDA graph: each replay copies from them again, so
 # they live as long as the process (a few bytes per value, once per capture).
 _CAPTURED_UPLOAD_SOURCES: list[torch.Tensor] = []
@@ -41,7 +49,7 @@ def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> t
     legal), since the pinned allocator's reuse of a block rests on events a capture only records."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    if torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         source = torch.tensor(values, dtype=dtype)
         _CAPTURED_UPLOAD_SOURCES.append(source)
         return source.to(device, non_blocking=True)

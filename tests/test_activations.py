@@ -434,12 +434,12 @@ def test_cuda_watch_captured_in_a_graph_counts_every_replay() -> None:
             nanscan.check(model, recorder=recorder)
     recorder.close()
     got = as_rows(watch)  # the warm-up and three replays: four passes
+    assert watch.forwards == 2 and "over 4 sampled forward(s) of 2 and 3 CUDA graph replay(s)" in watch.table()
     with torch.no_grad():
-        want = reference(model, lambda: model(x))  # one pass, which the watch would count too: read after
+        want = reference(model, lambda: model(x))  # one pass, which the watch counts too: read after
     assert got["3"][:2] == [4, 4 * want["3"][1]] and got["3"][5:] == [3 * 4, 2 * 4], got["3"]
     assert got["3"][4] == pytest.approx(want["3"][4], rel=1e-12)
     assert got["0"][0] == 4 and got["4"][0] == 4, got
-    assert watch.forwards == 2 and "over 4 sampled forward(s) of 2 and 3 CUDA graph replay(s)" in watch.table()
     records = list(recorder.records)
     i = watch.names.index("3")
     assert len(records) == 4 and all(r.activations is not None and r.activations.overflow[i] == 3 for r in records)
@@ -463,6 +463,7 @@ def test_cuda_watch_whose_first_scan_would_be_captured_refuses_it() -> None:
             model(x)
     graph.replay()
     assert as_rows(watch)["3"][0] == 2  # the warm-up and the replay
+    assert "over 2 sampled forward(s) of 3 and 1 CUDA graph replay(s)" in watch.table()
 
 
 # ------------------------------------------------------------------------- the AMP advice

@@ -63,6 +63,14 @@ def test_fail_on_local_fails_only_where_a_listed_loop_touches_local_memory(
     assert sass_loops.main([str(listing), "other_kernel", "--fail-on-local"]) == 0
 
 
+def test_opcodes_are_read_past_predicates_and_modifiers() -> None:
+    assert sass_loops.opcode("@!P0 LDG.E.CONSTANT R90, desc[UR8][R58.64]") == "LDG"
+    assert sass_loops.opcode("@P1 STL [R1+0x6c], R90") == "STL"
+    assert sass_loops.opcode("LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]") == "LDGSTS"
+    assert sass_loops.opcode("LDGDEPBAR") == "LDGDEPBAR"
+    assert sass_loops.count(["LDGSTS.E [R3], desc[UR4][R4.64]", "@!UPT LDG.E R2, desc[UR4][R2.64]"], "LDG") == 1
+
+
 def test_a_kernel_not_in_the_listing_is_named_in_the_error() -> None:
     with pytest.raises(SystemExit, match="no function whose name contains 'scan_kernel'"):
         sass_loops.kernel_instructions(LISTING, "scan_kernel")

@@ -174,7 +174,7 @@ ab_rows() {
     --max-repeats 30 --min-time 0.2)
   local shown="^ab: |^== |^ceiling_sum|^nanscan.scan"
   if [ "${3:-scan}" = updates ]; then
-    rows=(benchmarks/bench_state.py --device cuda --updates --models many_small_10000x1024,gpt2-small,llama-1b)
+    rows=(benchmarks/bench_state.py --device cuda --updates --models resnet50,gpt2-small,llama-1b)
     shown="^ab: |^model |^[a-z]"
   fi
   (cd "$1" && PYTHONPATH="$PWD" "$PY" -c "import nanscan; print('ab: $2 imports', nanscan._C.__file__)" &&
@@ -316,12 +316,12 @@ capabilities() {
   echo "== the update watch, activations, check_state"
   # First, as the newest kernel and never measured: the update watch's difference kernel, against
   # NOTES.md entry 39's prediction (4.2-4.7x a read of fp32 weights).
-  timeout 120 "$PY" benchmarks/bench_state.py --device cuda --updates \
-      --models many_small_10000x1024,gpt2-small,llama-1b \
+  # The three bounded to fit the lend's 300 s for this stage.
+  timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models resnet50,gpt2-small,llama-1b \
       --json "$out/updates_cuda.json" 2>&1 | tee "$out/updates_cuda.txt" | tail -6 || echo "updates: exit $?"
-  timeout 150 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 \
+  timeout 120 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 \
       --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -14 || echo "activations: exit $?"
-  timeout 120 "$PY" benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b \
+  timeout 90 "$PY" benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b \
       --json "$out/state_cuda.json" 2>&1 | tee "$out/state_cuda.txt" | tail -14 || echo "state: exit $?"
 }
 
@@ -333,7 +333,8 @@ capabilities() {
 # path, the activation watch on one model (entry 35). The whole suite is the next command's
 # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`, ~5 minutes); nccl, host, magnitudes and no-kernel
 # are stages of their own (their paths unchanged since the fourth session). ~6-8 minutes on the
-# H100 machine: give the command 555 s or more.
+# H100 machine; the stages' bounds add up to more than a command's 600 s with a slow build, so the
+# last stage, capabilities, is the one a slow machine cuts.
 lend() {
   build || return 1
   tar czf "$out/libs.tgz" nanscan/_C*.so

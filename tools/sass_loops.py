@@ -22,6 +22,20 @@ import sys
 from dataclasses import dataclass
 
 _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_PREDICATE = re.compile(r"@!?U?P[0-9T]+\s+")
+
+
+def opcode(instruction: str) -> str:
+    """The opcode without its predicate and modifiers: ``@!P0 LDG.E.CONSTANT R90, ...`` is ``LDG``
+    (and LDGSTS, an asynchronous copy to shared memory, is not)."""
+    return _PREDICATE.sub("", instruction, count=1).split(" ", 1)[0].split(".", 1)[0]
+
+
+def count(instructions: list[str], name: str) -> int:
+    """How many of ``instructions`` have the opcode ``name``."""
+    return sum(opcode(t) == name for t in instructions)
+
+
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 
@@ -70,9 +84,9 @@ def loops_of(instructions: list[tuple[int, str]]) -> list[Loop]:
                 begin=target,
                 end=address,
                 instructions=len(body),
-                global_loads=sum("LDG" in t for t in body),
-                local_stores=sum("STL" in t for t in body),
-                local_loads=sum("LDL" in t for t in body),
+                global_loads=count(body, "LDG"),
+                local_stores=count(body, "STL"),
+                local_loads=count(body, "LDL"),
             )
         )
     return loops
@@ -87,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.listing) as f:
         instructions = kernel_instructions(f.read(), args.kernel)
-    total_stores = sum("STL" in t for _, t in instructions)
-    total_loads = sum("LDL" in t for _, t in instructions)
+    texts = [t for _, t in instructions]
+    total_stores, total_loads = count(texts, "STL"), count(texts, "LDL")
     print(f"{len(instructions)} instructions, {total_stores} STL, {total_loads} LDL in all")
     listed = [loop for loop in loops_of(instructions) if loop.global_loads >= args.min_loads]
     for loop in listed:
