@@ -44,16 +44,15 @@ def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> t
     from pinned memory the copy is queued on the stream. torch's pinned allocator keeps the block
     until that copy has run, so the host tensor may go out of scope at once.
 
-    Inside a CUDA graph capture the copy is recorded, not run: every replay reads the source again,
-    so the source is kept for good, and is pageable memory (a captured asynchronous copy from it is
-    legal), since the pinned allocator's reuse of a block rests on events a capture only records."""
+    Inside a CUDA graph capture the copy is recorded, not run: every replay reads the pinned source
+    again, so it is kept for good, never handed back to the allocator for reuse. (torch refuses a
+    captured copy from pageable memory, since nothing would keep that alive.)"""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    source = torch.tensor(values, dtype=dtype, pin_memory=True)
     if capturing(device):
-        source = torch.tensor(values, dtype=dtype)
         _CAPTURED_UPLOAD_SOURCES.append(source)
-        return source.to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return source.to(device, non_blocking=True)
 
 
 def scannable(t: object) -> bool:
