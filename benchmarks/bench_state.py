@@ -46,7 +46,7 @@ import nanscan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_locate import time_methods
-from bench_scan import Method, gpu_and_host_times
+from bench_scan import SYNTHETIC, Method, gpu_and_host_times
 
 ZOO = Path(__file__).resolve().parent / "zoo.json"
 
@@ -141,7 +141,7 @@ def measure_updates(name: str, shapes: list[list[int]], device: torch.device, ro
 
 def main_updates(models: list[str], zoo: dict[str, list[list[int]]], device: torch.device, rounds: int) -> list[dict]:
     print(
-        f"{'model':<12}{'tensors':>8}{'MB W':>7}{'read ms':>9}{'copy ms':>9}{'watch ms':>10}{'x read':>8}"
+        f"{'model':<22}{'tensors':>8}{'MB W':>7}{'read ms':>9}{'copy ms':>9}{'watch ms':>10}{'x read':>8}"
         f"{'target x':>9}{'unfused ms':>11}{'x read':>8}"
     )
     rows = []
@@ -150,7 +150,7 @@ def main_updates(models: list[str], zoo: dict[str, list[list[int]]], device: tor
         rows.append(row)
         read = row["read"]
         print(
-            f"{name:<12}{row['tensors']:>8}{row['mb']:>7.0f}{read:>9.2f}{row['copy']:>9.2f}{row['watch']:>10.2f}"
+            f"{name:<22}{row['tensors']:>8}{row['mb']:>7.0f}{read:>9.2f}{row['copy']:>9.2f}{row['watch']:>10.2f}"
             f"{row['watch'] / read:>7.2f}x{(row['copy'] + read) / read:>8.2f}x{row['unfused']:>11.2f}"
             f"{row['unfused'] / read:>7.2f}x"
         )
@@ -159,17 +159,27 @@ def main_updates(models: list[str], zoo: dict[str, list[list[int]]], device: tor
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", help="comma-separated zoo names (default: all but llama-1b; --quick: resnet50)")
+    parser.add_argument(
+        "--models",
+        help="comma-separated zoo names, or bench_scan's synthetic lists (many_small_10000x1024: 10,000 tensors "
+        "of 4 KB; default: the zoo's all but llama-1b; --quick: resnet50)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, --quick 3)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--updates", action="store_true", help="watch_updates' sampled step (module notes)")
     args = parser.parse_args()
-    zoo = json.loads(ZOO.read_text())
+    real = json.loads(ZOO.read_text())
     models = (
-        args.models.split(",") if args.models else (["resnet50"] if args.quick else [m for m in zoo if m != "llama-1b"])
+        args.models.split(",")
+        if args.models
+        else (["resnet50"] if args.quick else [m for m in real if m != "llama-1b"])
     )
+    zoo = {**real, **SYNTHETIC}
+    unknown = [m for m in models if m not in zoo]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(zoo)}")
     rounds = args.rounds or (3 if args.quick else 15)
     device = torch.device(args.device)
     print(f"nanscan {nanscan.__version__}, torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
@@ -181,7 +191,7 @@ def main() -> int:
         return 0
     split = device.type == "cuda"
     print(
-        f"{'model':<12}{'tensors':>8}{'MB read':>9}{'ceiling ms':>12}{'check_state ms':>16}{'x ceiling':>10}{'loop ms':>10}"
+        f"{'model':<22}{'tensors':>8}{'MB read':>9}{'ceiling ms':>12}{'check_state ms':>16}{'x ceiling':>10}{'loop ms':>10}"
         + (f"{'GPU ms':>9}{'host ms':>9}" if split else "")
     )
     rows = []
@@ -189,7 +199,7 @@ def main() -> int:
         row = measure(name, zoo[name], device, rounds)
         rows.append(row)
         print(
-            f"{name:<12}{row['tensors']:>8}{row['mb']:>9.0f}{row['ceiling']:>12.2f}{row['check_state']:>16.2f}"
+            f"{name:<22}{row['tensors']:>8}{row['mb']:>9.0f}{row['ceiling']:>12.2f}{row['check_state']:>16.2f}"
             f"{row['ratio']:>9.2f}x{row['loop']:>10.2f}"
             + (f"{row['gpu_ms']:>9.2f}{row['host_ms']:>9.2f}" if split else "")
         )

@@ -50,7 +50,7 @@ from . import layouts
 from ._ops import has_fused_difference, scan_difference_op
 from .fused import ScanResult
 from .layouts import fsdp1
-from .layouts.dtensor import to_local
+from .layouts.dtensor import has_dtensor, to_local
 from .parameters import named_parameters
 from .scan import scan
 
@@ -100,6 +100,11 @@ class UpdateWatch:
         self._sampled = 0  # of which measured
         self._sampling = False
         self._copies: list[torch.Tensor] = []
+        # What the copies were made for: each parameter's (shape, dtype, device), checked at each
+        # sampled step, with what follows from it (the devices, whether DTensors are among them).
+        self._signature: list[tuple[torch.Size, torch.dtype, torch.device]] | None = None
+        self._devices: set[torch.device] = set()
+        self._dtensors = False  # DTensors among the parameters: their local shards are copied
         # The last measured step's norms, on the device: ‖Δw‖ per parameter, then ‖w‖ (the scan's
         # output as it lies), and their quotient.
         self._norms: torch.Tensor | None = None
@@ -126,17 +131,28 @@ class UpdateWatch:
                 f"nanscan.watch_updates: the optimizer holds {len(params)} parameters, not the {self._held} "
                 "it held when watched (add_param_group after watch_updates): watch it again"
             )
-        if len(self._copies) != len(params) or any(
-            c.shape != p.shape or c.dtype != _copy_dtype(p.dtype) or c.device != p.device
-            for c, p in zip(self._copies, params, strict=True)
+        # Compared one parameter at a time, each tuple freed at once: a new list of 10,000 tuples
+        # at every sampled step survived the young generations and set off full collections (~20 ms).
+        signature = self._signature
+        if (
+            signature is None
+            or len(signature) != len(params)
+            or any(s != (p.shape, p.dtype, p.device) for s, p in zip(signature, params, strict=True))
         ):
+            self._signature = [(p.shape, p.dtype, p.device) for p in params]
             self._copies = [torch.empty_like(p, dtype=_copy_dtype(p.dtype)) for p in params]
+            self._devices = {device for _, _, device in self._signature}
+            self._dtensors = has_dtensor(params)
         with torch.no_grad():
             # The parameters as they are, not detached (a detach per tensor would be most of the host
             # work): under no_grad nothing here is recorded for autograd. A DTensor's local shard
             # (DTensor has no sharding rule for the foreach copy): the copy is a DTensor of the same
             # placements, so its shard lines up.
-            torch._foreach_copy_(to_local(self._copies), to_local(params))
+            torch._foreach_copy_(self._local(self._copies), self._local(params))
+
+    def _local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors' local shards where DTensors are among the parameters, else the tensors."""
+        return to_local(tensors) if self._dtensors else tensors
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._sampling:
@@ -147,11 +163,10 @@ class UpdateWatch:
         # The CPU and CUDA have the fused difference scan (each pair read once, nothing written), for a
         # list on one device; elsewhere the copies become the differences in place, then are scanned
         # with the weights (module notes).
-        devices = {p.device for p in params}
-        fused = len(devices) == 1 and has_fused_difference(next(iter(devices)))
+        fused = len(self._devices) == 1 and has_fused_difference(next(iter(self._devices)))
         with torch.no_grad():
             if not fused:
-                torch._foreach_sub_(to_local(self._copies), to_local(params))  # before minus after: -Δw
+                torch._foreach_sub_(self._local(self._copies), self._local(params))  # before minus after: -Δw
             if self._fsdp1 is not None:
                 # The weights, then each one's copy (or difference), cut and reduced over FSDP's groups.
                 held = {p: {"update": c} for p, c in zip(params, self._copies, strict=True)}
@@ -250,6 +265,7 @@ class UpdateWatch:
         while self._handles:
             self._handles.pop().remove()
         self._copies = []
+        self._signature = None
         self._sampling = False
 
     def __enter__(self) -> UpdateWatch:

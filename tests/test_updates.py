@@ -95,6 +95,28 @@ def test_memory_is_one_copy_of_the_weights_and_remove_leaves_no_hook() -> None:
     assert updates.nbytes == 0 and len(updates.ratios()) == 4  # the last ratios stay readable
 
 
+def test_weights_that_change_dtype_or_shape_between_steps_get_new_copies() -> None:
+    """model.double() and a parameter given new data of another shape keep the same Parameter objects:
+    the copies follow them, and the ratios stay those of the float64 reference."""
+    model = mlp()
+    optimizer = OPTIMIZERS["sgd"](model.parameters())
+    updates = nanscan.watch_updates(optimizer, model)
+    step_with_reference(model, optimizer, 0)
+    fp32_bytes = updates.nbytes
+    model.double()
+    optimizer.state.clear()  # momentum buffers of the old dtype
+    want = step_with_reference(model, optimizer, 1)
+    assert updates.nbytes == 2 * fp32_bytes
+    assert list(updates.ratios().values()) == pytest.approx(want, rel=1e-12)
+    with torch.no_grad():
+        model[2].bias.data = torch.randn(6, dtype=torch.float64)
+        model[2].weight.data = torch.randn(6, 32, dtype=torch.float64)
+    optimizer.state.clear()
+    want = step_with_reference(model, optimizer, 2)
+    assert list(updates.ratios().values()) == pytest.approx(want, rel=1e-12)
+    updates.remove()
+
+
 def test_nan_weights_and_zero_weights() -> None:
     model = mlp()
     optimizer = OPTIMIZERS["sgd"](model.parameters())

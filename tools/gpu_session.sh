@@ -174,7 +174,7 @@ ab_rows() {
     --max-repeats 30 --min-time 0.2)
   local shown="^ab: |^== |^ceiling_sum|^nanscan.scan"
   if [ "${3:-scan}" = updates ]; then
-    rows=(benchmarks/bench_state.py --device cuda --updates --models resnet50,gpt2-small,llama-1b)
+    rows=(benchmarks/bench_state.py --device cuda --updates --models many_small_10000x1024,gpt2-small,llama-1b)
     shown="^ab: |^model |^[a-z]"
   fi
   (cd "$1" && PYTHONPATH="$PWD" "$PY" -c "import nanscan; print('ab: $2 imports', nanscan._C.__file__)" &&
@@ -317,7 +317,7 @@ capabilities() {
   # First, as the newest kernel and never measured: the update watch's difference kernel, against
   # NOTES.md entry 39's prediction (4.2-4.7x a read of fp32 weights).
   # The three bounded to fit the lend's 300 s for this stage.
-  timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models resnet50,gpt2-small,llama-1b \
+  timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models many_small_10000x1024,gpt2-small,llama-1b \
       --json "$out/updates_cuda.json" 2>&1 | tee "$out/updates_cuda.txt" | tail -6 || echo "updates: exit $?"
   timeout 120 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 \
       --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -14 || echo "activations: exit $?"
