@@ -97,12 +97,21 @@ def packed(result: nanscan.ScanResult) -> tuple[torch.Tensor, torch.Tensor]:
     return both[: exact_rows.numel()], both[exact_rows.numel() :]
 
 
+def same(got: nanscan.ScanResult, want: nanscan.ScanResult, what: str) -> None:
+    """Counts, min, max and the finite flag equal, the norms within 1e-6 (one copy back of each)."""
+    got_exact, got_norms = packed(got)
+    want_exact, want_norms = packed(want)
+    assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), what
+    torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
+
+
 def agree(views: Views, reference: Views, fp16_range: bool = False) -> None:
     """The scan of ``views`` (on the device) equals the CPU backend's scan of ``reference``."""
-    got_exact, got_norms = packed(nanscan.scan(views.tensors, fp16_range=fp16_range))
-    want_exact, want_norms = packed(nanscan.scan(reference.tensors, fp16_range=fp16_range))
-    assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), "counts, min, max or the finite flag differ"
-    torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
+    same(
+        nanscan.scan(views.tensors, fp16_range=fp16_range),
+        nanscan.scan(reference.tensors, fp16_range=fp16_range),
+        "counts, min, max or the finite flag differ",
+    )
 
 
 def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
@@ -132,12 +141,7 @@ def differences(gen: torch.Generator, device: str) -> None:
         sizes = [1 + (i * 7919) % 30_000 for i in range(count)]
         sizes[5] = 3 * 8192 + 7  # three chunks of fp32 and more of fp64 (32 KiB of before's elements each)
         afters = Views.random(sizes, [after for _, after in kinds], gen)
-        befores = Views({}, [])
-        totals: dict[torch.dtype, int] = {}
-        for (before_dtype, _), n in zip(kinds, sizes, strict=True):
-            befores.layout.append((before_dtype, totals.get(before_dtype, 0), n))
-            totals[before_dtype] = totals.get(before_dtype, 0) + n
-        befores.flats = {dtype: torch.empty(total, dtype=dtype) for dtype, total in totals.items()}
+        befores = Views.random(sizes, [before for before, _ in kinds], gen)  # its values set below
         for i, ((before_dtype, offset, n), (after_dtype, after_offset, _)) in enumerate(
             zip(befores.layout, afters.layout, strict=True)
         ):
@@ -158,10 +162,7 @@ def differences(gen: torch.Generator, device: str) -> None:
         # at t, the afters at count + t).
         assert int(want.nan_count[3]) == 1 and int(want.nan_count[5]) == chunk and int(want.inf_count[count + 4]) == 1
         assert 0 < float(want.norm[2]) < 1e-17, "the tiny pair's differences are not tiny"
-        got_exact, got_norms = packed(got)
-        want_exact, want_norms = packed(want)
-        assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), f"{count} pairs: the differences differ"
-        torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
+        same(got, want, f"{count} pairs: the differences differ")
 
 
 def graph_replay(gen: torch.Generator) -> None:
@@ -184,10 +185,7 @@ def graph_replay(gen: torch.Generator) -> None:
         captured = nanscan.scan(tensors)
     for _ in range(3):
         graph.replay()
-    got_exact, got_norms = packed(captured)
-    want_exact, want_norms = packed(nanscan.scan(views.tensors))
-    assert torch.equal(got_exact.nan_to_num(), want_exact.nan_to_num()), "the replay's counts, min or max differ"
-    torch.testing.assert_close(got_norms, want_norms, rtol=1e-6, atol=0, equal_nan=True)
+    same(captured, nanscan.scan(views.tensors), "the replay's counts, min or max differ")
 
 
 def main() -> None:
