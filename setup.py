@@ -62,11 +62,22 @@ CXX_FLAGS = [
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
+    # The checksum's SIMD vectors (csrc/cpu/scan_cpu.cpp) pass only between always-inline functions, so
+    # no ABI carries them: GCC's note that 32-byte vector arguments changed ABI in GCC 4.6 does not
+    # apply. A flag, not a pragma: GCC reports it at scan_rules.h's replica_term, where a pragma of
+    # scan_cpu.cpp did not reach it.
+    "-Wno-psabi",
     *STABLE_ABI_FLAGS,
 ]
 # --threads=0: nvcc compiles the architectures of a default build (six and PTX) side by side, one
 # thread per CPU, rather than one after another: the .cu file is the build's long pole.
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fno-math-errno", "--threads=0", *STABLE_ABI_FLAGS]
+# NANSCAN_WERROR=1 (CI's wheel build): any warning of gcc, nvcc's front end or ptxas fails the build.
+# CI's one CUDA compile is that build, so it checks the sources as strictly as a compile of its own
+# would. Never the default: a newer compiler's new warning must not break a user's install.
+if os.environ.get("NANSCAN_WERROR") == "1":
+    CXX_FLAGS.append("-Werror")
+    NVCC_FLAGS += ["-Werror", "all-warnings", "-Xcompiler=-Wall,-Wextra,-Werror"]
 # libstdc++ by its soname, ahead of the -lstdc++ the compiler driver appends: where that finds only the
 # static archive (a toolchain without the libstdc++.so link, or -static-libstdc++ in LDFLAGS), nanscan
 # would carry a private copy of libstdc++ beside the shared one torch uses, and the two copies' locale

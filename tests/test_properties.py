@@ -51,7 +51,7 @@ SCAN_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torc
 CLIP_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# The CPU kernel's structure (csrc/cpu/scan_cpu.cpp): sizes and positions around these are where an
+# The CPU kernel's structure (csrc/cpu/runs.h): sizes and positions around these are where an
 # off-by-one in the lane tail, the run loop or the chunk split would show.
 LANES = 32
 RUN = 128 * LANES

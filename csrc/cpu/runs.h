@@ -1,0 +1,287 @@
+// The run kernels the CPU passes share: the scan (scan_cpu.cpp) and the difference scan
+// (difference_cpu.cpp). The fast, scaled and checked rules of scan_rules.h over one run in SIMD lanes,
+// the strided walk, and the chunking that keeps results independent of the thread count. Everything
+// here is inlined into each pass's chunk function, which is cloned per x86 level: a header, so that
+// the two passes are translation units of their own and compile side by side (one alone took three
+// minutes, the CPU library's long pole).
+#pragma once
+
+#include <torch/csrc/stable/ops.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../ops.h"  // kMaxDims
+#include "scan_cpu.h"
+
+namespace nanscan::cpu {
+
+// Lanes per SIMD group: 32 fp32 values are two AVX-512 or four AVX2 registers per accumulator,
+// enough independent sums to hide the add latency without running out of registers.
+constexpr int64_t kLanes = 32;
+// Elements per fast run. Each lane adds at most 128 squares in fp32 before the run is folded into
+// fp64, which keeps the norm within 1e-6 relative of an fp64 reference: 9.5e-7 measured on
+// constant-valued tensors (the worst case for running sums: every rounding error has one sign),
+// about 3e-9 on random data.
+constexpr int64_t kRunElements = 128 * kLanes;
+// Bytes per chunk: the unit of parallel work and of partial results. Fixed by tensor sizes only.
+constexpr int64_t kChunkBytes = 256 * 1024;
+// Below this many bytes in total the scan runs on the calling thread.
+constexpr int64_t kMinParallelBytes = 512 * 1024;
+
+#define NANSCAN_INLINE inline __attribute__((always_inline))
+#define NANSCAN_INLINE_LAMBDA __attribute__((always_inline))
+
+// The lanes' sums of squares, added in fp64 in a fixed pairwise tree (vectorises, unlike a serial fold).
+template <class Wide, int64_t kN>
+NANSCAN_INLINE double sum_lanes(const Wide (&ss)[kN]) {
+  double ds[kN];
+  for (int64_t l = 0; l < kN; ++l) ds[l] = static_cast<double>(ss[l]);
+  for (int64_t width = kN / 2; width > 0; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) ds[l] += ds[l + width];
+  }
+  return ds[0];
+}
+
+// The lanes' min and max, in the same tree (overwrites the arrays).
+struct MinMax {
+  double min;
+  double max;
+};
+
+template <class Wide, int64_t kN>
+NANSCAN_INLINE MinMax merge_min_max(Wide (&mn)[kN], Wide (&mx)[kN]) {
+  for (int64_t width = kN / 2; width > 0; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) {
+      mn[l] = mn[l + width] < mn[l] ? mn[l + width] : mn[l];
+      mx[l] = mx[l + width] > mx[l] ? mx[l + width] : mx[l];
+    }
+  }
+  return MinMax{static_cast<double>(mn[0]), static_cast<double>(mx[0])};
+}
+
+// A fast run's lanes merged.
+struct MergedLanes {
+  double min;
+  double max;
+  double sumsq;
+};
+
+// The fast rule (scan_rules.h) over a run in kLanes lanes, its squares scaled by `scale` (Unscaled, or
+// the RunScale carried from the tensor's previous run); the sum is of the scaled squares. With
+// kHalfRange, also counts the values fp16 cannot hold, per lane, into over/under.
+template <class Codec, bool kHalfRange, class Scale>
+NANSCAN_INLINE MergedLanes fast_run(const typename Codec::Raw* p, int64_t len, const Scale& scale,
+                                    int32_t (&over)[kLanes], int32_t (&under)[kLanes]) {
+  using Wide = typename Codec::Wide;
+  Wide mn[kLanes], mx[kLanes], ss[kLanes];
+  const FastRun<Codec> init = empty_run<Codec>();
+  for (int64_t l = 0; l < kLanes; ++l) {
+    mn[l] = init.min;
+    mx[l] = init.max;
+    ss[l] = init.sumsq;
+  }
+  auto element = [&](int64_t l, typename Codec::Raw raw) NANSCAN_INLINE_LAMBDA {
+    accumulate_fast<Codec>(mn[l], mx[l], ss[l], raw, scale);
+    if constexpr (kHalfRange) count_half_range(over[l], under[l], Codec::decode(raw));
+  };
+  const int64_t full = len - len % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) element(l, p[i + l]);
+  }
+  for (int64_t i = full; i < len; ++i) element(i - full, p[i]);
+  const MinMax extremes = merge_min_max(mn, mx);
+  return MergedLanes{extremes.min, extremes.max, sum_lanes(ss)};
+}
+
+// The sum of squares of a run of finite values through the scaled rule (scan_rules.h) with `scale`, in
+// the fast rule's lanes; undone to the values' own scale.
+template <class Codec>
+NANSCAN_INLINE double scaled_run_sumsq(const typename Codec::Raw* p, int64_t len, const RunScale<Codec>& scale) {
+  using Wide = typename Codec::Wide;
+  Wide ss[kLanes] = {};
+  const int64_t full = len - len % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) accumulate_scaled<Codec>(ss[l], p[i + l], scale);
+  }
+  for (int64_t i = full; i < len; ++i) accumulate_scaled<Codec>(ss[i - full], p[i], scale);
+  return scale.undo(sum_lanes(ss));
+}
+
+// One run through the checked rule (scan_rules.h), in the fast rule's lanes: NaN/Inf counted by their
+// bits, min/max of the finite values (and their fp16-range counts); no sum of squares (the tensor's
+// norm is NaN or Inf). With prefetch_next_run (a dense tensor, whose next run follows this one in
+// memory), each step also prefetches the next run's lines at the same offset: the memory then
+// streams in while this run, read from L1, is classified, as during the checksum's pass; an overflow
+// step, whose runs all hold an Inf, then costs the classification's compute, not that plus the
+// memory's time.
+template <class Codec, bool kHalfRange>
+NANSCAN_INLINE TensorStats checked_run(const typename Codec::Raw* p, int64_t len, bool prefetch_next_run) {
+  using Wide = typename Codec::Wide;
+  // Counts as wide as the elements: no widening of the masks (at most 256 per lane: int16 will do).
+  using Count = std::conditional_t<sizeof(typename Codec::Raw) <= 2, int16_t, std::make_signed_t<typename Codec::Raw>>;
+  static_assert(kRunElements / kLanes <= 32767, "a lane's counts must fit in its Count");
+  Wide mn[kLanes], mx[kLanes];
+  Count nonfinite[kLanes] = {}, nan[kLanes] = {};
+  int32_t over[kLanes] = {}, under[kLanes] = {};
+  const FastRun<Codec> init = empty_run<Codec>();
+  for (int64_t l = 0; l < kLanes; ++l) {
+    mn[l] = init.min;
+    mx[l] = init.max;
+  }
+  auto element = [&](int64_t l, typename Codec::Raw raw) NANSCAN_INLINE_LAMBDA {
+    const Wide v = accumulate_checked<Codec>(mn[l], mx[l], nonfinite[l], nan[l], raw);
+    if constexpr (kHalfRange) count_half_range(over[l], under[l], v);
+  };
+  constexpr int64_t kStepBytes = kLanes * sizeof(typename Codec::Raw);
+  constexpr int64_t kLineBytes = 64;
+  // An address, not a pointer: past the tensor's end it points at nothing (a prefetch never faults).
+  const uintptr_t next_run = reinterpret_cast<uintptr_t>(p + len);
+  const int64_t full = len - len % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    if (prefetch_next_run) {
+      for (int64_t b = 0; b < kStepBytes; b += kLineBytes) {
+        __builtin_prefetch(reinterpret_cast<const void*>(next_run + i * sizeof(typename Codec::Raw) + b));
+      }
+    }
+    for (int64_t l = 0; l < kLanes; ++l) element(l, p[i + l]);
+  }
+  for (int64_t i = full; i < len; ++i) element(i - full, p[i]);
+
+  TensorStats s = empty_stats();
+  for (int64_t l = 0; l < kLanes; ++l) {
+    checked_counts(s, static_cast<int64_t>(nonfinite[l]), static_cast<int64_t>(nan[l]));
+    if constexpr (kHalfRange) {
+      s.half_overflow += over[l];
+      s.half_underflow += under[l];
+    }
+  }
+  const MinMax extremes = merge_min_max(mn, mx);
+  s.min = extremes.min;
+  s.max = extremes.max;
+  return s;
+}
+
+// Scans one run of at most kRunElements contiguous elements into `s`: the fast rule, and where its
+// result is not exact, what it tells or a second read from L1 (scan_rules.h); with kHalfRange, also
+// counts the values fp16 cannot hold (a separate instantiation, so the plain scan pays nothing for
+// it). `carried`: the scale that made the previous run of the same tensor and chunk exact when its
+// values were tiny (else 2^0), which the fast rule applies to this run too: a tensor of vanishing
+// gradients then takes one read per run, not two. The runs of a chunk are always read in the same
+// order from the chunk's start, so results do not depend on threads. prefetch_next_run: see
+// checked_run.
+template <class Codec, bool kHalfRange>
+NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorStats& s, RunScale<Codec>& carried,
+                             bool prefetch_next_run) {
+  int32_t over[kLanes] = {}, under[kLanes] = {};
+  const bool scaled = carried.exponent != 0;
+  const MergedLanes fast = scaled ? fast_run<Codec, kHalfRange>(p, len, carried, over, under)
+                                  : fast_run<Codec, kHalfRange>(p, len, Unscaled{}, over, under);
+  const bool exact = run_is_exact<Codec>(fast.min, fast.max, fast.sumsq);
+  bool finite = exact || fast_run_was_finite(fast.sumsq);
+  double sumsq = scaled ? carried.undo(fast.sumsq) : fast.sumsq;
+  if (!exact && (finite || squares_may_have_overflowed<Codec>(fast.min, fast.max, scaled))) {
+    // Tiny values, or squares that may have overflowed the sum (values of 2^56 and more, or the
+    // carried scale too large for this run): the sum alone is redone, scaled, from L1; finite, it
+    // proves every element was. Only a scale that enlarges is carried to the next run (RunScale).
+    const RunScale<Codec> scale = scale_for_run<Codec>(fast.min, fast.max);
+    sumsq = scaled_run_sumsq<Codec>(p, len, scale);
+    finite = fast_run_was_finite(sumsq);
+    carried = finite && scale.exponent > 0 ? scale : RunScale<Codec>{};
+  }
+  if (finite) {
+    merge_run(s, fast.min, fast.max, sumsq);
+    if constexpr (kHalfRange) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        s.half_overflow += over[l];
+        s.half_underflow += under[l];
+      }
+    }
+    return;
+  }
+  // A NaN or an Inf (or fp64 squares that overflowed): told by the fast result, or classified from L1.
+  carried = RunScale<Codec>{};
+  if (uniform_nonfinite_run(fast.min, fast.max, fast.sumsq, len, s)) return;
+  TensorStats checked = checked_run<Codec, kHalfRange>(p, len, prefetch_next_run);
+  if (all_finite(checked)) checked.sumsq = fast.sumsq;  // fp64 only: +Inf, as torch's (squares_may_have_overflowed)
+  s = combine(s, checked);
+}
+
+// The position of an element of a tensor that is not dense in memory, stepped in logical (row-major)
+// order from a logical index: the strided readers' multi-index, kept on the stack (kMaxDims).
+struct LogicalWalk {
+  const int64_t* sizes;
+  int64_t ndim;
+  int64_t index[kMaxDims];
+
+  LogicalWalk(const TensorInfo& t, int64_t begin) : sizes(t.sizes), ndim(t.dim) {
+    int64_t rest = begin;
+    for (int64_t d = ndim - 1; d >= 0; --d) {
+      index[d] = rest % sizes[d];
+      rest /= sizes[d];
+    }
+  }
+
+  // The element's offset, in elements, in a tensor of these sizes with `strides`.
+  NANSCAN_INLINE int64_t offset(const int64_t* strides) const {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < ndim; ++d) offset += index[d] * strides[d];
+    return offset;
+  }
+
+  NANSCAN_INLINE void next() {
+    for (int64_t d = ndim - 1; d >= 0; --d) {
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+  }
+};
+
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;  // element range, in memory order for dense tensors, logical order otherwise
+  int64_t end;
+};
+
+// Chunks of a list of tensors (or pairs): each of at most kChunkBytes, fixed by the sizes alone, and
+// their starting bytes, by which the threads are balanced.
+struct ChunkPlan {
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_chunk;  // per tensor, and one past the last
+  std::vector<int64_t> start_byte;
+  int64_t total_bytes = 0;
+};
+
+inline ChunkPlan plan_chunks(const std::vector<int64_t>& numels, const std::vector<int64_t>& element_bytes) {
+  const int64_t n = static_cast<int64_t>(numels.size());
+  ChunkPlan plan;
+  plan.first_chunk.resize(n + 1);
+  plan.chunks.reserve(n);
+  plan.start_byte.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    plan.first_chunk[i] = static_cast<int64_t>(plan.chunks.size());
+    const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / element_bytes[i]);
+    for (int64_t b = 0; b < numels[i]; b += per_chunk) {
+      plan.chunks.push_back(Chunk{i, b, std::min(numels[i], b + per_chunk)});
+      plan.start_byte.push_back(plan.total_bytes);
+      plan.total_bytes += (plan.chunks.back().end - b) * element_bytes[i];
+    }
+  }
+  plan.first_chunk[n] = static_cast<int64_t>(plan.chunks.size());
+  return plan;
+}
+
+// Runs `work(chunk index)` for every chunk, in parallel: each task owns the chunks that start inside
+// its byte range, so which thread computes a chunk never changes the chunk's result.
+template <class Work>
+void run_chunks(const ChunkPlan& plan, Work&& work) {
+  if (plan.total_bytes == 0) return;
+  torch::stable::parallel_for(0, plan.total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
+    auto c = std::lower_bound(plan.start_byte.begin(), plan.start_byte.end(), byte_begin) - plan.start_byte.begin();
+    const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
+    for (; c < num_chunks && plan.start_byte[c] < byte_end; ++c) work(c);
+  });
+}
+
+}  // namespace nanscan::cpu
