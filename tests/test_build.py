@@ -26,7 +26,8 @@ from nanscan import _C, _ops
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
-# setup.py's floor, and its parse of an architecture flag ("sm_90" -> (9, 0)).
+# The kernels' resource budget; setup.py's floor, and its parse of an architecture flag ("sm_90" -> (9, 0)).
+import kernel_budget
 from cuda_toolkit import OLDEST_ARCH, _arch
 
 REQUIRED = os.environ.get("NANSCAN_REQUIRE_CUDA_BUILD") == "1"
@@ -137,27 +138,19 @@ def test_one_libcudart_is_mapped() -> None:
     assert re.search(rf"libcudart\.so\.{major}(\.|$)", Path(mapped[0]).name), mapped
 
 
-def cuobjdump() -> str | None:
-    """cuobjdump on PATH, in the toolkit, or from NVIDIA's pip package (nvidia-cuda-cuobjdump)."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidates = [Path(home, "bin", "cuobjdump")]
-    for site in map(Path, sys.path):
-        candidates += sorted(site.glob("nvidia/cu*/bin/cuobjdump")) + sorted(
-            site.glob("nvidia/cuda_cuobjdump/bin/cuobjdump")
-        )
-    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+def cuobjdump() -> str:
+    """cuobjdump (tools/kernel_budget.py's search); a failure where a CUDA build is required, else a skip."""
+    tool = kernel_budget.find_cuobjdump()
+    if tool is None:
+        if REQUIRED:
+            pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump (the 'build-check' extra)")
+        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    return tool
 
 
 @needs_cuda_build
 def test_the_fatbinary_holds_every_architecture_of_the_build() -> None:
     tool = cuobjdump()
-    if tool is None:
-        if REQUIRED:
-            pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump (the 'build-check' extra)")
-        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
     library = cuda_library().__file__
 
     def listed(kind: str) -> set[str]:
@@ -172,6 +165,19 @@ def test_the_fatbinary_holds_every_architecture_of_the_build() -> None:
     # PTX for the newest architecture: GPUs newer than the build still run (their driver compiles it).
     newest = max(sass, key=lambda a: int(re.sub(r"\D", "", a)))
     assert ptx == {newest}, (ptx, newest)
+
+
+@needs_cuda_build
+def test_the_kernels_keep_their_sm90_register_and_stack_budget() -> None:
+    """tools/kernel_budget.py on the library that ships (CI's one CUDA compile is the wheel's build):
+    the scan and difference kernels' registers and stack within the budget the H100 figures rest on,
+    and no flush-to-zero in the PTX."""
+    tool = cuobjdump()
+    sass, ptx = built_archs()
+    if kernel_budget.BUDGET_ARCH not in sass:
+        pytest.skip(f"no {kernel_budget.BUDGET_ARCH} code in this build ({cuda_library().cuda_archs})")
+    _, problems = kernel_budget.check(cuda_library().__file__, tool, require_ptx=bool(ptx))
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.skipif(

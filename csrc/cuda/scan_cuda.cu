@@ -912,7 +912,7 @@ __global__ void __launch_bounds__(kThreads, kScanMinBlocks<kChecksum>)
 //
 // ptxas gives it 119-126 registers (sm_80, sm_90, sm_120) and no spill, in it or in
 // difference_run_any, which it keeps as a function of its own: 2 blocks of 8 warps per SM. The bound
-// of 2 holds it there (tools/check_cuda_build.sh fails past 128 registers or on any spill); 3 blocks
+// of 2 holds it there (tools/kernel_budget.py fails past 128 registers or on any stack); 3 blocks
 // (80 registers) spill ~400 bytes. Unmeasured on a GPU: a session is to time 2 against 3
 // (NANSCAN_DIFFERENCE_MIN_BLOCKS, a build flag; benchmarks/NOTES.md entries 39 and 40).
 #ifdef NANSCAN_DIFFERENCE_MIN_BLOCKS

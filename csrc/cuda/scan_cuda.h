@@ -1,5 +1,5 @@
 // Launcher API of the CUDA backend. Plain C++ and the CUDA runtime: no torch headers, so nvcc alone
-// compiles the kernels on machines whose torch has no CUDA (tools/check_cuda_build.sh does, in CI).
+// compiles the kernels on machines whose torch has no CUDA (CI's wheel build, on a CPU torch, does).
 #pragma once
 
 #include <cuda_runtime.h>
