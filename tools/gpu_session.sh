@@ -49,11 +49,14 @@
 #                                          # checkout, no build; --version, test_build.py with a CUDA
 #                                          # library required, test_cuda.py (~2 minutes; issue 34)
 #   NANSCAN_PREBUILT=1 tools/gpu_session.sh STAGE   # any stage, with the library already built
+#   tools/gpu_session.sh prebuild          # HERE, without a GPU: the libraries for the device (sm_90,
+#                                          # CUDA 13), built in place to be carried (~4 minutes on 2 cores)
 #
-# Each device command may land on a bare machine, whose build is ~100 s. To pay it once: end the
-# first command with `tar czf $OUT/libs.tgz nanscan/_C*.so` (the CPU library and the CUDA one),
-# untar that here, and name the two .so files in the device tool's `carry` (they are git-ignored, so
-# they do not travel otherwise);
+# Each device command may land on a bare machine, whose build is ~100 s. Not to pay it at all: run
+# `prebuild` here first, name nanscan/_C.abi3.so and nanscan/_C_cuda13.abi3.so in the device tool's
+# `carry` (they are git-ignored, so they do not travel otherwise), and run every stage with
+# NANSCAN_PREBUILT=1 (if they fail to run there, the device builds its own). Or pay it once: end the
+# first command with `tar czf $OUT/libs.tgz nanscan/_C*.so`, untar that here and carry the two files;
 # later commands then run with NANSCAN_PREBUILT=1. A bare machine has no editable install either:
 # scripts run from the checkout find nanscan with `PYTHONPATH=$PWD`.
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
@@ -69,7 +72,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage="${1:?usage: tools/gpu_session.sh build|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|wheel WHEEL|ab NAME=VALUE [scan|updates]|scan-variants [NAME=VALUE...]|ncu-source|all}"
+stage="${1:?usage: tools/gpu_session.sh build|prebuild|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|wheel WHEEL|ab NAME=VALUE [scan|updates]|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$out"
@@ -79,16 +82,36 @@ export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 
 build() {
-  # NANSCAN_PREBUILT=1: a library built by an earlier command (carried in) is used as it is.
+  # NANSCAN_PREBUILT=1: libraries built earlier (by a device command, or here by `prebuild`) and
+  # carried in are used as they are, once a scan on the GPU shows they load and run; if not, the
+  # device builds its own, after saying why.
   if [ "${NANSCAN_PREBUILT:-0}" = 1 ]; then
-    "$PY" -c "import nanscan, torch; nanscan.scan([torch.ones(3, device='cuda')]); print('prebuilt:', nanscan._C.__file__, nanscan._ops.cuda_library.__file__)"
-    return
+    if "$PY" -c "import nanscan, torch; nanscan.scan([torch.ones(3, device='cuda')]); print('prebuilt:', nanscan._C.__file__, nanscan._ops.cuda_library.__file__, nanscan._ops.cuda_library.cuda_archs)"; then
+      return
+    fi
+    echo "build: the carried libraries did not run here (above); building them on the device"
+    rm -f nanscan/_C*.so
   fi
   echo "== build ($(date -u +%FT%TZ))"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   "$PY" -m pip install --no-build-isolation --no-deps -q -e . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; return 1; }
   tail -3 "$out/build.log"
   "$PY" -c "import nanscan, torch; r = nanscan.scan([torch.ones(3, device='cuda')]); print('built: norm', r.total_norm.item())"
+}
+
+# On the machine without a GPU, before the first device command: the libraries a lend then carries
+# instead of building them on the device (~100-120 s of device time saved). The stable ABI makes one
+# build load into every torch from 2.10 (the device's 2.11 included), CPU torch or CUDA; the CUDA
+# library is for sm_90 and the CUDA major of the device's torch (13 unless NANSCAN_CUDA_MAJORS says),
+# with this machine's toolkit. Then, in the device tool's call: carry nanscan/_C.abi3.so and
+# nanscan/_C_cuda13.abi3.so, and run the stage with NANSCAN_PREBUILT=1.
+prebuild() {
+  echo "== prebuild for the device: sm_90, CUDA ${NANSCAN_CUDA_MAJORS:-13} ($(date -u +%FT%TZ))"
+  rm -f nanscan/_C*.so
+  NANSCAN_CUDA_MAJORS="${NANSCAN_CUDA_MAJORS:-13}" "$PY" setup.py build_ext --inplace >"$out/prebuild.log" 2>&1 ||
+    { tail -40 "$out/prebuild.log"; return 1; }
+  "$PY" -c "import nanscan._ops as o; print('prebuilt here, to carry:', ' '.join('nanscan/' + n + '.abi3.so' for n in ['_C', *o.cuda_libraries_held()]))"
+  ls -la nanscan/_C*.so
 }
 
 tests() {
@@ -426,6 +449,7 @@ case "$stage" in
   host) build; host ;;
   suite) build; suite ;;
   lend) lend ;;
+  prebuild) prebuild ;;
   subwarp) subwarp ;;
   capabilities) build; capabilities ;;
   wheel) wheel_suite "$@" ;;
