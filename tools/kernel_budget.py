@@ -35,7 +35,7 @@ DIFFERENCE_REGISTERS = 128
 
 # " Function NAME:" then "  REG:80 STACK:0 SHARED:20552 LOCAL:0 ..." (cuobjdump 12 and 13).
 _FUNCTION = re.compile(r"^\s*Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", re.MULTILINE)
-# The scan kernel's template arguments: scan_kernel<fp16_range, tiny, checksum, capacity>.
+# The scan kernel's template arguments: scan_kernel<half_range, multiply, checksum, capacity>.
 _SCAN_FLAGS = re.compile(r"scan_kernelILb([01])ELb([01])ELb([01])E")
 
 
