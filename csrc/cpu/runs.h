@@ -238,6 +238,7 @@ struct LogicalWalk {
   }
 };
 
+// One unit of parallel work and of partial results: an element range of one tensor (or pair).
 struct Chunk {
   int64_t tensor;
   int64_t begin;  // element range, in memory order for dense tensors, logical order otherwise
