@@ -80,6 +80,9 @@ mkdir -p "$out"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+# The lists the kernels are measured on, whatever the stage: 10,000 tensors of 4 KB (the small-tensor
+# path), GPT-2 small and llama-1b; one list, so that an A/B's rows and the capabilities' compare.
+MEASURED_MODELS=many_small_10000x1024,gpt2-small,llama-1b
 
 build() {
   # NANSCAN_PREBUILT=1: libraries built earlier (by a device command, or here by `prebuild`) and
@@ -193,11 +196,11 @@ variant_build() {
 # with PYTHONPATH on it: the copy's nanscan, not the editable install.
 ab_rows() {
   local rows=(benchmarks/bench_scan.py --device cuda --dtype float32,bfloat16
-    --models many_small_10000x1024,gpt2-small,llama-1b --magnitudes ordinary,tiny --methods nanscan.scan
+    --models "$MEASURED_MODELS" --magnitudes ordinary,tiny --methods nanscan.scan
     --max-repeats 30 --min-time 0.2)
   local shown="^ab: |^== |^ceiling_sum|^nanscan.scan"
   if [ "${3:-scan}" = updates ]; then
-    rows=(benchmarks/bench_state.py --device cuda --updates --models many_small_10000x1024,gpt2-small,llama-1b)
+    rows=(benchmarks/bench_state.py --device cuda --updates --models "$MEASURED_MODELS")
     shown="^ab: |^model |^[a-z]"
   fi
   (cd "$1" && PYTHONPATH="$PWD" "$PY" -c "import nanscan; print('ab: $2 imports', nanscan._C.__file__)" &&
@@ -340,7 +343,7 @@ capabilities() {
   # First, as the newest kernel and never measured: the update watch's difference kernel, against
   # NOTES.md entry 39's prediction (4.2-4.7x a read of fp32 weights).
   # The three bounded to fit the lend's 300 s for this stage.
-  timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models many_small_10000x1024,gpt2-small,llama-1b \
+  timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models "$MEASURED_MODELS" \
       --json "$out/updates_cuda.json" 2>&1 | tee "$out/updates_cuda.txt" | tail -6 || echo "updates: exit $?"
   timeout 120 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 \
       --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -14 || echo "activations: exit $?"
