@@ -205,11 +205,14 @@ def _remember(p: Any, layout: ModelLayout, position: int) -> None:
         entry[2].append(position)
         return
     key = id(p)
+    # The table itself, not the module's name for it: a parameter collected at interpreter exit calls
+    # this after the module's globals are cleared ("Exception ignored in: forget" otherwise).
+    table = _by_parameter
 
     def forget(ref: weakref.ReferenceType[Any]) -> None:
-        current = _by_parameter.get(key)
+        current = table.get(key)
         if current is not None and current[0] is ref:
-            del _by_parameter[key]
+            del table[key]
 
     _by_parameter[key] = (weakref.ref(p, forget), layout, [position])
 
