@@ -28,7 +28,9 @@ list's shapes (their bytes W): its two hooks (the copy before ``optimizer.step()
 it), against ``read`` (``torch.sum`` of W bytes), ``copy`` (``torch._foreach_copy_`` of the weights:
 2W) and ``unfused`` (the pass the watch makes where no fused kernel exists: the copy, the in-place
 difference, the scan of differences and weights: 7W). The target (issue 30): at most one copy plus
-one read of the weights, ``copy + read``.
+one read of the weights, ``copy + read``. ``sketch`` is the copy-free watch's sampled step
+(``watch_updates(sketch=1024)``: a CountSketch of the weights before the step and after it, 2W read,
+nothing of the weights' size written).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def measure_updates(name: str, shapes: list[list[int]], device: torch.device, ro
     params = [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for shape in shapes]
     optimizer = torch.optim.SGD(params, lr=0.0)
     watch = nanscan.watch_updates(optimizer, params)
+    sketched = nanscan.watch_updates(optimizer, params, sketch=1024)
     copies = [torch.empty_like(p) for p in params]
     flat = torch.randn(sum(p.numel() for p in params), device=device)
     detached = [p.detach() for p in params]
@@ -117,6 +120,11 @@ def measure_updates(name: str, shapes: list[list[int]], device: torch.device, ro
         watch._before(optimizer, (), {})
         watch._after(optimizer, (), {})
         return watch.ratio
+
+    def sketched_step() -> object:
+        sketched._before(optimizer, (), {})
+        sketched._after(optimizer, (), {})
+        return sketched.ratio
 
     def unfused() -> object:
         torch._foreach_copy_(copies, detached)
@@ -128,6 +136,7 @@ def measure_updates(name: str, shapes: list[list[int]], device: torch.device, ro
             "read": flat.sum,
             "copy": lambda: torch._foreach_copy_(copies, detached),
             "watch": sampled_step,
+            "sketch": sketched_step,
             "unfused": unfused,
         },
         rounds,
@@ -136,13 +145,15 @@ def measure_updates(name: str, shapes: list[list[int]], device: torch.device, ro
     )
     figures = {method: statistics.median(ms) for method, ms in times.items()}
     watch.remove()
-    return {"model": name, "tensors": len(params), "mb": flat.numel() * 4 / 1e6, **figures}
+    sketch_mb = sketched.nbytes / 1e6
+    sketched.remove()
+    return {"model": name, "tensors": len(params), "mb": flat.numel() * 4 / 1e6, "sketch mb": sketch_mb, **figures}
 
 
 def main_updates(models: list[str], zoo: dict[str, list[list[int]]], device: torch.device, rounds: int) -> list[dict]:
     print(
         f"{'model':<22}{'tensors':>8}{'MB W':>7}{'read ms':>9}{'copy ms':>9}{'watch ms':>10}{'x read':>8}"
-        f"{'target x':>9}{'unfused ms':>11}{'x read':>8}"
+        f"{'target x':>9}{'unfused ms':>11}{'x read':>8}{'sketch ms':>10}{'x read':>8}{'MB kept':>8}"
     )
     rows = []
     for name in models:
@@ -152,7 +163,7 @@ def main_updates(models: list[str], zoo: dict[str, list[list[int]]], device: tor
         print(
             f"{name:<22}{row['tensors']:>8}{row['mb']:>7.0f}{read:>9.2f}{row['copy']:>9.2f}{row['watch']:>10.2f}"
             f"{row['watch'] / read:>7.2f}x{(row['copy'] + read) / read:>8.2f}x{row['unfused']:>11.2f}"
-            f"{row['unfused'] / read:>7.2f}x"
+            f"{row['unfused'] / read:>7.2f}x{row['sketch']:>10.2f}{row['sketch'] / read:>7.2f}x{row['sketch mb']:>8.1f}"
         )
     return rows
 

@@ -121,6 +121,30 @@ void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const
                 first.device());
 }
 
+SketchCall prepare_sketch(const TensorListArg& tensors, int64_t buckets, int64_t seed, const char* op) {
+  SketchCall call{check_scan_inputs(tensors, op), {}, {}, buckets, 0, {}, {}};
+  NANSCAN_CHECK(valid_sketch_buckets(buckets), op, ": buckets must be a power of two in [", kMinSketchBuckets, ", ",
+                kMaxSketchBuckets, "], got ", buckets);
+  NANSCAN_CHECK(seed >= 0 && seed <= int64_t{UINT32_MAX}, op, ": seed must be in [0, 2^32), got ", seed);
+  call.seed = static_cast<uint32_t>(seed);
+  int64_t total = 0;
+  call.tensors.reserve(tensors.size());
+  for (const TensorInfo& t : tensors.infos()) {
+    if (t.numel > 0 && !is_contiguous(t)) {
+      call.copies.push_back(contiguous(t.handle));
+      call.tensors.push_back(TensorInfo::of(call.copies.back().get()));
+    } else {
+      call.tensors.push_back(t);
+    }
+    total += sketch_buckets_of(t.numel, buckets);
+  }
+  const TensorInfo& first = tensors[0];
+  call.sketches = empty({total}, dtype_codes().float64, first.device_type, first.device_index);
+  call.sumsq =
+      empty({static_cast<int64_t>(tensors.size())}, dtype_codes().float64, first.device_type, first.device_index);
+  return call;
+}
+
 DType norm_dtype_of(const std::vector<DType>& tags) {
   // The float lattice of torch's promote_types, float8 counted as float32: float64 wins, then
   // float32; float16 with bfloat16 gives float32; one half type alone stays itself.

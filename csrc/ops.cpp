@@ -175,6 +175,20 @@ void scan_difference_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_ou
   return_outputs(stack, std::move(out));
 }
 
+// sketch(Tensor[] tensors, int buckets, int seed) -> (sketches, sumsq). Each tensor's CountSketch and
+// sum of squares (common/sketch_rules.h), in one read: the update watch's copy-free ratio.
+void sketch_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  constexpr const char* kOp = "nanscan.sketch";
+  const TensorListArg tensors(stack[0]);
+  check_stack(num_args, num_outputs, 3, 2, kOp);
+  SketchCall call = prepare_sketch(tensors, torch::stable::detail::to<int64_t>(stack[1]),
+                                   torch::stable::detail::to<int64_t>(stack[2]), kOp);
+  cpu::sketch(call.tensors, call.tags, call.buckets, call.seed, static_cast<double*>(call.sketches.data()),
+              static_cast<double*>(call.sumsq.data()));
+  set_output(stack, 0, std::move(call.sketches));
+  set_output(stack, 1, std::move(call.sumsq));
+}
+
 // A list argument for an ATen op: new handles of the same tensors (the op takes ownership).
 StableIValue list_of(const TensorListArg& tensors) {
   StableListHandle list = nullptr;
@@ -293,6 +307,10 @@ STABLE_TORCH_LIBRARY(nanscan, m) {
   m.def(
       "scan_difference(Tensor[] before, Tensor[] after) -> (Tensor counts, Tensor stats, Tensor total_norm, "
       "Tensor finite, Tensor total_norm_cast)");
+  // A CountSketch of each tensor (common/sketch_rules.h): its buckets, float64, all the tensors' in list
+  // order (min(numel, buckets) each), and each tensor's sum of squares, float64 [N]. The update watch's
+  // copy-free ratio (nanscan/updates.py). seed in [0, 2^32).
+  m.def("sketch(Tensor[] tensors, int buckets, int seed) -> (Tensor sketches, Tensor sumsq)");
   m.def(
       "unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> "
       "(Tensor counts, Tensor stats, Tensor total_norm, Tensor finite, Tensor total_norm_cast)");
@@ -317,6 +335,7 @@ STABLE_TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
 STABLE_TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);
   m.impl("scan_difference", &nanscan::scan_difference_cpu);
+  m.impl("sketch", &nanscan::sketch_cpu);
   m.impl("scale_", &nanscan::scale_cpu);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cpu);
   m.impl("record_", &nanscan::record_cpu);

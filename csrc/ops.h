@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/scan_rules.h"
+#include "common/sketch_rules.h"
 #include "torch_api.h"
 
 namespace nanscan {
@@ -53,6 +54,21 @@ DifferenceTags check_difference_inputs(const TensorListArg& before, const Tensor
 // by memory offset, whatever the order of the dimensions (scan_difference's backends read such pairs
 // in place).
 bool same_dense_layout(const TensorInfo& a, const TensorInfo& b);
+
+// sketch's arguments, checked as every backend checks them (the list as a scan's; buckets a power of two
+// in [64, 4096]; seed in [0, 2^32)), each tensor as the kernels read it: in logical order, contiguous
+// (a copy, owned here, of one that is not), and the outputs: every tensor's buckets (float64
+// [sum of sketch_buckets_of]) and sums of squares (float64 [N]) on the tensors' device.
+struct SketchCall {
+  std::vector<DType> tags;
+  std::vector<TensorInfo> tensors;  // contiguous: the arguments, or the copies below
+  std::vector<OwnedTensor> copies;
+  int64_t buckets;
+  uint32_t seed;
+  OwnedTensor sketches;
+  OwnedTensor sumsq;
+};
+SketchCall prepare_sketch(const TensorListArg& tensors, int64_t buckets, int64_t seed, const char* op);
 
 // Rejects float8 tensors for ops that write (torch has no float8 arithmetic to match).
 void check_multipliable(const std::vector<DType>& tags, const char* op);

@@ -17,6 +17,14 @@ The ops themselves are declared once, in csrc/ops.cpp:
   ``after[i]`` of the same shape and no wider dtype), then the ``after[i]``. The update watch's pass
   (nanscan.updates). On the CPU and CUDA one fused kernel that reads each pair once and writes
   nothing; on other devices the composite below (torch's ``_foreach_sub``, then ``scan``).
+* ``nanscan::sketch(Tensor[] tensors, int buckets, int seed) -> (sketches, sumsq)``: each tensor's
+  CountSketch (csrc/common/sketch_rules.h; buckets a power of two in [64, 4096], seed in [0, 2^32)):
+  a float64 vector linear in its values, in ``min(numel, buckets)`` buckets (its values themselves
+  when it has no more), whose squared length estimates the tensor's squared norm without bias; all
+  the tensors' buckets concatenated in list order (``sketches``, float64 1-D) and each one's sum of
+  squares (``sumsq``, float64 [N]). The update watch's copy-free ratio (nanscan.updates): the sketch
+  of an update is the difference of the weights' sketches. On the CPU and CUDA a kernel; on other
+  devices the composite (float32 on a device without float64: MPS).
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite,
   total_norm_cast)``: GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the
@@ -95,6 +103,7 @@ cuda_library = _load_cuda_library()
 
 scan_op = torch.ops.nanscan.scan.default
 scan_difference_op = torch.ops.nanscan.scan_difference.default
+sketch_op = torch.ops.nanscan.sketch.default
 scale_op = torch.ops.nanscan.scale_.default
 unscale_scan_op = torch.ops.nanscan.unscale_scan_.default
 record_op = torch.ops.nanscan.record_.default
@@ -116,7 +125,7 @@ _LIBRARY = torch.library.Library("nanscan", "IMPL")
 # The Autograd key falls through to the kernels, so outputs never require grad (autograd's fallback
 # would otherwise hang on them a grad_fn that fails only when someone calls backward through a norm);
 # the kernels run their own ATen calls with grad mode off (csrc/torch_api.h, NoGradGuard).
-for _name in ("scan", "scan_difference", "scale_", "unscale_scan_", "record_", "_record_composite_"):
+for _name in ("scan", "scan_difference", "sketch", "scale_", "unscale_scan_", "record_", "_record_composite_"):
     _LIBRARY.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 _INFERENCE_MESSAGE = (
@@ -196,6 +205,7 @@ _LIBRARY.impl(
 COMPOSITES: dict[str, Callable[..., Any]] = {
     "scan": composite.scan,
     "scan_difference": composite.scan_difference,
+    "sketch": composite.sketch,
     "scale_": composite.scale_,
     "unscale_scan_": composite.unscale_scan_,
 }
@@ -258,6 +268,21 @@ def _scan_fake(tensors: list[torch.Tensor], fp16_range: bool = False, checksum: 
 def _scan_difference_fake(before: list[torch.Tensor], after: list[torch.Tensor]) -> ScanOutputs:
     composite.check_difference_pairs(before, after)
     return _scan_outputs(list(before) + list(after))
+
+
+@register_fake("nanscan::sketch")
+def _sketch_fake(tensors: list[torch.Tensor], buckets: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sketch's fake kernel: the kernels' checks of what a fake has (devices, dtypes, buckets, seed),
+    and the outputs' shapes: min(numel, buckets) buckets per tensor (numel may be symbolic), one sum
+    of squares per tensor; in the composite's dtype on a device without float64."""
+    composite.check_sketch_arguments(tensors, buckets, seed)
+    device = tensors[0].device
+    wide = composite.wide_dtype(device)
+    total = sum(torch.sym_min(t.numel(), buckets) for t in tensors)
+    return (
+        torch.empty((total,), dtype=wide, device=device),
+        torch.empty((len(tensors),), dtype=wide, device=device),
+    )
 
 
 @register_fake("nanscan::unscale_scan_")

@@ -2,8 +2,8 @@
 accelerator), with the kernels' semantics (csrc/common/scan_rules.h) and their outputs.
 
 nanscan's fused kernels are CPU and CUDA code. On any other device the dispatcher sends ``scan``,
-``scale_``, ``unscale_scan_`` and ``scan_difference`` here (nanscan._ops registers these functions
-for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen
+``scale_``, ``unscale_scan_``, ``scan_difference`` and ``sketch`` here (nanscan._ops registers these
+functions for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen
 kernels per tensor instead of one pass over the list: slower than a fused kernel (docs/devices.md gives
 the measured factor), never a different answer:
 
@@ -23,6 +23,10 @@ the measured factor), never a different answer:
   reductions sum in a tree, far better in practice), and the statistics and totals are float32.
 * The fp16-range counts, the replica checksum and the total norm's dtype follow the same rules as the
   kernels (``count_half_range``, ``replica_term``, ``norm_dtype_of``).
+* The sketch follows csrc/common/sketch_rules.h: each block of 64 elements hashed (in int64
+  arithmetic, as the replica checksum) to an offset and 64 signs, its signed values added to their
+  buckets by ``index_add_`` in float64, so that it equals the kernels' up to the order of each
+  bucket's float64 sum. On a device without float64 (MPS) the buckets and sums of squares are float32.
 
 No host sync: every value stays on the device, and the shapes decide every branch (an empty tensor
 is known from its shape). So a captured graph holds these ops like any others.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -286,6 +291,102 @@ def scan_difference(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor
         differences = torch._foreach_sub(list(before), subtrahends)
         outputs: ScanOutputs = torch.ops.nanscan.scan.default(list(differences) + list(after))
     return outputs
+
+
+_SKETCH = "nanscan.sketch"
+# csrc/common/sketch_rules.h's constants: the block, the bucket counts the op takes, and the hash's salts.
+_SKETCH_BLOCK = 64
+_MIN_SKETCH_BUCKETS = 64
+_MAX_SKETCH_BUCKETS = 4096
+_TENSOR_SALT = 0x9E3779B9
+_SIGNS_HIGH_SALT = 0x68E31DA4
+_SIGNS_LOW_SALT = 0xB5297A4D
+_OFFSET_SALT = 0x1B56C4E9
+_SKETCH_CHUNK = 1 << 22
+"""Elements of a tensor sketched per pass: its values in float64 and their signs are made a chunk at a
+time, so that the transient memory is a few times 32 MiB, not a few times the tensor's size."""
+
+_Word = TypeVar("_Word", int, torch.Tensor)
+
+
+def _mix(x: _Word) -> _Word:
+    """MurmurHash3's 32-bit finalizer (``sketch_mix``) of a Python int or an int64 tensor of values in
+    [0, 2^32): the products wrap modulo 2^64 (int64) or grow (int), and the mask keeps the low 32 bits,
+    which are uint32 arithmetic's."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX_1) & _WORD
+    x = x ^ (x >> 13)
+    x = (x * _MIX_2) & _WORD
+    return x ^ (x >> 16)
+
+
+def check_sketch_arguments(tensors: Sequence[torch.Tensor], buckets: int, seed: int) -> None:
+    """sketch's arguments, as the kernels check them, with their words: for the fake kernel and the
+    composite."""
+    _check_list(tensors, _SKETCH)
+    torch._check(
+        _MIN_SKETCH_BUCKETS <= buckets <= _MAX_SKETCH_BUCKETS and buckets & (buckets - 1) == 0,
+        lambda: (
+            f"{_SKETCH}: buckets must be a power of two in [{_MIN_SKETCH_BUCKETS}, {_MAX_SKETCH_BUCKETS}], "
+            f"got {buckets}"
+        ),
+    )
+    torch._check(0 <= seed <= _WORD, lambda: f"{_SKETCH}: seed must be in [0, 2^32), got {seed}")
+
+
+def sketch(tensors: Sequence[torch.Tensor], buckets: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nanscan::sketch`` in ATen ops (csrc/common/sketch_rules.h): every tensor's CountSketch of
+    ``buckets`` buckets (its values themselves when it has no more elements than that), concatenated
+    in list order, and every tensor's sum of squares, [N]. Float64, equal to the kernels' up to the
+    order of each float64 sum; on a device without float64 (MPS) both are float32, so a bucket then
+    carries float32's rounding (about 2^-24 of the values it sums) and a sketch of weights no longer
+    keeps an update far smaller than them. On the tensors' device, with no host sync."""
+    check_sketch_arguments(tensors, buckets, seed)
+    wide = wide_dtype(tensors[0].device)
+    parts: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
+    with torch.no_grad():
+        for index, t in enumerate(tensors):
+            tensor_seed = _mix(seed ^ _mix((index + _TENSOR_SALT) & _WORD))  # sketch_tensor_seed
+            part, sumsq = _sketch_tensor(t, buckets, tensor_seed, wide)
+            parts.append(part)
+            sums.append(sumsq)
+        return torch.cat(parts), torch.stack(sums)
+
+
+def _sketch_tensor(t: torch.Tensor, k: int, tensor_seed: int, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor's buckets (min(numel, k) of them) and its sum of squares, in ``wide``."""
+    x = t.reshape(-1)  # logical (row-major) order; a copy only of a tensor that is not contiguous
+    n = x.numel()
+    device = x.device
+    if n <= k:
+        values = x.to(wide)
+        return values, (values * values).sum()
+    # Block b's element p goes to bucket (offset_b + p) mod k. The blocks' signed rows are added at
+    # row offset_b of a [k, 64] table by one index_add_ (an index per block, not one per element),
+    # and bucket j then sums table[(j - p) mod k, p] over the 64 positions p: the same terms as one
+    # add per element, in another float64 order.
+    table = torch.zeros(k, _SKETCH_BLOCK, dtype=wide, device=device)
+    sumsq = torch.zeros((), dtype=wide, device=device)
+    lanes = torch.arange(32, dtype=torch.int64, device=device)
+    for start in range(0, n, _SKETCH_CHUNK):
+        values = x[start : start + _SKETCH_CHUNK].to(wide)  # float16, bfloat16 and float8 widen exactly
+        sumsq = sumsq + (values * values).sum()
+        tail = -values.numel() % _SKETCH_BLOCK
+        if tail:  # the last block's missing elements as zeros, which add nothing to their buckets
+            values = torch.nn.functional.pad(values, (0, tail))
+        first = start // _SKETCH_BLOCK
+        blocks = torch.arange(first, first + values.numel() // _SKETCH_BLOCK, dtype=torch.int64, device=device)
+        key = _mix((blocks >> 32) ^ _mix((blocks & _WORD) ^ tensor_seed))  # sketch_block
+        offsets = _mix(key ^ _OFFSET_SALT) & (k - 1)
+        low, high = _mix(key ^ _SIGNS_LOW_SALT), _mix(key ^ _SIGNS_HIGH_SALT)
+        # [blocks, 64]: bit p of the block's 64 sign bits, low word first; set: the element is subtracted.
+        bits = torch.cat([(low[:, None] >> lanes) & 1, (high[:, None] >> lanes) & 1], dim=1)
+        # A product, never in place: values may be the caller's own float64 tensor.
+        table.index_add_(0, offsets, values.view(-1, _SKETCH_BLOCK) * (1 - 2 * bits))
+    positions = torch.arange(_SKETCH_BLOCK, dtype=torch.int64, device=device)
+    rows = (torch.arange(k, dtype=torch.int64, device=device)[:, None] - positions) & (k - 1)
+    return table.gather(0, rows).sum(dim=1), sumsq
 
 
 def _check_list(tensors: Sequence[torch.Tensor], op: str) -> None:

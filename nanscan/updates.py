@@ -40,15 +40,17 @@ its order, and every rank gets each whole parameter's ratio. A step that a GradS
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from . import layouts
-from ._ops import has_fused_difference, scan_difference_op
-from .fused import ScanResult
+from ._ops import has_fused_difference, scan_difference_op, sketch_op
+from .fused import ScanResult, group_by_device, upload
 from .layouts import fsdp1
 from .layouts.dtensor import has_dtensor, to_local
 from .parameters import named_parameters
@@ -63,12 +65,114 @@ def _copy_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+# The bucket counts watch_updates(sketch=) takes (csrc/common/sketch_rules.h: powers of two, at least a
+# block of 64, at most what a CUDA warp's shared memory holds).
+SKETCH_BUCKETS = tuple(2**e for e in range(6, 13))
+
+
+def _check_sketch(sketch: object) -> int | None:
+    if sketch is None:
+        return None
+    if isinstance(sketch, bool) or not isinstance(sketch, int) or sketch not in SKETCH_BUCKETS:
+        raise ValueError(
+            "nanscan.watch_updates: sketch must be None (the exact ratio, from a copy of the weights) or a "
+            f"power of two from {SKETCH_BUCKETS[0]} to {SKETCH_BUCKETS[-1]} (buckets per weight tensor; the "
+            f"ratio's relative error is about 1/sqrt(2 * sketch)), got {sketch!r}"
+        )
+    return sketch
+
+
+class _Segments(NamedTuple):
+    """A device's weights as the sketch's buckets see them."""
+
+    key: tuple[tuple[int, ...], tuple[int, ...] | None]  # their bucket counts (and places among all)
+    ids: torch.Tensor  # int64 [buckets]: the weight each bucket belongs to
+    where: torch.Tensor | None  # int64: their places among all the weights, when on several devices
+
+
+class _Sketches:
+    """The copy-free side of an update watch: each weight's CountSketch before the step, per device
+    (module notes). ``measure`` turns the sketches after the step into each weight's ‖Δw‖² estimate and
+    its ‖w‖²."""
+
+    def __init__(self, buckets: int) -> None:
+        self.buckets = buckets
+        self._before: dict[torch.device, torch.Tensor] = {}
+        # Per device: which weight each bucket belongs to, made once and kept while the weights' sizes
+        # (and, across devices, places) do not change.
+        self._segments: dict[torch.device, _Segments] = {}
+
+    @staticmethod
+    def _seed() -> int:
+        """The process's rank: the shards of one parameter on different ranks are sketched independently."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def take(self, parts: list[torch.Tensor]) -> None:
+        """Sketches the weights before the step (one pass per device, nothing else kept)."""
+        seed = self._seed()
+        self._before = {
+            device: sketch_op([parts[i] for i in indices], self.buckets, seed)[0]
+            for device, indices in group_by_device(parts).items()
+        }
+
+    def measure(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 [len(parts)] each, on the first part's device: the estimated ‖Δw‖² of each part since
+        ``take`` and its ‖w‖² now, with no host sync."""
+        seed = self._seed()
+        groups = group_by_device(parts)
+        if set(groups) != set(self._before):
+            raise RuntimeError("nanscan.watch_updates: the weights moved between devices during optimizer.step()")
+        first = parts[0].device
+        change = torch.empty(len(parts), dtype=torch.float64, device=first)
+        squares = torch.empty(len(parts), dtype=torch.float64, device=first)
+        for device, indices in groups.items():
+            tensors = [parts[i] for i in indices]
+            after, sumsq = sketch_op(tensors, self.buckets, seed)
+            difference = after.sub_(self._before[device]).square_()
+            segments = self._segments_of(device, tensors, indices, first, len(groups) > 1)
+            per_part = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+            per_part.index_add_(0, segments.ids, difference)
+            if segments.where is None:
+                change, squares = per_part, sumsq
+            else:  # weights on several devices: gathered on the first (device-to-device copies)
+                change[segments.where] = per_part.to(first, non_blocking=True)
+                squares[segments.where] = sumsq.to(first, non_blocking=True)
+        self._before = {}
+        return change, squares
+
+    def _segments_of(
+        self, device: torch.device, tensors: list[torch.Tensor], indices: list[int], first: torch.device, gather: bool
+    ) -> _Segments:
+        counts = tuple(min(t.numel(), self.buckets) for t in tensors)
+        key = (counts, tuple(indices) if gather else None)
+        cached = self._segments.get(device)
+        if cached is None or cached.key != key:
+            # Made on the device from uploaded counts (no host sync: output_size is known here).
+            ids = torch.repeat_interleave(
+                torch.arange(len(counts), device=device), upload(counts, torch.int64, device), output_size=sum(counts)
+            )
+            where = upload(indices, torch.int64, first) if gather else None
+            cached = _Segments(key, ids, where)
+            self._segments[device] = cached
+        return cached
+
+    @property
+    def nbytes(self) -> int:
+        """Memory a measured step takes: the sketches before the step (float64) and which weight each
+        bucket belongs to (int64), 16 bytes a bucket (0 before the first measured step)."""
+        return sum(s.ids.numel() * (8 + s.ids.element_size()) for s in self._segments.values())
+
+
 class UpdateWatch:
     """Step hooks on an optimizer that measure each parameter's update-to-weight ratio on every
     ``every``-th step; see the module notes. Made by :func:`watch_updates`."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, model_or_params: torch.nn.Module | Iterable[Any] | None, every: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        model_or_params: torch.nn.Module | Iterable[Any] | None,
+        every: int,
+        sketch: int | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"nanscan.watch_updates: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -76,6 +180,9 @@ class UpdateWatch:
             raise ValueError(f"nanscan.watch_updates: every must be a positive int (1: every step), got {every!r}")
         self.optimizer = optimizer
         self.every = every
+        #: Buckets per weight tensor of the copy-free estimate, or None for the exact ratio.
+        self.sketch = _check_sketch(sketch)
+        self._sketches = _Sketches(self.sketch) if self.sketch is not None else None
         held = [p for group in optimizer.param_groups for p in group["params"]]
         # FSDP1: the optimizer holds flat parameters (or the original parameters' parts); the copies'
         # differences are cut into the parameters the user wrote as check_state cuts optimizer state.
@@ -140,9 +247,13 @@ class UpdateWatch:
             or any(s != (p.shape, p.dtype, p.device) for s, p in zip(signature, params, strict=True))
         ):
             self._signature = [(p.shape, p.dtype, p.device) for p in params]
-            self._copies = [torch.empty_like(p, dtype=_copy_dtype(p.dtype)) for p in params]
+            if self._sketches is None:
+                self._copies = [torch.empty_like(p, dtype=_copy_dtype(p.dtype)) for p in params]
             self._devices = {device for _, _, device in self._signature}
             self._dtensors = has_dtensor(params)
+        if self._sketches is not None:
+            self._sketches.take(self._sketched_parts(params)[0])
+            return
         with torch.no_grad():
             # The parameters as they are, not detached (a detach per tensor would be most of the host
             # work): under no_grad nothing here is recorded for autograd. A DTensor's local shard
@@ -154,12 +265,49 @@ class UpdateWatch:
         """The tensors' local shards where DTensors are among the parameters, else the tensors."""
         return to_local(tensors) if self._dtensors else tensors
 
+    def _sketched_parts(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], layouts.Layout]:
+        """What the sketches read on this rank, the weights' local parts, and the layout that reduces
+        their norms: of the weights twice over (the updates' entries, then the weights'; FSDP1's the
+        other way round, as its state layout orders them), so that one reduction serves both."""
+        if self._fsdp1 is not None:
+            layout = layouts.of_fsdp1_state(self._fsdp1, {p: {"update": p} for p in params}, ("update",))
+            return layout.parts[: len(self.names)], layout
+        layout = layouts.of_tensors(params + params)
+        return layouts.local_parts(layout)[: len(params)], layout
+
+    def _measure_sketched(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """‖Δw‖ (estimated) then ‖w‖ per parameter, reduced over the layout's ranks, from the sketches."""
+        assert self._sketches is not None
+        n = len(self.names)
+        parts, layout = self._sketched_parts(params)
+        change, squares = self._sketches.measure(parts)
+        if not layout.distributed:
+            return torch.cat([change, squares]).sqrt_()
+        # The layout's entries: FSDP1's weights then updates, others' updates then weights.
+        first, second = (squares, change) if self._fsdp1 is not None else (change, squares)
+        norms = torch.cat([first, second]).sqrt_()
+        zeros = torch.zeros(2 * n, dtype=torch.int64, device=norms.device)
+        local = ScanResult(
+            zeros,
+            zeros,
+            torch.full_like(norms, math.inf),
+            torch.full_like(norms, -math.inf),
+            norms,
+            norms.square().sum().sqrt(),
+            torch.ones((), dtype=torch.bool, device=norms.device),
+        )
+        reduced = layouts.reduce_local(layout, local).norm
+        return torch.cat([reduced[n:], reduced[:n]]) if self._fsdp1 is not None else reduced
+
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._sampling:
             return
         self._sampling = False
         params = self._params()
         n = len(self.names)
+        if self._sketches is not None:
+            self._record(self._measure_sketched(params))
+            return
         # The CPU and CUDA have the fused difference scan (each pair read once, nothing written), for a
         # list on one device; elsewhere the copies become the differences in place, then are scanned
         # with the weights (module notes).
@@ -192,8 +340,13 @@ class UpdateWatch:
             else:
                 # The copies (DTensors where the parameters are) go to the scan whole: it reduces them.
                 result_norm = scan(self._copies + params).norm
-        self._norms = result_norm
-        self._ratio = result_norm[:n] / result_norm[n:]
+        self._record(result_norm)
+
+    def _record(self, norms: torch.Tensor) -> None:
+        """Keeps a measured step's norms (‖Δw‖ per parameter, then ‖w‖) and their quotients."""
+        n = len(self.names)
+        self._norms = norms
+        self._ratio = norms[:n] / norms[n:]
         self._sampled += 1
         self._recent += 1
 
@@ -217,7 +370,10 @@ class UpdateWatch:
 
     @property
     def nbytes(self) -> int:
-        """Memory held for the copies of the weights (0 before the first sampled step)."""
+        """Memory held for the copies of the weights, or with ``sketch``, what the sketches take (0
+        before the first sampled step)."""
+        if self._sketches is not None:
+            return self._sketches.nbytes
         return sum(c.numel() * c.element_size() for c in self._copies)
 
     @property
@@ -256,15 +412,18 @@ class UpdateWatch:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"UpdateWatch({len(self.names)} parameters, every={self.every}, {self._sampled} sampled steps)"
+        method = "" if self.sketch is None else f", sketch={self.sketch}"
+        return f"UpdateWatch({len(self.names)} parameters, every={self.every}{method}, {self._sampled} sampled steps)"
 
     # ----------------------------------------------------------------------------------- lifetime
 
     def remove(self) -> None:
-        """Removes the hooks and frees the copies; the last ratios stay readable."""
+        """Removes the hooks and frees the copies (or sketches); the last ratios stay readable."""
         while self._handles:
             self._handles.pop().remove()
         self._copies = []
+        if self.sketch is not None:
+            self._sketches = _Sketches(self.sketch)
         self._signature = None
         self._sampling = False
 
@@ -282,6 +441,7 @@ def watch_updates(
     model_or_params: torch.nn.Module | Iterable[Any] | None = None,
     *,
     every: int = 1,
+    sketch: int | None = None,
 ) -> UpdateWatch:
     """Measures each parameter's update-to-weight ratio ``‖Δw‖/‖w‖`` on every ``every``-th
     ``optimizer.step()``, exactly and without a host sync (module notes: memory and cost).
@@ -292,8 +452,13 @@ def watch_updates(
         model_or_params: the model (or ``(name, parameter)`` pairs) whose names the ratios take; without
             it, ``"group<i>.param<j>"``.
         every: measure every ``every``-th step (the first included).
+        sketch: None for the exact ratio, from a copy of the weights; or a bucket count (a power of two
+            from 64 to 4096) for an estimate that keeps no copy: each weight's CountSketch before and
+            after the step, 16 bytes a bucket, at most ``sketch`` buckets a tensor. ‖Δw‖'s relative
+            error is about ``1/sqrt(2 * sketch)`` (2.2% at 1024), whatever the update's shape; a
+            tensor of at most ``sketch`` elements is measured exactly (module notes).
 
     Returns:
         An ``UpdateWatch``: ``ratio`` (device tensor), ``ratios()`` (one sync), ``remove()``.
     """
-    return UpdateWatch(optimizer, model_or_params, every)
+    return UpdateWatch(optimizer, model_or_params, every, sketch)

@@ -810,14 +810,20 @@ def update_ratios_of_fsdp2_are_the_whole_parameters(world: int) -> None:
     model = fsdp(mlp([16, 24, 6]), mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     updates = nanscan.watch_updates(optimizer, model)
+    # The copy-free watch: every rank's shard is at most 384 / world elements, under 512 buckets, so
+    # its sketch is its values and the reduced ratio is exact: the shards' squares summed over the mesh.
+    sketched = nanscan.watch_updates(optimizer, model, sketch=512)
     backward(model, 16)
     before = [p.full_tensor().double() for p in model.parameters()]
     optimizer.step()
     after = [p.full_tensor().double() for p in model.parameters()]
     ratios = updates.ratios()
     assert list(ratios) == ["0.weight", "0.bias", "2.weight", "2.bias"], ratios
-    for (name, got), b, a in zip(ratios.items(), before, after, strict=True):
+    assert list(sketched.ratios()) == list(ratios)
+    for (name, got), sketch, b, a in zip(ratios.items(), sketched.ratios().values(), before, after, strict=True):
         assert_close(got, ((a - b).norm() / a.norm()).item(), f"{name} ratio", 1e-6)
+        assert_close(sketch, ((a - b).norm() / a.norm()).item(), f"{name} ratio from the sketches", 1e-6)
+    sketched.remove()
     # A recorder with the watch keeps the same whole-parameter figures on every rank, with no
     # collective of its own (the watch's scan reduced them).
     records: list[nanscan.records.StepRecord] = []

@@ -554,10 +554,15 @@ def fsdp1_check_state_matches_a_plain_twin_and_names_a_bad_moment(world: int) ->
         model = wrap(net(), strategy, orig, world)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         updates = nanscan.watch_updates(optimizer, model)
+        # Every part is under 4096 elements, so the sketches are the values: exact, through the same cut
+        # and reduction.
+        sketched = nanscan.watch_updates(optimizer, model, sketch=4096)
         backward(model)
         optimizer.step()
         ratios = updates.ratios()
+        sketched_ratios = sketched.ratios()
         updates.remove()
+        sketched.remove()
         report = nanscan.check_state(model, optimizer)
         values = report.to_dict()["parameters"]
         planted = _plant_in_moment(model, optimizer, 2) if dist.get_rank() == bad else None
@@ -567,8 +572,10 @@ def fsdp1_check_state_matches_a_plain_twin_and_names_a_bad_moment(world: int) ->
         nonfinite, ranks = after.nonfinite, after.nonfinite_ranks
         assert report.finite, what
         assert list(ratios) == list(want_ratios), f"{what}: {list(ratios)}"
+        assert list(sketched_ratios) == list(want_ratios), f"{what}: {list(sketched_ratios)}"
         for name, ratio in want_ratios.items():
             assert_close(ratios[name], ratio, f"{what}: update ratio of {name}", 1e-5)
+            assert_close(sketched_ratios[name], ratio, f"{what}: update ratio of {name} from the sketches", 1e-5)
         assert list(values) == list(want), f"{what}: {list(values)}"
         for name, tensor in want.items():
             assert_close(values[name]["norm"], tensor.norm(), f"{what}: norm of {name}", 1e-6)

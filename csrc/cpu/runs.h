@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../ops.h"  // kMaxDims
@@ -273,16 +274,25 @@ inline ChunkPlan plan_chunks(const std::vector<int64_t>& numels, const std::vect
   return plan;
 }
 
-// Runs `work(chunk index)` for every chunk, in parallel: each task owns the chunks that start inside
-// its byte range, so which thread computes a chunk never changes the chunk's result.
+// Runs `work(chunk index)` for chunks [first, last) (all of them by default), in parallel: each task
+// owns the chunks that start inside its byte range, so which thread computes a chunk never changes the
+// chunk's result.
+template <class Work>
+void run_chunks(const ChunkPlan& plan, int64_t first, int64_t last, Work&& work) {
+  if (first >= last) return;
+  const int64_t begin = plan.start_byte[first];
+  const int64_t end = last < static_cast<int64_t>(plan.chunks.size()) ? plan.start_byte[last] : plan.total_bytes;
+  torch::stable::parallel_for(begin, end, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
+    auto c = std::lower_bound(plan.start_byte.begin() + first, plan.start_byte.begin() + last, byte_begin) -
+             plan.start_byte.begin();
+    for (; c < last && plan.start_byte[c] < byte_end; ++c) work(c);
+  });
+}
+
 template <class Work>
 void run_chunks(const ChunkPlan& plan, Work&& work) {
   if (plan.total_bytes == 0) return;
-  torch::stable::parallel_for(0, plan.total_bytes, kMinParallelBytes, [&](int64_t byte_begin, int64_t byte_end) {
-    auto c = std::lower_bound(plan.start_byte.begin(), plan.start_byte.end(), byte_begin) - plan.start_byte.begin();
-    const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
-    for (; c < num_chunks && plan.start_byte[c] < byte_end; ++c) work(c);
-  });
+  run_chunks(plan, 0, static_cast<int64_t>(plan.chunks.size()), std::forward<Work>(work));
 }
 
 }  // namespace nanscan::cpu

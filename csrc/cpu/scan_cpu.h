@@ -27,4 +27,11 @@ void scan_difference(const std::vector<TensorInfo>& before, const std::vector<DT
                      const std::vector<TensorInfo>& after, const std::vector<DType>& after_dtypes,
                      const ResultPointers& out);
 
+// Fills `sketches` (every tensor's sketch_buckets_of(numel, k) buckets, in list order) and `sumsq` (each
+// tensor's sum of squares, in float64) with the CountSketch of common/sketch_rules.h; tensor i is hashed
+// with sketch_tensor_seed(seed, i). Tensors are contiguous (the op copies others first). Chunked and
+// combined as scan() is, so the bits depend on the tensors alone.
+void sketch(const std::vector<TensorInfo>& tensors, const std::vector<DType>& dtypes, int64_t k, uint32_t seed,
+            double* sketches, double* sumsq);
+
 }  // namespace nanscan::cpu
