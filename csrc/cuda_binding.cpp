@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/scan_cuda.h"
+#include "cuda/sketch_cuda.h"
 #include "ops.h"
 #include "torch_api.h"
 
@@ -414,6 +415,37 @@ void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_o
   return_outputs(stack, std::move(out));
 }
 
+// sketch(Tensor[] tensors, int buckets, int seed) -> (sketches, sumsq): the update sketch (cuda/sketch_cuda.h),
+// its tensor table copied to the device by the upload kernel (no pinned buffer: capturable), in memory
+// from torch's allocator kept until the launch is enqueued.
+void sketch_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  constexpr const char* kOp = "nanscan.sketch";
+  const TensorListArg tensors(stack[0]);
+  check_stack(num_args, num_outputs, 3, 2, kOp);
+  SketchCall call = prepare_sketch(tensors, torch::stable::detail::to<int64_t>(stack[1]),
+                                   torch::stable::detail::to<int64_t>(stack[2]), kOp);
+  const TensorInfo& like = tensors[0];
+  const CudaDeviceGuard guard(like.device_index);
+  const auto n = static_cast<int64_t>(call.tensors.size());
+  std::vector<cuda::TensorArg> args(call.tensors.size());
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    args[i] = cuda::TensorArg{call.tensors[i].data, call.tensors[i].numel, call.tags[i]};
+  }
+  const cuda::SketchTable table = cuda::sketch_table(args.data(), n, call.buckets);
+  const size_t table_bytes = table.tensors.size() * sizeof(cuda::SketchTensor);
+  std::vector<unsigned char> staged((table_bytes + 15) / 16 * 16, 0);
+  memcpy(staged.data(), table.tensors.data(), table_bytes);
+  const cudaStream_t stream = current_stream(like.device_index);
+  const OwnedTensor device_table =
+      empty({static_cast<int64_t>(staged.size())}, dtype_codes().uint8, like.device_type, like.device_index);
+  check_launch(cuda::upload_bytes(staged.data(), staged.size(), device_table.data(), stream));
+  check_launch(cuda::sketch(table, static_cast<const cuda::SketchTensor*>(device_table.data()), call.buckets, call.seed,
+                            static_cast<double*>(call.sketches.data()), static_cast<double*>(call.sumsq.data()),
+                            sm_count(), stream));
+  set_output(stack, 0, std::move(call.sketches));
+  set_output(stack, 1, std::move(call.sumsq));
+}
+
 }  // namespace
 }  // namespace nanscan
 
@@ -455,4 +487,5 @@ STABLE_TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
   m.impl("scale_", &nanscan::scale_cuda);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cuda);
   m.impl("scan_difference", &nanscan::scan_difference_cuda);
+  m.impl("sketch", &nanscan::sketch_cuda);
 }

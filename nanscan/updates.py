@@ -28,6 +28,25 @@ the fused difference scan (two reads), four on the CPU and on CUDA; elsewhere th
 difference (two reads, a write) and the scan (two reads), seven (benchmarks/NOTES.md, entries 36,
 38 and 39). Unsampled steps cost two Python hooks.
 
+Without a copy (``sketch=k``): each weight is kept between the two hooks as a CountSketch
+(``nanscan::sketch``, csrc/common/sketch_rules.h), a float64 vector of at most k buckets that is
+linear in the weights, so the sketch after the step minus the sketch before it is the sketch of the
+update, and its squared length estimates ‖Δw‖² without bias. Each block of 64 elements draws from a
+hash an offset and 64 signs; its elements go, signed, to 64 consecutive buckets (mod k). Two elements
+of different blocks share a bucket with probability 1/k, those of one block never, so the estimate's
+variance is at most 2‖Δw‖⁴/k, whatever the update's shape (a few embedding rows, one column, dense):
+‖Δw‖ is off by about 1/sqrt(2k) of itself (2.2% at k = 1024; tests/test_updates.py measures it on
+sparse SGD and dense Adam steps), and a tensor of at most k elements is measured exactly (its sketch
+is its values). ‖w‖ is exact (the same pass sums its squares in float64). Memory: 16 bytes a bucket,
+``sum(min(numel, k))`` buckets (the sketches before the step and which weight each bucket belongs
+to): 2.1 MB for GPT-2 small at k = 1024, where the exact ratio keeps 498 MB (llama-1b: 2.4 MB
+against 6.0 GB). Traffic: two reads of the weights a sampled step, nothing of their size written. On
+the CPU the sums are made in a fixed order, so an untouched weight reads exactly 0; on CUDA the units'
+shares of a bucket are added by atomics in no fixed order, so it reads about 1e-16 (float64's
+rounding of the weights' sketch, not a real update). Sharded weights (FSDP2, FSDP1) are sketched per local part, each rank with its own hash
+(seeded by its rank), and the parts' squared norms summed over the layout's ranks as the exact
+ratio's are.
+
 A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
 NaN or an Inf in the weights or the update makes its ratio NaN or Inf. DTensor parameters (FSDP2,
 tensor parallel) are reduced over their meshes by the scan, so every rank gets the whole model's

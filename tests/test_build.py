@@ -176,7 +176,7 @@ def test_the_kernels_keep_their_sm90_register_and_stack_budget() -> None:
     sass, ptx = built_archs()
     if kernel_budget.BUDGET_ARCH not in sass:
         pytest.skip(f"no {kernel_budget.BUDGET_ARCH} code in this build ({cuda_library().cuda_archs})")
-    _, problems = kernel_budget.check(cuda_library().__file__, tool, require_ptx=bool(ptx))
+    _, problems = kernel_budget.check(cuda_library().__file__, tool=tool, require_ptx=bool(ptx))
     assert not problems, "\n".join(problems)
 
 

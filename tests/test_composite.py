@@ -267,7 +267,9 @@ def test_a_rocm_torch_runs_the_composites_on_its_gpus_and_a_cuda_torch_is_told_t
     _ops.register_cuda_key(rocm, "6.3.42131")  # type: ignore[arg-type]
     _ops.register_cuda_key(cuda, None)  # type: ignore[arg-type]
     assert rocm.registered == [(name, fn, "CUDA") for name, fn in _ops.COMPOSITES.items()]
-    assert cuda.registered == [(name, _ops._built_without_cuda, "CUDA") for name in ("scan", "scale_", "unscale_scan_")]
+    assert cuda.registered == [
+        (name, _ops._built_without_cuda, "CUDA") for name in ("scan", "sketch", "scale_", "unscale_scan_")
+    ]
 
 
 @needs_cuda

@@ -220,7 +220,7 @@ def small_list(dtype: torch.dtype, k: int, device: str) -> list[torch.Tensor]:
     sizes = [0, 1, 63, 64, 65, k, k + 1, 2 * k + 63, 4099]
     shapes: list[tuple[int, ...]] = [(n,) for n in sizes]
     shapes[6] = (1, k + 1)  # a 2-D one
-    # Values no dtype rounds to zero or past its range (float8_e4m3fn's largest is 448).
+    # Values within every dtype's range (float8_e4m3fn's largest is 448).
     return [(torch.randn(shape, dtype=torch.float64) * 8).clamp(-400, 400).to(dtype).to(device) for shape in shapes]
 
 

@@ -45,8 +45,9 @@ done
 
 # The sm_90 kernels' registers and stack, and the PTX, on the object just built (the budget and its
 # reasons: tools/kernel_budget.py).
-if [ -f "$out/scan_cuda.cu.sm_90.o" ]; then
-  python tools/kernel_budget.py "$out/scan_cuda.cu.sm_90.o" || status=1
+objects=("$out"/*.cu.sm_90.o)
+if [ -f "${objects[0]}" ]; then
+  python tools/kernel_budget.py "${objects[@]}" || status=1
 fi
 
 # The binding, against torch's stable headers as setup.py compiles it (the target version, USE_CUDA for

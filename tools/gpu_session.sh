@@ -366,9 +366,10 @@ lend() {
   tar czf "$out/libs.tgz" nanscan/_C*.so
   export NANSCAN_PREBUILT=1
   # test_cuda.py, and the CUDA tests of what no GPU has run yet: the difference kernel, the update
-  # watch, check_state, the activation watch.
+  # watch and its sketch, check_state, the activation watch.
   timeout 110 "$PY" -m pytest -q -rfE tests/test_cuda.py tests/test_scan_difference.py tests/test_updates.py \
-    tests/test_state.py tests/test_activations.py -k cuda 2>&1 | tee "$out/pytest_cuda.log" | tail -8 || true
+    tests/test_sketch.py tests/test_state.py tests/test_activations.py -k cuda 2>&1 |
+    tee "$out/pytest_cuda.log" | tail -8 || true
   timeout 120 "$self" sanitize || echo "sanitize: exit $?"
   timeout 300 "$self" capabilities || echo "capabilities: exit $?"
 }

@@ -7,6 +7,8 @@ change of source or toolkit that moves ptxas past a budget changes it unseen. So
   (a spill needs one), but the checksum variants, which may keep up to 64 bytes;
 - the difference kernel takes at most 128 registers (2 resident blocks) and no stack: its callee
   ``difference_run_any`` included, since an entry's stack is its whole call tree's;
+- the update sketch's kernels take at most 80 registers and no stack (their shared memory, 33-35 KB a
+  block, is what bounds their occupancy);
 - the PTX (the newest architecture's, embedded so that later GPUs still run) holds no ``.ftz``
   instruction: flush-to-zero would turn subnormal gradients into zeros in min/max and the norm.
 
@@ -15,6 +17,7 @@ nvidia-cuda-cuobjdump``, the "build-check" extra), read from what ships: tests/t
 this on the wheel's CUDA library in CI, tools/check_cuda_build.sh on its own sm_90 object.
 
     python tools/kernel_budget.py nanscan/_C_cuda13.abi3.so
+    python tools/kernel_budget.py scan_cuda.o sketch_cuda.o     # objects: the budget over them all
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ BUDGET_ARCH = "sm_90"
 SCAN_REGISTERS = 80
 SCAN_CHECKSUM_STACK = 64
 DIFFERENCE_REGISTERS = 128
+SKETCH_REGISTERS = 80
 
 # " Function NAME:" then "  REG:80 STACK:0 SHARED:20552 LOCAL:0 ..." (cuobjdump 12 and 13).
 _FUNCTION = re.compile(r"^\s*Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", re.MULTILINE)
@@ -61,7 +65,7 @@ def parse_resource_usage(listing: str) -> list[KernelResources]:
 def budget_violations(kernels: list[KernelResources]) -> list[str]:
     """What breaks the sm_90 budget (empty when all is well). A listing without a scan or a difference
     kernel breaks it too: a renamed kernel must not pass by going unchecked."""
-    found = {"scan_kernel": 0, "difference_kernel": 0}
+    found = {"scan_kernel": 0, "difference_kernel": 0, "sketch_kernel": 0}
     bad = []
     for kernel in kernels:
         flags = _SCAN_FLAGS.search(kernel.name)
@@ -78,6 +82,13 @@ def budget_violations(kernels: list[KernelResources]) -> list[str]:
             if kernel.registers > DIFFERENCE_REGISTERS or kernel.stack + kernel.local:
                 bad.append(
                     f"{kernel.name}: {kernel.registers} registers (at most {DIFFERENCE_REGISTERS}), "
+                    f"{kernel.stack + kernel.local} bytes of stack (none allowed)"
+                )
+        elif "sketch_kernel" in kernel.name:
+            found["sketch_kernel"] += 1
+            if kernel.registers > SKETCH_REGISTERS or kernel.stack + kernel.local:
+                bad.append(
+                    f"{kernel.name}: {kernel.registers} registers (at most {SKETCH_REGISTERS}), "
                     f"{kernel.stack + kernel.local} bytes of stack (none allowed)"
                 )
     bad += [
@@ -113,37 +124,48 @@ def cuobjdump_output(tool: str, *arguments: str) -> str:
     return done.stdout
 
 
-def check(binary: str, tool: str, *, require_ptx: bool = True) -> tuple[list[KernelResources], list[str]]:
-    """The budget architecture's kernels in ``binary`` (a library, an object or a cubin), and every
-    problem found: the budget broken, no kernel of that architecture, a ``.ftz`` in the PTX, or no PTX
-    where ``require_ptx`` (a build for named architectures only, without "+PTX", embeds none)."""
-    kernels = parse_resource_usage(cuobjdump_output(tool, "-res-usage", "-arch", BUDGET_ARCH, binary))
-    problems = budget_violations(kernels) if kernels else [f"no {BUDGET_ARCH} kernel in {binary}"]
-    ptx = cuobjdump_output(tool, "-ptx", binary)
-    if require_ptx and ".entry" not in ptx:
-        problems.append(f"no PTX in {binary}")
-    flushing = flush_to_zero_instructions(ptx)
-    if flushing:
-        problems.append(f"the PTX flushes subnormals ({len(flushing)} .ftz instructions): {flushing[:3]}")
+def check(binary: str, *more: str, tool: str, require_ptx: bool = True) -> tuple[list[KernelResources], list[str]]:
+    """The budget architecture's kernels in ``binary`` and ``more`` (libraries, objects or cubins: the
+    budget holds over them all, so objects compiled apart are checked together), and every problem
+    found: the budget broken, a binary without a kernel of that architecture, a ``.ftz`` in the PTX,
+    or no PTX where ``require_ptx`` (a build for named architectures only, without "+PTX", embeds none)."""
+    kernels: list[KernelResources] = []
+    problems: list[str] = []
+    for path in (binary, *more):
+        found = parse_resource_usage(cuobjdump_output(tool, "-res-usage", "-arch", BUDGET_ARCH, path))
+        if not found:
+            problems.append(f"no {BUDGET_ARCH} kernel in {path}")
+        kernels += found
+        ptx = cuobjdump_output(tool, "-ptx", path)
+        if require_ptx and ".entry" not in ptx:
+            problems.append(f"no PTX in {path}")
+        flushing = flush_to_zero_instructions(ptx)
+        if flushing:
+            problems.append(f"the PTX flushes subnormals ({len(flushing)} .ftz instructions): {flushing[:3]}")
+    if kernels:
+        problems = budget_violations(kernels) + problems
     return kernels, problems
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("binary", help="a CUDA library, object or cubin holding sm_90 code and PTX")
+    parser.add_argument("binaries", nargs="+", help="CUDA libraries, objects or cubins holding sm_90 code and PTX")
     parser.add_argument("--cuobjdump", help="the cuobjdump to use (default: found as tests/test_build.py finds it)")
     args = parser.parse_args()
     tool = args.cuobjdump or find_cuobjdump()
     if tool is None:
         print("kernel_budget: no cuobjdump: pip install nvidia-cuda-cuobjdump", file=sys.stderr)
         return 1
-    kernels, problems = check(args.binary, tool)
+    kernels, problems = check(*args.binaries, tool=tool)
     scans = [k for k in kernels if _SCAN_FLAGS.search(k.name)]
     differences = [k for k in kernels if "difference_kernel" in k.name]
+    sketches = [k for k in kernels if "sketch_kernel" in k.name]
     print(
         f"kernel_budget: {BUDGET_ARCH}: {len(scans)} scan kernels at {sorted({k.registers for k in scans})} registers, "
         f"stack {sorted({k.stack for k in scans})} B; {len(differences)} difference kernels at "
-        f"{sorted({k.registers for k in differences})} registers, stack {sorted({k.stack for k in differences})} B"
+        f"{sorted({k.registers for k in differences})} registers, stack {sorted({k.stack for k in differences})} B; "
+        f"{len(sketches)} sketch kernels at {sorted({k.registers for k in sketches})} registers, "
+        f"stack {sorted({k.stack for k in sketches})} B"
     )
     for problem in problems:
         print(f"kernel_budget: FAILED: {problem}", file=sys.stderr)

@@ -13,7 +13,7 @@ planted, runs of small tensors (the small-tensor path), chunks of tiny, huge, al
 mixed NaN/Inf values (every re-read of scan_rules.h), the fp16-range scan, the fused unscale (and its two-step path for a strided gradient), and
 the clip multiply with a coefficient of 1 (no write) and below 1, and the difference scan (the update
 watch's kernel: every pair of formats it admits, in each list capacity, with tiny updates, NaN/Inf
-and an all-NaN chunk). With ``--part graph``: a CUDA graph
+and an all-NaN chunk), and the update sketch (every dtype, both of its kernel's shapes). With ``--part graph``: a CUDA graph
 of a scan of a list in device memory, replayed (the blob's upload kernels run at every replay).
 
 Built to keep the sanitizer's work on nanscan's kernels: every list is a set of views into one flat
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 import nanscan
-from nanscan._ops import scan_difference_op
+from nanscan._ops import scan_difference_op, sketch_op
 from nanscan.fused import ScanResult
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -163,6 +163,28 @@ def differences(gen: torch.Generator, device: str) -> None:
         assert int(want.nan_count[3]) == 1 and int(want.nan_count[5]) == chunk and int(want.inf_count[count + 4]) == 1
         assert 0 < float(want.norm[2]) < 1e-17, "the tiny pair's differences are not tiny"
         same(got, want, f"{count} pairs: the differences differ")
+
+
+def sketches(gen: torch.Generator, device: str) -> None:
+    """``sketch`` (the update watch's copy-free kernel) on the device against the CPU backend's: lists
+    of every dtype and of sizes around the bucket count and the kernel's unit (16,384 elements), each a
+    view at its own offset, with a NaN and an Inf planted, for 64, 1024 and 4096 buckets (both kernel
+    shapes). The buckets' float64 sums differ only in order (atomics), so within 1e-9 of the largest."""
+    sizes = [0, 1, 63, 64, 65, 1024, 1025, 4097, 16_384 + 3, 3 * 16_384 + 70, 100_000]
+    dtypes = FLOATS + FP8
+    views = Views.random(sizes * 2, [dtypes[i % len(dtypes)] for i in range(2 * len(sizes))], gen)
+    views.plant(10, 5, math.nan)
+    views.plant(20, -1, math.inf)
+    on_device = views.to(device)
+    for buckets in (64, 1024, 4096):
+        got, got_sumsq = sketch_op(on_device.tensors, buckets, 3)
+        want, want_sumsq = sketch_op(views.tensors, buckets, 3)
+        for mine, theirs in ((got.cpu(), want), (got_sumsq.cpu(), want_sumsq)):
+            assert torch.equal(mine.isnan(), theirs.isnan()), f"{buckets} buckets: NaN in other places"
+            finite = theirs.isfinite()
+            assert torch.equal(mine[~finite].nan_to_num(), theirs[~finite].nan_to_num()), f"{buckets}: Inf differ"
+            scale = float(theirs[finite].abs().max())
+            assert torch.allclose(mine[finite], theirs[finite], rtol=0, atol=1e-9 * scale), f"{buckets}: sums differ"
 
 
 def graph_replay(gen: torch.Generator) -> None:
@@ -299,6 +321,7 @@ def main() -> None:
     torch.testing.assert_close(on_device.values(), before.values(), rtol=1e-6, atol=1e-7)
 
     differences(gen, device)
+    sketches(gen, device)
     if device == "cuda":
         torch.cuda.synchronize()
     print("sanitize_workload: all paths ran and agreed with the CPU")

@@ -40,11 +40,12 @@ NANSCAN_INLINE void copy_values(const typename Codec::Raw* p, int64_t n, double*
   }
 }
 
-// Four fp64 lanes (GCC's vector extension: AVX2 registers in the x86-64-v3 clone, SSE2 pairs in the
-// baseline one), written out because the auto-vectoriser leaves the bucket update scalar.
-using Doubles = double __attribute__((vector_size(32)));
-using Words = uint64_t __attribute__((vector_size(32)));
-constexpr int64_t kVector = 4;
+// Eight fp64 lanes (GCC's vector extension: one AVX-512 register in the x86-64-v4 clone, two AVX2 ones
+// in the x86-64-v3 clone, four SSE2 ones in the baseline), written out because the auto-vectoriser
+// leaves the bucket update scalar (13.5x a torch.sum; this, 2x: benchmarks/NOTES.md entry 43).
+using Doubles = double __attribute__((vector_size(64)));
+using Words = uint64_t __attribute__((vector_size(64)));
+constexpr int64_t kVector = 8;
 
 template <class Codec>
 NANSCAN_INLINE Doubles load_values(const typename Codec::Raw* from) {
@@ -58,19 +59,20 @@ NANSCAN_INLINE Doubles load_values(const typename Codec::Raw* from) {
 // Elements [begin, end) of a tensor of more than k elements (begin a multiple of kSketchBlock) into
 // `buckets`, k + kSketchBlock of them: a block whose offset is near k runs past bucket k - 1 into the
 // spill, which the caller folds back onto buckets 0..63. A full block is 64 contiguous loads added to
-// 64 contiguous buckets, four lanes at a time (a block's buckets never repeat), each value's sign bit
+// 64 contiguous buckets, eight lanes at a time (a block's buckets never repeat), each value's sign bit
 // flipped where the block's sign bit is set.
 template <class Codec>
 NANSCAN_INLINE void hash_values(const typename Codec::Raw* p, int64_t begin, int64_t end, int64_t k,
                                 uint32_t tensor_seed, double* buckets, ChunkSums& sums) {
   Doubles ss[2] = {};
-  const Words lane = {0, 1, 2, 3};
+  const Words lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const int64_t full_end = begin + (end - begin) / kSketchBlock * kSketchBlock;
   for (int64_t e0 = begin; e0 < full_end; e0 += kSketchBlock) {
     const SketchBlock block = sketch_block(tensor_seed, static_cast<uint64_t>(e0 / kSketchBlock), k);
     double* into = buckets + block.offset;
     const typename Codec::Raw* from = p + e0;
-    const Words signs = {block.signs, block.signs, block.signs, block.signs};
+    const Words signs = {block.signs, block.signs, block.signs, block.signs,
+                         block.signs, block.signs, block.signs, block.signs};
     for (int64_t g = 0; g < kSketchBlock; g += kVector) {
       const Doubles v = load_values<Codec>(from + g);
       ss[(g / kVector) & 1] += v * v;
@@ -81,10 +83,7 @@ NANSCAN_INLINE void hash_values(const typename Codec::Raw* p, int64_t begin, int
       std::memcpy(into + g, &b, sizeof b);
     }
   }
-  for (int64_t l = 0; l < kVector; ++l) {
-    sums.lanes[l] += ss[0][l];
-    sums.lanes[kVector + l] += ss[1][l];
-  }
+  for (int64_t l = 0; l < kVector; ++l) sums.lanes[l] += ss[0][l] + ss[1][l];
   if (full_end < end) {
     const SketchBlock block = sketch_block(tensor_seed, static_cast<uint64_t>(full_end / kSketchBlock), k);
     for (int64_t q = 0; q < end - full_end; ++q) {
@@ -95,9 +94,11 @@ NANSCAN_INLINE void hash_values(const typename Codec::Raw* p, int64_t begin, int
   }
 }
 
-// Cloned for AVX2 and the baseline, as the difference scan is (a sampled step's pass, memory-bound).
+// Cloned per x86 level: the pass is compute-bound on a 2-core VM (the hash and the sign flips), and
+// AVX-512 ran it a quarter faster on one core; the file is small enough that the third clone costs
+// seconds of compile time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 double sketch_chunk(const TensorInfo& t, DType dtype, int64_t begin, int64_t end, int64_t k, uint32_t tensor_seed,
                     double* buckets) {

@@ -1143,13 +1143,17 @@ int scan_grid(const ListPlan& plan, ScanKind kind, int num_sms) {
 int32_t max_tensors_in_parameters() { return kLargeInlineTensors; }
 
 cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream) {
-  if (reinterpret_cast<uintptr_t>(device_blob) % 16 != 0) return cudaErrorInvalidValue;
+  return upload_bytes(plan.blob(), plan.bytes(), device_blob, stream);  // a blob is a multiple of 16 bytes
+}
+
+cudaError_t upload_bytes(const void* source, size_t size, void* device, cudaStream_t stream) {
+  if (reinterpret_cast<uintptr_t>(device) % 16 != 0 || size % 16 != 0) return cudaErrorInvalidValue;
   UploadParams& params = parameter_buffer<UploadParams>();
-  for (size_t offset = 0; offset < plan.bytes(); offset += kUploadBytes) {
-    const size_t bytes = std::min(kUploadBytes, plan.bytes() - offset);  // a multiple of 16, as the blob is
-    params.dst = reinterpret_cast<uint4*>(static_cast<char*>(device_blob) + offset);
+  for (size_t offset = 0; offset < size; offset += kUploadBytes) {
+    const size_t bytes = std::min(kUploadBytes, size - offset);
+    params.dst = reinterpret_cast<uint4*>(static_cast<char*>(device) + offset);
     params.vectors = static_cast<uint32_t>(bytes / 16);
-    memcpy(params.bytes, plan.blob() + offset, bytes);
+    memcpy(params.bytes, static_cast<const unsigned char*>(source) + offset, bytes);
     const int blocks = static_cast<int>((params.vectors + kUploadThreads - 1) / kUploadThreads);
     NANSCAN_LAUNCH(upload_kernel, blocks, kUploadThreads, stream, params);
     const cudaError_t err = cudaGetLastError();

@@ -23,6 +23,10 @@ inline bool fits_in_parameters(const ListPlan& plan) { return plan.num_tensors()
 // CUDA graph that captures the copy replays it correctly for as long as it lives.
 cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream);
 
+// The same copy of any `size` bytes (a multiple of 16) into `device` (16-byte aligned): the update
+// sketch's tensor table (sketch_cuda.h).
+cudaError_t upload_bytes(const void* bytes, size_t size, void* device, cudaStream_t stream);
+
 // Which scan: the plain one, with the fp16-range counts, with the replica checksums, fused with
 // GradScaler's unscale, or of differences: a plan of N befores then N afters (nanscan::scan_difference;
 // befores float32 or float64, afters of the same sizes and no wider), whose 2N results are the

@@ -1,11 +1,12 @@
-// Stand-in for <cuda_runtime.h> that lets g++ compile csrc/cuda/scan_cuda.cu and run its kernels on CPU
-// threads (tests/cuda_emulator/test_kernels.cpp). A launch runs the grid's blocks one after another,
-// in index order or, when block_order_seed is set, in a shuffled order (a GPU promises none);
-// a block's threads run concurrently, one std::thread each. A warp's lanes meet at a barrier in every
-// shuffle, ballot and __syncwarp, so a warp-divergent shuffle deadlocks here as it would misbehave on
-// a GPU (the test runner's timeout reports it); __syncthreads is a block-wide barrier; atomics and
-// fences are C++ atomics. __shared__ variables become function statics, which is sound because blocks
-// never overlap. __CUDA_ARCH__ stays undefined, so the decode is the CPU's (same values).
+// Stand-in for <cuda_runtime.h> that lets g++ compile csrc/cuda/*.cu and run their kernels on CPU
+// threads (tests/cuda_emulator/test_kernels.cpp, test_sketch_kernel.cpp). A launch runs the grid's
+// blocks one after another, in index order or, when block_order_seed is set, in a shuffled order (a
+// GPU promises none); a block's threads run concurrently, one std::thread each. A warp's lanes meet
+// at a barrier in every shuffle, ballot and __syncwarp, so a warp-divergent shuffle deadlocks here as
+// it would misbehave on a GPU (the test runner's timeout reports it); __syncthreads is a block-wide
+// barrier; atomics and fences are C++ atomics. __shared__ variables become function statics, which is
+// sound because blocks never overlap. __CUDA_ARCH__ stays undefined, so the decode is the CPU's (same
+// values).
 #pragma once
 
 #include <algorithm>
@@ -156,6 +157,7 @@ T __ldcg(const T* p) {
   return std::atomic_ref<T>(*const_cast<T*>(p)).load(std::memory_order_relaxed);
 }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
 
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
   memset(p, value, bytes);
