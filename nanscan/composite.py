@@ -182,13 +182,7 @@ def replica_checksum(t: torch.Tensor) -> torch.Tensor:
     words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
     q = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
     salt = ((q & _WORD) * _SALT_LOW + (q >> 32) * _SALT_HIGH) & _WORD
-    x = words ^ salt
-    x = x ^ (x >> 16)
-    x = (x * _MIX_1) & _WORD
-    x = x ^ (x >> 13)
-    x = (x * _MIX_2) & _WORD
-    x = x ^ (x >> 16)
-    return x.sum() & _WORD
+    return _mix(words ^ salt).sum() & _WORD
 
 
 def _checksum_order(t: torch.Tensor) -> torch.Tensor:
@@ -310,7 +304,7 @@ _Word = TypeVar("_Word", int, torch.Tensor)
 
 
 def _mix(x: _Word) -> _Word:
-    """MurmurHash3's 32-bit finalizer (``sketch_mix``) of a Python int or an int64 tensor of values in
+    """MurmurHash3's 32-bit finalizer (csrc/common/murmur.h: the replica checksum's and the sketch's) of a Python int or an int64 tensor of values in
     [0, 2^32): the products wrap modulo 2^64 (int64) or grow (int), and the mask keeps the low 32 bits,
     which are uint32 arithmetic's."""
     x = x ^ (x >> 16)

@@ -43,9 +43,10 @@ to): 2.1 MB for GPT-2 small at k = 1024, where the exact ratio keeps 498 MB (lla
 against 6.0 GB). Traffic: two reads of the weights a sampled step, nothing of their size written. On
 the CPU the sums are made in a fixed order, so an untouched weight reads exactly 0; on CUDA the units'
 shares of a bucket are added by atomics in no fixed order, so it reads about 1e-16 (float64's
-rounding of the weights' sketch, not a real update). Sharded weights (FSDP2, FSDP1) are sketched per local part, each rank with its own hash
-(seeded by its rank), and the parts' squared norms summed over the layout's ranks as the exact
-ratio's are.
+rounding of the weights' sketch, not a real update). Sharded weights (FSDP2, FSDP1) are sketched per local part and the parts' squared norms
+summed over the layout's ranks as the exact ratio's are. Every rank hashes alike, so that replicated
+weights give every rank the same estimate; the parts' errors may then be correlated, but the error
+of their sum stays within the bound of one tensor's (at most the sum of the parts' deviations).
 
 A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
 NaN or an Inf in the weights or the update makes its ratio NaN or Inf. DTensor parameters (FSDP2,
@@ -65,7 +66,6 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from . import layouts
 from ._ops import has_fused_difference, scan_difference_op, sketch_op
@@ -121,23 +121,21 @@ class _Sketches:
         # (and, across devices, places) do not change.
         self._segments: dict[torch.device, _Segments] = {}
 
-    @staticmethod
-    def _seed() -> int:
-        """The process's rank: the shards of one parameter on different ranks are sketched independently."""
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    # One hash on every rank: replicated weights (DDP, a tensor-parallel norm) then give every rank the
+    # same estimate. The shards of one parameter may so have correlated errors, but the sum of their
+    # estimates keeps the bound of one tensor's (module notes).
+    SEED = 0
 
     def take(self, parts: list[torch.Tensor]) -> None:
         """Sketches the weights before the step (one pass per device, nothing else kept)."""
-        seed = self._seed()
         self._before = {
-            device: sketch_op([parts[i] for i in indices], self.buckets, seed)[0]
+            device: sketch_op([parts[i] for i in indices], self.buckets, self.SEED)[0]
             for device, indices in group_by_device(parts).items()
         }
 
     def measure(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 [len(parts)] each, on the first part's device: the estimated ‖Δw‖² of each part since
         ``take`` and its ‖w‖² now, with no host sync."""
-        seed = self._seed()
         groups = group_by_device(parts)
         if set(groups) != set(self._before):
             raise RuntimeError("nanscan.watch_updates: the weights moved between devices during optimizer.step()")
@@ -146,7 +144,7 @@ class _Sketches:
         squares = torch.empty(len(parts), dtype=torch.float64, device=first)
         for device, indices in groups.items():
             tensors = [parts[i] for i in indices]
-            after, sumsq = sketch_op(tensors, self.buckets, seed)
+            after, sumsq = sketch_op(tensors, self.buckets, self.SEED)
             difference = after.sub_(self._before[device]).square_()
             segments = self._segments_of(device, tensors, indices, first, len(groups) > 1)
             per_part = torch.zeros(len(tensors), dtype=torch.float64, device=device)

@@ -16,40 +16,30 @@ from pathlib import Path
 
 from conftest import ROOT, build_and_run_cpp
 
+# g++ as strict as CI's build, with the stand-in runtime first on the include path.
+FLAGS = [
+    "-std=c++20",
+    "-O2",
+    "-pthread",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wno-unused-parameter",
+    "-Wno-unknown-pragmas",
+    "-I",
+    str(ROOT / "tests" / "cuda_emulator" / "include"),
+]
+
 
 def test_kernels_on_emulated_gpu(tmp_path: Path) -> None:
-    flags = [
-        "-std=c++20",
-        "-O2",
-        "-pthread",
-        "-Wall",
-        "-Wextra",
-        "-Werror",
-        "-Wno-unused-parameter",
-        "-Wno-unknown-pragmas",
-        "-I",
-        str(ROOT / "tests" / "cuda_emulator" / "include"),
-    ]
     sources = [ROOT / "csrc" / "cuda" / "scan_cuda.cu", ROOT / "tests" / "cuda_emulator" / "test_kernels.cpp"]
     hang = "a deadlock, e.g. a shuffle that not every lane of a warp reached"
-    assert "all checks passed" in build_and_run_cpp(tmp_path, sources, flags, 600, hang)
+    assert "all checks passed" in build_and_run_cpp(tmp_path, sources, FLAGS, 600, hang)
 
 
 def test_sketch_kernel_on_emulated_gpu(tmp_path: Path) -> None:
     """csrc/cuda/sketch_cuda.cu, the update sketch, against common/sketch_rules.h element by element
     (tests/cuda_emulator/test_sketch_kernel.cpp)."""
-    flags = [
-        "-std=c++20",
-        "-O2",
-        "-pthread",
-        "-Wall",
-        "-Wextra",
-        "-Werror",
-        "-Wno-unused-parameter",
-        "-Wno-unknown-pragmas",
-        "-I",
-        str(ROOT / "tests" / "cuda_emulator" / "include"),
-    ]
     sources = [ROOT / "csrc" / "cuda" / "sketch_cuda.cu", ROOT / "tests" / "cuda_emulator" / "test_sketch_kernel.cpp"]
     hang = "a deadlock: a __syncwarp or shuffle that not every lane of a warp reached"
-    assert "all checks passed" in build_and_run_cpp(tmp_path, sources, flags, 300, hang)
+    assert "all checks passed" in build_and_run_cpp(tmp_path, sources, FLAGS, 300, hang)

@@ -36,6 +36,8 @@ SCAN_REGISTERS = 80
 SCAN_CHECKSUM_STACK = 64
 DIFFERENCE_REGISTERS = 128
 SKETCH_REGISTERS = 80
+# The kernels held to a register budget and no stack at all, by a part of their mangled names.
+_NO_STACK_BUDGETS = {"difference_kernel": DIFFERENCE_REGISTERS, "sketch_kernel": SKETCH_REGISTERS}
 
 # " Function NAME:" then "  REG:80 STACK:0 SHARED:20552 LOCAL:0 ..." (cuobjdump 12 and 13).
 _FUNCTION = re.compile(r"^\s*Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", re.MULTILINE)
@@ -65,7 +67,7 @@ def parse_resource_usage(listing: str) -> list[KernelResources]:
 def budget_violations(kernels: list[KernelResources]) -> list[str]:
     """What breaks the sm_90 budget (empty when all is well). A listing without a scan or a difference
     kernel breaks it too: a renamed kernel must not pass by going unchecked."""
-    found = {"scan_kernel": 0, "difference_kernel": 0, "sketch_kernel": 0}
+    found = {"scan_kernel": 0, **dict.fromkeys(_NO_STACK_BUDGETS, 0)}
     bad = []
     for kernel in kernels:
         flags = _SCAN_FLAGS.search(kernel.name)
@@ -77,20 +79,15 @@ def budget_violations(kernels: list[KernelResources]) -> list[str]:
                     f"{kernel.name}: {kernel.registers} registers (at most {SCAN_REGISTERS}), "
                     f"{kernel.stack + kernel.local} bytes of stack (at most {stack_allowed})"
                 )
-        elif "difference_kernel" in kernel.name:
-            found["difference_kernel"] += 1
-            if kernel.registers > DIFFERENCE_REGISTERS or kernel.stack + kernel.local:
-                bad.append(
-                    f"{kernel.name}: {kernel.registers} registers (at most {DIFFERENCE_REGISTERS}), "
-                    f"{kernel.stack + kernel.local} bytes of stack (none allowed)"
-                )
-        elif "sketch_kernel" in kernel.name:
-            found["sketch_kernel"] += 1
-            if kernel.registers > SKETCH_REGISTERS or kernel.stack + kernel.local:
-                bad.append(
-                    f"{kernel.name}: {kernel.registers} registers (at most {SKETCH_REGISTERS}), "
-                    f"{kernel.stack + kernel.local} bytes of stack (none allowed)"
-                )
+        else:
+            for name, registers in _NO_STACK_BUDGETS.items():
+                if name in kernel.name:
+                    found[name] += 1
+                    if kernel.registers > registers or kernel.stack + kernel.local:
+                        bad.append(
+                            f"{kernel.name}: {kernel.registers} registers (at most {registers}), "
+                            f"{kernel.stack + kernel.local} bytes of stack (none allowed)"
+                        )
     bad += [
         f"no {name} in the listing (renamed? then update tools/kernel_budget.py)" for name, n in found.items() if not n
     ]

@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "dtypes.h"
+#include "murmur.h"
 
 namespace nanscan {
 
@@ -92,16 +93,10 @@ NANSCAN_HD uint32_t replica_salt(uint64_t word_index) {
   return static_cast<uint32_t>(word_index) * kSaltLow + static_cast<uint32_t>(word_index >> 32) * kSaltHigh;
 }
 
-// murmur3's finalizer. A template so that the CPU applies this one definition to SIMD vectors of
-// words too (GCC vector extensions), where Word is a vector of uint32 and the operators act per lane.
+// murmur3's finalizer (murmur.h), of a word or of a SIMD vector of words.
 template <class Word>
 NANSCAN_HD Word replica_mix(Word x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  x ^= x >> 16;
-  return x;
+  return murmur_finalizer(x);
 }
 
 // One word's term of the checksum (or a SIMD vector of words' terms, with their salts).

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "dtypes.h"
+#include "murmur.h"
 
 namespace nanscan {
 
@@ -37,19 +38,12 @@ NANSCAN_HD constexpr bool valid_sketch_buckets(int64_t k) {
 // A tensor's buckets: its elements themselves up to k, else k.
 NANSCAN_HD constexpr int64_t sketch_buckets_of(int64_t numel, int64_t k) { return numel <= k ? numel : k; }
 
-// MurmurHash3's 32-bit finalizer: every input bit moves every output bit with probability ~1/2.
-NANSCAN_HD constexpr uint32_t sketch_mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85ebca6bu;
-  x ^= x >> 13;
-  x *= 0xc2b2ae35u;
-  x ^= x >> 16;
-  return x;
-}
+// The hash's mixing step: MurmurHash3's 32-bit finalizer (murmur.h), as the replica checksum's.
+NANSCAN_HD uint32_t sketch_mix(uint32_t x) { return murmur_finalizer(x); }
 
-// The seed of the tensor at `index` in the op's list, from the op's seed (the update watch passes the
-// process's rank, so that the shards of one parameter on different ranks are sketched independently).
-NANSCAN_HD constexpr uint32_t sketch_tensor_seed(uint32_t seed, uint32_t index) {
+// The seed of the tensor at `index` in the op's list, from the op's seed (the update watch passes 0 on
+// every rank, so that replicated weights are sketched alike everywhere).
+NANSCAN_HD uint32_t sketch_tensor_seed(uint32_t seed, uint32_t index) {
   return sketch_mix(seed ^ sketch_mix(index + 0x9e3779b9u));
 }
 
@@ -59,7 +53,7 @@ struct SketchBlock {
   uint64_t signs;  // bit p set: the block's element p is subtracted
 };
 
-NANSCAN_HD constexpr SketchBlock sketch_block(uint32_t tensor_seed, uint64_t block, int64_t k) {
+NANSCAN_HD SketchBlock sketch_block(uint32_t tensor_seed, uint64_t block, int64_t k) {
   const uint32_t key =
       sketch_mix(static_cast<uint32_t>(block >> 32) ^ sketch_mix(static_cast<uint32_t>(block) ^ tensor_seed));
   const uint64_t signs = (static_cast<uint64_t>(sketch_mix(key ^ 0x68e31da4u)) << 32) | sketch_mix(key ^ 0xb5297a4du);
