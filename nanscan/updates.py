@@ -43,10 +43,11 @@ to): 2.1 MB for GPT-2 small at k = 1024, where the exact ratio keeps 498 MB (lla
 against 6.0 GB). Traffic: two reads of the weights a sampled step, nothing of their size written. On
 the CPU the sums are made in a fixed order, so an untouched weight reads exactly 0; on CUDA the units'
 shares of a bucket are added by atomics in no fixed order, so it reads about 1e-16 (float64's
-rounding of the weights' sketch, not a real update). Sharded weights (FSDP2, FSDP1) are sketched per local part and the parts' squared norms
-summed over the layout's ranks as the exact ratio's are. Every rank hashes alike, so that replicated
-weights give every rank the same estimate; the parts' errors may then be correlated, but the error
-of their sum stays within the bound of one tensor's (at most the sum of the parts' deviations).
+rounding of the weights' sketch, not a real update). Sharded weights (FSDP2, FSDP1) are sketched
+per local part and the parts' squared norms summed over the layout's ranks as the exact ratio's are.
+Every rank hashes alike, so that replicated weights give every rank the same estimate; the errors of
+one parameter's parts may then be correlated, but the error of their sum stays within the bound of
+one tensor's (it is at most the sum of the parts' deviations).
 
 A parameter whose weights are all zero has an infinite ratio once it moves (NaN if it does not); a
 NaN or an Inf in the weights or the update makes its ratio NaN or Inf. DTensor parameters (FSDP2,
@@ -104,7 +105,7 @@ def _check_sketch(sketch: object) -> int | None:
 class _Segments(NamedTuple):
     """A device's weights as the sketch's buckets see them."""
 
-    key: tuple[tuple[int, ...], tuple[int, ...] | None]  # their bucket counts (and places among all)
+    indices: list[int]  # their places among all the weights
     ids: torch.Tensor  # int64 [buckets]: the weight each bucket belongs to
     where: torch.Tensor | None  # int64: their places among all the weights, when on several devices
 
@@ -114,40 +115,56 @@ class _Sketches:
     (module notes). ``measure`` turns the sketches after the step into each weight's ‖Δw‖² estimate and
     its ‖w‖²."""
 
+    # One hash on every rank: replicated weights (DDP, a tensor-parallel norm) then give every rank the
+    # same estimate. The errors of one parameter's shards may then be correlated, but the sum of their
+    # estimates keeps the bound of one tensor's (module notes).
+    SEED = 0
+
     def __init__(self, buckets: int) -> None:
         self.buckets = buckets
         self._before: dict[torch.device, torch.Tensor] = {}
-        # Per device: which weight each bucket belongs to, made once and kept while the weights' sizes
-        # (and, across devices, places) do not change.
+        # Per device: its weights and which of them each bucket belongs to, made at the first measured
+        # step after the weights' shapes, dtypes or devices changed (forget_shapes), then kept: a
+        # sampled step of 10,000 weights spent a third of its host time remaking them.
         self._segments: dict[torch.device, _Segments] = {}
 
-    # One hash on every rank: replicated weights (DDP, a tensor-parallel norm) then give every rank the
-    # same estimate. The shards of one parameter may so have correlated errors, but the sum of their
-    # estimates keeps the bound of one tensor's (module notes).
-    SEED = 0
+    def forget_shapes(self) -> None:
+        """The weights changed shape, dtype or device: the segments are made again."""
+        self._segments = {}
+
+    def _segments_of(self, parts: list[torch.Tensor]) -> dict[torch.device, _Segments]:
+        if not self._segments:
+            groups = group_by_device(parts)
+            first = parts[0].device
+            for device, indices in groups.items():
+                counts = [min(parts[i].numel(), self.buckets) for i in indices]
+                # Made on the device from uploaded counts (no host sync: output_size is known here).
+                ids = torch.repeat_interleave(
+                    torch.arange(len(counts), device=device),
+                    upload(counts, torch.int64, device),
+                    output_size=sum(counts),
+                )
+                where = upload(indices, torch.int64, first) if len(groups) > 1 else None
+                self._segments[device] = _Segments(indices, ids, where)
+        return self._segments
 
     def take(self, parts: list[torch.Tensor]) -> None:
         """Sketches the weights before the step (one pass per device, nothing else kept)."""
         self._before = {
-            device: sketch_op([parts[i] for i in indices], self.buckets, self.SEED)[0]
-            for device, indices in group_by_device(parts).items()
+            device: sketch_op([parts[i] for i in segments.indices], self.buckets, self.SEED)[0]
+            for device, segments in self._segments_of(parts).items()
         }
 
     def measure(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 [len(parts)] each, on the first part's device: the estimated ‖Δw‖² of each part since
         ``take`` and its ‖w‖² now, with no host sync."""
-        groups = group_by_device(parts)
-        if set(groups) != set(self._before):
-            raise RuntimeError("nanscan.watch_updates: the weights moved between devices during optimizer.step()")
         first = parts[0].device
         change = torch.empty(len(parts), dtype=torch.float64, device=first)
         squares = torch.empty(len(parts), dtype=torch.float64, device=first)
-        for device, indices in groups.items():
-            tensors = [parts[i] for i in indices]
-            after, sumsq = sketch_op(tensors, self.buckets, self.SEED)
+        for device, segments in self._segments_of(parts).items():
+            after, sumsq = sketch_op([parts[i] for i in segments.indices], self.buckets, self.SEED)
             difference = after.sub_(self._before[device]).square_()
-            segments = self._segments_of(device, tensors, indices, first, len(groups) > 1)
-            per_part = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+            per_part = torch.zeros(len(segments.indices), dtype=torch.float64, device=device)
             per_part.index_add_(0, segments.ids, difference)
             if segments.where is None:
                 change, squares = per_part, sumsq
@@ -156,22 +173,6 @@ class _Sketches:
                 squares[segments.where] = sumsq.to(first, non_blocking=True)
         self._before = {}
         return change, squares
-
-    def _segments_of(
-        self, device: torch.device, tensors: list[torch.Tensor], indices: list[int], first: torch.device, gather: bool
-    ) -> _Segments:
-        counts = tuple(min(t.numel(), self.buckets) for t in tensors)
-        key = (counts, tuple(indices) if gather else None)
-        cached = self._segments.get(device)
-        if cached is None or cached.key != key:
-            # Made on the device from uploaded counts (no host sync: output_size is known here).
-            ids = torch.repeat_interleave(
-                torch.arange(len(counts), device=device), upload(counts, torch.int64, device), output_size=sum(counts)
-            )
-            where = upload(indices, torch.int64, first) if gather else None
-            cached = _Segments(key, ids, where)
-            self._segments[device] = cached
-        return cached
 
     @property
     def nbytes(self) -> int:
@@ -266,6 +267,8 @@ class UpdateWatch:
             self._signature = [(p.shape, p.dtype, p.device) for p in params]
             if self._sketches is None:
                 self._copies = [torch.empty_like(p, dtype=_copy_dtype(p.dtype)) for p in params]
+            else:
+                self._sketches.forget_shapes()
             self._devices = {device for _, _, device in self._signature}
             self._dtensors = has_dtensor(params)
         if self._sketches is not None:

@@ -838,6 +838,37 @@ def update_ratios_of_fsdp2_are_the_whole_parameters(world: int) -> None:
     updates.remove()
 
 
+@case
+def sketched_update_ratios_of_fsdp2_hashed_shards(world: int) -> None:
+    """The copy-free watch where every rank's shard is larger than its buckets (hashed, not its own
+    sketch): 12 layers of 64 x 64 weights, k = 64, against the exact watch on the same steps. The
+    shards' estimates are summed over the mesh, so the whole parameter's ‖Δw‖ keeps one tensor's
+    error bound (1/sqrt(2k) = 8.8%) and ‖w‖ is exact; a reduction that dropped or doubled a rank's
+    share would put ‖Δw‖ ~30% off on 2 ranks and more on 4, and fail the spread asked for here."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp(mlp([64] * 13), mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    exact = nanscan.watch_updates(optimizer, model)
+    sketched = nanscan.watch_updates(optimizer, model, sketch=64)
+    errors = []
+    for seed in range(3):
+        optimizer.zero_grad()
+        backward(model, 64, seed=seed)
+        optimizer.step()
+        assert list(sketched.ratios()) == list(exact.ratios())
+        # The norms, not only their quotient: a shard's ratio is close to the whole parameter's, so a
+        # ratio alone would not show a reduction that was skipped.
+        assert sketched.weight_norm is not None and exact.weight_norm is not None
+        assert torch.allclose(sketched.weight_norm, exact.weight_norm.double(), rtol=1e-6)
+        got, want = sketched.update_norm.tolist(), exact.update_norm.tolist()  # type: ignore[union-attr]
+        errors += [g / w - 1 for name, g, w in zip(sketched.names, got, want, strict=True) if name.endswith("weight")]
+    standard = 1 / math.sqrt(2 * 64)
+    spread = math.sqrt(sum(e * e for e in errors) / len(errors))
+    assert len(errors) == 36 and spread < 1.5 * standard and max(map(abs, errors)) < 4 * standard, (spread, errors)
+    exact.remove()
+    sketched.remove()
+
+
 # ---------------------------------------------------------------------- the recorder's ranks
 
 
