@@ -419,11 +419,8 @@ void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_o
 // its tensor table copied to the device by the upload kernel (no pinned buffer: capturable), in memory
 // from torch's allocator kept until the launch is enqueued.
 void sketch_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  constexpr const char* kOp = "nanscan.sketch";
   const TensorListArg tensors(stack[0]);
-  check_stack(num_args, num_outputs, 3, 2, kOp);
-  SketchCall call = prepare_sketch(tensors, torch::stable::detail::to<int64_t>(stack[1]),
-                                   torch::stable::detail::to<int64_t>(stack[2]), kOp);
+  SketchCall call = prepare_sketch(tensors, stack, num_args, num_outputs);
   const TensorInfo& like = tensors[0];
   const CudaDeviceGuard guard(like.device_index);
   const auto n = static_cast<int64_t>(call.tensors.size());
@@ -442,8 +439,7 @@ void sketch_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   check_launch(cuda::sketch(table, static_cast<const cuda::SketchTensor*>(device_table.data()), call.buckets, call.seed,
                             static_cast<double*>(call.sketches.data()), static_cast<double*>(call.sumsq.data()),
                             sm_count(), stream));
-  set_output(stack, 0, std::move(call.sketches));
-  set_output(stack, 1, std::move(call.sumsq));
+  return_sketch(stack, std::move(call));
 }
 
 }  // namespace

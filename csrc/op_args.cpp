@@ -121,7 +121,11 @@ void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const
                 first.device());
 }
 
-SketchCall prepare_sketch(const TensorListArg& tensors, int64_t buckets, int64_t seed, const char* op) {
+SketchCall prepare_sketch(const TensorListArg& tensors, StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  constexpr const char* op = "nanscan.sketch";
+  check_stack(num_args, num_outputs, 3, 2, op);
+  const auto buckets = torch::stable::detail::to<int64_t>(stack[1]);
+  const auto seed = torch::stable::detail::to<int64_t>(stack[2]);
   SketchCall call{check_scan_inputs(tensors, op), {}, {}, buckets, 0, {}, {}};
   NANSCAN_CHECK(valid_sketch_buckets(buckets), op, ": buckets must be a power of two in [", kMinSketchBuckets, ", ",
                 kMaxSketchBuckets, "], got ", buckets);
@@ -143,6 +147,11 @@ SketchCall prepare_sketch(const TensorListArg& tensors, int64_t buckets, int64_t
   call.sumsq =
       empty({static_cast<int64_t>(tensors.size())}, dtype_codes().float64, first.device_type, first.device_index);
   return call;
+}
+
+void return_sketch(StableIValue* stack, SketchCall call) {
+  set_output(stack, 0, std::move(call.sketches));
+  set_output(stack, 1, std::move(call.sumsq));
 }
 
 DType norm_dtype_of(const std::vector<DType>& tags) {

@@ -178,15 +178,11 @@ void scan_difference_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_ou
 // sketch(Tensor[] tensors, int buckets, int seed) -> (sketches, sumsq). Each tensor's CountSketch and
 // sum of squares (common/sketch_rules.h), in one read: the update watch's copy-free ratio.
 void sketch_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  constexpr const char* kOp = "nanscan.sketch";
   const TensorListArg tensors(stack[0]);
-  check_stack(num_args, num_outputs, 3, 2, kOp);
-  SketchCall call = prepare_sketch(tensors, torch::stable::detail::to<int64_t>(stack[1]),
-                                   torch::stable::detail::to<int64_t>(stack[2]), kOp);
+  SketchCall call = prepare_sketch(tensors, stack, num_args, num_outputs);
   cpu::sketch(call.tensors, call.tags, call.buckets, call.seed, static_cast<double*>(call.sketches.data()),
               static_cast<double*>(call.sumsq.data()));
-  set_output(stack, 0, std::move(call.sketches));
-  set_output(stack, 1, std::move(call.sumsq));
+  return_sketch(stack, std::move(call));
 }
 
 // A list argument for an ATen op: new handles of the same tensors (the op takes ownership).

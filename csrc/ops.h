@@ -68,7 +68,10 @@ struct SketchCall {
   OwnedTensor sketches;
   OwnedTensor sumsq;
 };
-SketchCall prepare_sketch(const TensorListArg& tensors, int64_t buckets, int64_t seed, const char* op);
+// The call's arguments read from a boxed kernel's stack (after `tensors`, stack[0]: buckets, seed),
+// checked; and its outputs put back on the stack, in the schema's order.
+SketchCall prepare_sketch(const TensorListArg& tensors, StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+void return_sketch(StableIValue* stack, SketchCall call);
 
 // Rejects float8 tensors for ops that write (torch has no float8 arithmetic to match).
 void check_multipliable(const std::vector<DType>& tags, const char* op);

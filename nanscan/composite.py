@@ -290,8 +290,10 @@ def scan_difference(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor
 _SKETCH = "nanscan.sketch"
 # csrc/common/sketch_rules.h's constants: the block, the bucket counts the op takes, and the hash's salts.
 _SKETCH_BLOCK = 64
-_MIN_SKETCH_BUCKETS = 64
-_MAX_SKETCH_BUCKETS = 4096
+SKETCH_BUCKETS = tuple(2**e for e in range(6, 13))
+"""The bucket counts the op takes: the powers of two from 64 (a block's elements never share one) to
+4096 (a CUDA warp's buckets fit its shared memory)."""
+_MIN_SKETCH_BUCKETS, _MAX_SKETCH_BUCKETS = SKETCH_BUCKETS[0], SKETCH_BUCKETS[-1]
 _TENSOR_SALT = 0x9E3779B9
 _SIGNS_HIGH_SALT = 0x68E31DA4
 _SIGNS_LOW_SALT = 0xB5297A4D
@@ -304,9 +306,9 @@ _Word = TypeVar("_Word", int, torch.Tensor)
 
 
 def _mix(x: _Word) -> _Word:
-    """MurmurHash3's 32-bit finalizer (csrc/common/murmur.h: the replica checksum's and the sketch's) of a Python int or an int64 tensor of values in
-    [0, 2^32): the products wrap modulo 2^64 (int64) or grow (int), and the mask keeps the low 32 bits,
-    which are uint32 arithmetic's."""
+    """MurmurHash3's 32-bit finalizer (csrc/common/murmur.h: the replica checksum's and the sketch's)
+    of a Python int or an int64 tensor of values in [0, 2^32): the products wrap modulo 2^64 (int64)
+    or grow (int), and the mask keeps the low 32 bits, which are uint32 arithmetic's."""
     x = x ^ (x >> 16)
     x = (x * _MIX_1) & _WORD
     x = x ^ (x >> 13)

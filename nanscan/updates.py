@@ -70,6 +70,7 @@ import torch
 
 from . import layouts
 from ._ops import has_fused_difference, scan_difference_op, sketch_op
+from .composite import SKETCH_BUCKETS
 from .fused import ScanResult, group_by_device, upload
 from .layouts import fsdp1
 from .layouts.dtensor import has_dtensor, to_local
@@ -83,11 +84,6 @@ def _copy_dtype(dtype: torch.dtype) -> torch.dtype:
     Sterbenz's lemma no longer holds) would round to 8 or 11 bits, and in fp32 is exact but where
     their exponents are 16 or more apart."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-# The bucket counts watch_updates(sketch=) takes (csrc/common/sketch_rules.h: powers of two, at least a
-# block of 64, at most what a CUDA warp's shared memory holds).
-SKETCH_BUCKETS = tuple(2**e for e in range(6, 13))
 
 
 def _check_sketch(sketch: object) -> int | None:

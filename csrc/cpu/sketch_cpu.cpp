@@ -15,19 +15,12 @@
 namespace nanscan::cpu {
 namespace {
 
-// Lanes of the sum of squares: eight fp64 partial sums, two AVX2 registers, combined in a fixed tree.
+// Lanes of the sum of squares: eight fp64 partial sums, combined in the scan's fixed tree (sum_lanes).
 constexpr int64_t kSquareLanes = 8;
 
 struct ChunkSums {
   double lanes[kSquareLanes] = {};
-  double total() const {
-    double d[kSquareLanes];
-    std::memcpy(d, lanes, sizeof d);
-    for (int64_t width = kSquareLanes / 2; width > 0; width /= 2) {
-      for (int64_t l = 0; l < width; ++l) d[l] += d[l + width];
-    }
-    return d[0];
-  }
+  double total() const { return sum_lanes(lanes); }
 };
 
 // A tensor of at most k elements: its values are its buckets.
@@ -46,6 +39,7 @@ NANSCAN_INLINE void copy_values(const typename Codec::Raw* p, int64_t n, double*
 using Doubles = double __attribute__((vector_size(64)));
 using Words = uint64_t __attribute__((vector_size(64)));
 constexpr int64_t kVector = 8;
+static_assert(kVector == kSquareLanes, "hash_values folds a vector's lanes into the lanes of the sums");
 
 template <class Codec>
 NANSCAN_INLINE Doubles load_values(const typename Codec::Raw* from) {
