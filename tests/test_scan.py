@@ -95,6 +95,54 @@ def test_non_contiguous_views(device: str) -> None:
     assert_matches_reference(nanscan.scan(views), views)
 
 
+def test_views_that_are_not_dense_scan_as_their_logical_copies() -> None:
+    """A view that is not dense is read in logical order, a row of its merged innermost dimensions at a
+    time (RowWalk): every output, norm bits and checksum included, equals its contiguous copy's, which
+    is read in the same order. The views cover merged dimensions, size-1 dimensions, stride 0, rows
+    that cross runs and chunks (the walk resumes mid-row), and rows of a single element."""
+    torch.manual_seed(3)
+    qkv = torch.randn(4, 300, 3 * 96)
+    qkv[1, 7, 5] = math.nan
+    qkv[3, 299, 95] = -math.inf
+    wide = torch.randn(2, 1, 70000, 5)  # rows of 4 cut at odd places by 4096-element runs and chunks
+    views = [
+        qkv.chunk(3, dim=-1)[0],  # rows of 96
+        qkv.chunk(3, dim=-1)[1].view(4, 300, 8, 12).transpose(1, 2),  # split heads: rows of 12
+        qkv[:, :, :96].unsqueeze(2).expand(4, 300, 3, 96),  # stride 0 on a middle dimension
+        qkv[:, 1:, :].reshape(4, 299, 3, 96)[:, :, 1:2, :],  # a size-1 dimension between merged ones
+        qkv.permute(2, 0, 1)[::5],  # rows of one element (inner stride 288)
+        wide[:, :, :, 1:],
+        wide.to(torch.bfloat16)[..., :3].transpose(0, 2),
+        qkv.to(torch.float16)[..., 1::2],
+    ]
+    for view in views:
+        assert not view.is_contiguous()
+        got = nanscan.scan([view], checksum=True)
+        want = nanscan.scan([view.contiguous()], checksum=True)
+        for field in ("nan_count", "inf_count", "min", "max", "norm", "total_norm", "checksum"):
+            torch.testing.assert_close(
+                getattr(got, field), getattr(want, field), rtol=0, atol=0, equal_nan=True, msg=f"{view.shape} {field}"
+            )
+
+
+def test_update_ratio_pairs_that_are_not_dense_match_their_copies() -> None:
+    """The difference scan walks a pair of different layouts by rows of both (RowWalk<2>): the same
+    bits as the pair's contiguous copies."""
+    torch.manual_seed(4)
+    before = torch.randn(300, 2, 257)
+    after = before + 1e-3 * torch.randn(300, 2, 257)
+    pairs = [
+        (before[:, 0, :], after.transpose(0, 2).contiguous().transpose(0, 2)[:, 1, :]),
+        (before.transpose(0, 1)[:, ::3], after.transpose(0, 1)[:, ::3]),
+    ]
+    for b, a in pairs:
+        assert not (b.is_contiguous() and a.is_contiguous())
+        got = torch.ops.nanscan.scan_difference([b], [a])
+        want = torch.ops.nanscan.scan_difference([b.contiguous()], [a.contiguous()])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_zero_dim_and_empty_list(device: str) -> None:
     tensors = [

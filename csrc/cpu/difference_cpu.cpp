@@ -28,23 +28,25 @@ NANSCAN_INLINE void difference_dense(const TensorInfo& b, const TensorInfo& a, i
 }
 
 // Elements [begin, end) in logical order of a pair not both dense with the same strides: both gathered
-// element by element, each by its own strides.
+// a row at a time (RowWalk), each by its own strides.
 template <class Before, class After>
 NANSCAN_INLINE void difference_strided(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end,
                                        TensorStats& diff, TensorStats& after) {
   const auto* pb = static_cast<const typename Before::Raw*>(b.data);
   const auto* pa = static_cast<const typename After::Raw*>(a.data);
-  LogicalWalk walk(a, begin);
+  RowWalk<2> walk({&a, &b}, begin);
+  const int64_t stride_a = walk.row_stride(0), stride_b = walk.row_stride(1);
   typename Before::Raw diffs[kRunElements];
   typename After::Raw afters[kRunElements];
   RunScale<Before> carried_diff;
   RunScale<After> carried_after;
   for (int64_t i = begin; i < end; i += kRunElements) {
     const int64_t len = std::min(kRunElements, end - i);
-    for (int64_t k = 0; k < len; ++k, walk.next()) {
-      afters[k] = pa[walk.offset(a.strides)];
-      diffs[k] = difference_of<Before, After>(pb[walk.offset(b.strides)], afters[k]);
-    }
+    walk.walk(len, [&](int64_t k, const int64_t(&offset)[2], int64_t n) NANSCAN_INLINE_LAMBDA {
+      copy_row(afters + k, pa + offset[0], n, stride_a);
+      const typename Before::Raw* before = pb + offset[1];
+      for (int64_t j = 0; j < n; ++j) diffs[k + j] = difference_of<Before, After>(before[j * stride_b], afters[k + j]);
+    });
     scan_run<Before, false>(diffs, len, diff, carried_diff, false);
     scan_run<After, false>(afters, len, after, carried_after, false);
   }

@@ -1,6 +1,6 @@
 // The run kernels the CPU passes share: the scan (scan_cpu.cpp) and the difference scan
 // (difference_cpu.cpp). The fast, scaled and checked rules of scan_rules.h over one run in SIMD lanes,
-// the strided walk, and the chunking that keeps results independent of the thread count. Everything
+// the strided walk by rows, and the chunking that keeps results independent of the thread count. Everything
 // here is inlined into each pass's chunk function, which is cloned per x86 level: a header, so that
 // the two passes are translation units of their own and compile side by side (one alone took three
 // minutes, the CPU library's long pole).
@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -209,35 +210,86 @@ NANSCAN_INLINE void scan_run(const typename Codec::Raw* p, int64_t len, TensorSt
   s = combine(s, checked);
 }
 
-// The position of an element of a tensor that is not dense in memory, stepped in logical (row-major)
-// order from a logical index: the strided readers' multi-index, kept on the stack (kMaxDims).
-struct LogicalWalk {
-  const int64_t* sizes;
-  int64_t ndim;
-  int64_t index[kMaxDims];
-
-  LogicalWalk(const TensorInfo& t, int64_t begin) : sizes(t.sizes), ndim(t.dim) {
+// The logical (row-major) order of the elements of kTensors tensors of the same sizes, each with its
+// own strides, walked in rows: stretches of consecutive elements along the innermost dimension. The
+// dimensions are simplified first, without changing the order: size-1 dimensions are dropped, and a
+// dimension is merged into the one outside it where every tensor steps through the pair as through one
+// (stride[outer] == stride[inner] * size[inner]). A split-heads view of a fused projection is then rows
+// of 64 unit-stride elements, a chunk of it rows of 768: a row is one copy, and the offsets move by
+// adds where a row ends, not by a multi-index summed over every dimension per element (NOTES.md
+// entry 44). Kept on the stack (kMaxDims).
+template <int kTensors>
+class RowWalk {
+ public:
+  // The walk of `tensors` (sizes of the first; every tensor's own strides) from logical element `begin`.
+  RowWalk(const TensorInfo* const (&tensors)[kTensors], int64_t begin) {
+    const TensorInfo& shape = *tensors[0];
+    for (int64_t d = 0; d < shape.dim; ++d) {
+      if (shape.sizes[d] == 1) continue;
+      bool merges = ndim_ > 0;
+      for (int t = 0; t < kTensors && merges; ++t) {
+        merges = tensors[t]->strides[d] * shape.sizes[d] == stride_[t][ndim_ - 1];
+      }
+      const int64_t into = merges ? ndim_ - 1 : ndim_++;
+      size_[into] = merges ? size_[into] * shape.sizes[d] : shape.sizes[d];
+      for (int t = 0; t < kTensors; ++t) stride_[t][into] = tensors[t]->strides[d];
+    }
+    if (ndim_ == 0) {  // a single element (size-1 dimensions only)
+      size_[0] = 1;
+      for (int t = 0; t < kTensors; ++t) stride_[t][0] = 0;
+      ndim_ = 1;
+    }
     int64_t rest = begin;
-    for (int64_t d = ndim - 1; d >= 0; --d) {
-      index[d] = rest % sizes[d];
-      rest /= sizes[d];
+    for (int64_t d = ndim_ - 1; d >= 0; --d) {
+      index_[d] = rest % size_[d];
+      rest /= size_[d];
+    }
+    for (int t = 0; t < kTensors; ++t) {
+      offset_[t] = 0;
+      for (int64_t d = 0; d < ndim_; ++d) offset_[t] += index_[d] * stride_[t][d];
     }
   }
 
-  // The element's offset, in elements, in a tensor of these sizes with `strides`.
-  NANSCAN_INLINE int64_t offset(const int64_t* strides) const {
-    int64_t offset = 0;
-    for (int64_t d = 0; d < ndim; ++d) offset += index[d] * strides[d];
-    return offset;
-  }
+  // The step between the elements of a row, in elements, of tensor t.
+  int64_t row_stride(int t) const { return stride_[t][ndim_ - 1]; }
 
-  NANSCAN_INLINE void next() {
-    for (int64_t d = ndim - 1; d >= 0; --d) {
-      if (++index[d] < sizes[d]) break;
-      index[d] = 0;
+  // Walks the next `len` elements, a row (or the part of one left in `len`) at a time:
+  // visit(k, offsets, n) for the n elements at positions [k, k + n) of the walk, the j-th of them in
+  // tensor t at offsets[t] + j * row_stride(t).
+  template <class Visit>
+  NANSCAN_INLINE void walk(int64_t len, Visit&& visit) {
+    const int64_t inner = ndim_ - 1;
+    for (int64_t k = 0; k < len;) {
+      const int64_t n = std::min(len - k, size_[inner] - index_[inner]);
+      visit(k, offset_, n);
+      k += n;
+      index_[inner] += n;
+      for (int t = 0; t < kTensors; ++t) offset_[t] += n * stride_[t][inner];
+      for (int64_t d = inner; d > 0 && index_[d] == size_[d]; --d) {  // the carry into outer dimensions
+        index_[d] = 0;
+        ++index_[d - 1];
+        for (int t = 0; t < kTensors; ++t) offset_[t] += stride_[t][d - 1] - size_[d] * stride_[t][d];
+      }
     }
   }
+
+ private:
+  int64_t ndim_ = 0;
+  int64_t size_[kMaxDims];
+  int64_t stride_[kTensors][kMaxDims];
+  int64_t index_[kMaxDims];
+  int64_t offset_[kTensors];
 };
+
+// Copies n elements of a row, `stride` apart from `from` on, to `to`: one memcpy at unit stride.
+template <class Raw>
+NANSCAN_INLINE void copy_row(Raw* to, const Raw* from, int64_t n, int64_t stride) {
+  if (stride == 1) {
+    std::memcpy(to, from, static_cast<size_t>(n) * sizeof(Raw));
+  } else {
+    for (int64_t j = 0; j < n; ++j) to[j] = from[j * stride];
+  }
+}
 
 // One unit of parallel work and of partial results: an element range of one tensor (or pair).
 struct Chunk {

@@ -113,17 +113,19 @@ NANSCAN_INLINE void scan_contiguous(const void* data, int64_t begin, int64_t end
 }
 
 // Elements [begin, end) in logical (row-major) order of a tensor that is not dense in memory, gathered
-// run by run into a stack buffer, so no allocation scales with the tensor.
+// run by run into a stack buffer, a row at a time (RowWalk), so no allocation scales with the tensor.
 template <class Codec, bool kHalfRange>
 NANSCAN_INLINE void scan_strided(const TensorInfo& t, int64_t begin, int64_t end, bool checksum, TensorStats& s) {
   using Raw = typename Codec::Raw;
-  LogicalWalk walk(t, begin);
+  RowWalk<1> walk({&t}, begin);
+  const int64_t stride = walk.row_stride(0);
   const auto* base = static_cast<const Raw*>(t.data);
   Raw buffer[kRunElements];
   RunScale<Codec> carried;
   for (int64_t i = begin; i < end;) {
     const int64_t len = std::min(kRunElements, end - i);
-    for (int64_t k = 0; k < len; ++k, walk.next()) buffer[k] = base[walk.offset(t.strides)];
+    walk.walk(len, [&](int64_t k, const int64_t(&offset)[1], int64_t n)
+                       NANSCAN_INLINE_LAMBDA { copy_row(buffer + k, base + offset[0], n, stride); });
     scan_run<Codec, kHalfRange>(buffer, len, s, carried, false);
     if (checksum) s.checksum += checksum_elements<Codec>(buffer, len, i, false);
     i += len;
