@@ -139,7 +139,7 @@ def test_update_ratio_pairs_that_are_not_dense_match_their_copies() -> None:
         assert not (b.is_contiguous() and a.is_contiguous())
         got = torch.ops.nanscan.scan_difference([b], [a])
         want = torch.ops.nanscan.scan_difference([b.contiguous()], [a.contiguous()])
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
@@ -230,6 +230,19 @@ def test_large_fp32_norm_accuracy() -> None:
     ref = math.sqrt(sum(float(p.double().square().sum()) for p in parts))
     got = nanscan.scan(parts).total_norm.item()
     assert abs(got - ref) <= 1e-6 * ref
+
+
+def test_fp32_norm_accuracy_where_values_are_ordered_against_it() -> None:
+    """docs/semantics.md's worst case: a lane's first square large, its next 127 each under half an
+    ulp of it, so the lane's fp32 sum drops them all. The documented bound (127 x 2^-25, 3.8e-6)
+    holds, and the error is no worse than torch's fp32 norm of the same tensor."""
+    x = torch.full((256, 128, 32), math.sqrt(0.99 * 2.0**-24))  # run, a lane's step, lane
+    x[:, 0, :] = 1.0  # the first element of every lane of every 4096-element run
+    x = x.reshape(-1)
+    truth = x.double().norm().item()
+    error = abs(nanscan.scan([x]).norm.item() - truth) / truth
+    assert 1e-6 < error <= 127 * 2.0**-25, error  # the case is real: past the constant-tensor 1e-6
+    assert error <= abs(torch.linalg.vector_norm(x).item() - truth) / truth * 1.01
 
 
 def test_deterministic_across_runs_and_threads() -> None:

@@ -42,7 +42,7 @@ NANSCAN_INLINE void difference_strided(const TensorInfo& b, const TensorInfo& a,
   RunScale<After> carried_after;
   for (int64_t i = begin; i < end; i += kRunElements) {
     const int64_t len = std::min(kRunElements, end - i);
-    walk.walk(len, [&](int64_t k, const int64_t(&offset)[2], int64_t n) NANSCAN_INLINE_LAMBDA {
+    walk.walk(len, [&](int64_t k, const int64_t (&offset)[2], int64_t n) NANSCAN_INLINE_LAMBDA {
       copy_row(afters + k, pa + offset[0], n, stride_a);
       const typename Before::Raw* before = pb + offset[1];
       for (int64_t j = 0; j < n; ++j) diffs[k + j] = difference_of<Before, After>(before[j * stride_b], afters[k + j]);

@@ -23,9 +23,9 @@ namespace nanscan::cpu {
 // enough independent sums to hide the add latency without running out of registers.
 constexpr int64_t kLanes = 32;
 // Elements per fast run. Each lane adds at most 128 squares in fp32 before the run is folded into
-// fp64, which keeps the norm within 1e-6 relative of an fp64 reference: 9.5e-7 measured on
-// constant-valued tensors (the worst case for running sums: every rounding error has one sign),
-// about 3e-9 on random data.
+// fp64: 9.5e-7 relative of an fp64 reference measured on constant-valued tensors (every rounding
+// error has one sign), about 3e-9 on random data, and at worst 127 x 2^-25 = 3.8e-6 where a lane's
+// first square is large and the next 127 each fall below half its ulp (docs/semantics.md).
 constexpr int64_t kRunElements = 128 * kLanes;
 // Bytes per chunk: the unit of parallel work and of partial results. Fixed by tensor sizes only.
 constexpr int64_t kChunkBytes = 256 * 1024;

@@ -124,7 +124,7 @@ NANSCAN_INLINE void scan_strided(const TensorInfo& t, int64_t begin, int64_t end
   RunScale<Codec> carried;
   for (int64_t i = begin; i < end;) {
     const int64_t len = std::min(kRunElements, end - i);
-    walk.walk(len, [&](int64_t k, const int64_t(&offset)[1], int64_t n)
+    walk.walk(len, [&](int64_t k, const int64_t (&offset)[1], int64_t n)
                        NANSCAN_INLINE_LAMBDA { copy_row(buffer + k, base + offset[0], n, stride); });
     scan_run<Codec, kHalfRange>(buffer, len, s, carried, false);
     if (checksum) s.checksum += checksum_elements<Codec>(buffer, len, i, false);
