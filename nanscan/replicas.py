@@ -256,16 +256,16 @@ def verify_replicas(
     A DTensor sharded along every dim (FSDP2 on a 1-d mesh) has no copies: it is not compared.
     """
     if isinstance(model_or_params, torch.nn.Module):
-        layout = layouts.of_module(model_or_params, source="grad" if gradients else "data")
+        layout = layouts.of_module(model_or_params, source="grad" if gradients else "data", compared=True)
     elif gradients:
-        layout = layouts.of_parameters(model_or_params)
+        layout = layouts.of_parameters(model_or_params, compared=True)
     else:
         items = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
         named: list[tuple[Any, Any]] = [
             item if isinstance(item, tuple) and len(item) == 2 else (f"[{i}]", item) for i, item in enumerate(items)
         ]
         tensors = [t.detach() for _, t in named]
-        layout = layouts.of_tensors(tensors, [str(name) for name, _ in named])
+        layout = layouts.of_tensors(tensors, [str(name) for name, _ in named], compared=True)
     with torch.no_grad():
         # Only the checksums are needed, and they are of local data: the local parts are scanned
         # alone, without the statistics' collectives a distributed scan would add.

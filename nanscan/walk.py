@@ -76,19 +76,29 @@ class Walk(NamedTuple):
     parameter_attributes: frozenset[str]
 
 
-def _walk(model: torch.nn.Module, layout: bool = True) -> Walk:
-    """torch's own walk, with clean names; ``layout``: with the module types and parameter attributes
-    (which a traced walk leaves out: a compiled check takes the single-process layout)."""
+# The parameter attributes a traced walk looks for (an engine's marks: nanscan.layouts registers
+# them), since it cannot list a parameter's attributes (``vars``) as the eager walk does.
+TRACED_MARKS: tuple[str, ...] = ()
+
+
+def _walk(model: torch.nn.Module, traced: bool = False) -> Walk:
+    """torch's own walk, with clean names, the module types and the parameter attributes. ``traced``
+    (inside torch.compile): of the attributes, only the marks in ``TRACED_MARKS``, by ``hasattr``.
+    Either way the layout is told what the model holds: a function that runs eagerly after a graph
+    break still has its callees traced (this walk among them), and a walk that told it nothing would
+    make it take an FSDP1 model for a single process's."""
     named = list(model.named_parameters())
     names = [name for name, _ in named]
     clean = clean_module_names(model)
     if clean is not None:
         names = [clean_name(name, clean) for name in names]
     params = [p for _, p in named]
-    if not layout:
-        return Walk(names, params, frozenset(), frozenset())
+    module_types = frozenset(type(m) for m in model.modules())
+    if traced:
+        marks = frozenset(mark for mark in TRACED_MARKS if any(hasattr(p, mark) for p in params))
+        return Walk(names, params, module_types, marks)
     attributes = frozenset(itertools.chain.from_iterable(map(vars, params)))
-    return Walk(names, params, frozenset(type(m) for m in model.modules()), attributes)
+    return Walk(names, params, module_types, attributes)
 
 
 def _flat_values(dicts: list[dict[str, Any]]) -> list[Any]:
@@ -180,7 +190,7 @@ def walk(model: torch.nn.Module) -> Walk:
     same lists, from the kept walk when the model's tree is unchanged since the last call (see the
     module notes)."""
     if torch.compiler.is_compiling():
-        return _walk(model, layout=False)
+        return _walk(model, traced=True)
     tree = _trees.get(model)  # an unhashable module raises TypeError here, as in torch's own walk
     if tree is not None:
         params = tree.parameters_if_unchanged()

@@ -306,10 +306,11 @@ def any_placement_on_a_list_of_dtensors(world: int) -> None:
         distribute_tensor(full[2], mesh, [Replicate()]),
         # A Partial tensor: its value is the sum of the ranks' local parts (here 1/world each).
         DTensor.from_local(full[3] / world, mesh, [Partial()]),
-        torch.ones(4),  # a plain tensor beside them: local
     ]
+    # A plain tensor beside them is each rank's own: refused (process_group= says whose it is).
+    assert "plain tensors beside DTensors" in _value_error(lambda: nanscan.scan([*tensors, torch.ones(4)]))
     result = nanscan.scan(tensors)
-    want = nanscan.scan([*full, torch.ones(4)])
+    want = nanscan.scan(full)
     for field in ("nan_count", "inf_count", "min", "max"):
         assert torch.equal(getattr(result, field), getattr(want, field)), field
     assert_close(result.norm, want.norm, "norms")
@@ -547,6 +548,104 @@ def replica_checks_of_shards_and_what_they_refuse(world: int) -> None:
     assert "fp16_range" in errors[2], errors[2]
 
 
+@case
+def gradients_that_are_not_the_models_are_refused(world: int) -> None:
+    """Gradients that are each rank's own are refused on every rank, before anything is written: a DDP
+    model inside no_sync() (gradient accumulation), a DDP model with a process_group sharing its
+    ranks, and FSDP2 on submodules only (the root's own parameters keep unreduced gradients), by
+    check, clip and the GradScaler."""
+    rank = dist.get_rank()
+    model = ddp_model()
+    torch.manual_seed(20 + rank)  # every rank its own data: its own gradients until DDP reduces them
+    x = torch.randn(8, 12)
+    with model.no_sync():
+        model(x).square().sum().backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        for call in (lambda: nanscan.check(model, max_norm=1e-3), lambda: nanscan.clip_grad_norm_(model, 1e-3)):
+            assert "no_sync()" in _value_error(call), _value_error(call)
+        assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    model(x).square().sum().backward()  # the synchronising backward: now the model's gradients
+    report = nanscan.check(model)
+    assert report.finite and report.total_norm > 0
+    message = _value_error(lambda: nanscan.check(model, process_group=dist.group.WORLD))
+    assert "shares ranks" in message, message
+
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = mlp([16, 24, 6])
+    fully_shard(sharded[0], mesh=mesh)  # the root and its last layer left plain: their gradients unreduced
+    torch.manual_seed(30 + rank)
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(sharded(torch.randn(8, 16)).square().mean()).backward()
+    grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for p in sharded.parameters()]
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    calls = {
+        "check": lambda: nanscan.check(sharded, max_norm=1e-3),
+        "clip": lambda: nanscan.clip_grad_norm_(sharded.parameters(), 1e-3),
+        "get_total_norm": lambda: nanscan.get_total_norm([p.grad for p in sharded.parameters()]),
+        "unscale_": lambda: scaler.unscale_(optimizer),
+    }
+    for what, call in calls.items():
+        assert "plain tensors beside DTensors" in _value_error(call), (what, _value_error(call))
+    after = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in sharded.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, grads, strict=True)), "a refused call wrote a gradient"
+
+
+@case
+def pipeline_stages_sharded_by_fsdp2_need_the_pipeline_group(world: int) -> None:
+    """Each pipeline stage sharded over its own ranks (FSDP2 on a sub-mesh): without process_group
+    the statistics would be the stage's, so they are refused; with the pipeline's group, every rank
+    gets the whole model's."""
+    if world != 4:
+        return
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    stage_model = fsdp(mlp([8, 6 + 2 * stage, 3], seed=stage), mesh["dp"])
+    backward(stage_model, 8)
+    wholes = [p.grad.full_tensor().double() for p in stage_model.parameters()]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, wholes)
+    want_total = torch.cat([g.reshape(-1) for g in everyone[0] + everyone[2]]).norm()  # a rank of each stage
+    assert "only some of the 4 ranks" in _value_error(lambda: nanscan.check(stage_model))
+    assert "only some of the 4 ranks" in _value_error(lambda: nanscan.clip_grad_norm_(stage_model.parameters(), 1.0))
+    pp = mesh["pp"].get_group()
+    assert_close(
+        nanscan.get_total_norm([p.grad for p in stage_model.parameters()], process_group=pp), want_total, "total"
+    )
+    if stage == 1 and mesh["dp"].get_local_rank() == 0:
+        stage_model[2].bias.grad.to_local()[0] = math.nan
+    report = nanscan.check(stage_model, process_group=pp)
+    assert report.names == ["0.weight", "0.bias", "2.weight", "2.bias"] * 2, report.names  # the stages end to end
+    assert not report.finite and report.nonfinite == ["2.bias"], report.nonfinite
+
+
+@case
+def fsdp1_inside_torch_compile_is_the_models_or_refused(world: int) -> None:
+    """Inside torch.compile nanscan builds no FSDP1 layout: the trace refuses an FSDP1 model or its
+    flattened parameters (nanscan.layouts._refuse_what_compile_cannot_reduce). With fullgraph=True that
+    stops the compile; without, torch.compile runs the call eagerly, and its traced callees (the walk)
+    still tell it the model is FSDP1's: every rank gets the model's norm, never its shard's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(mlp([12, 20, 4]), use_orig_params=True, device_id=torch.device("cpu"))
+    backward(model, 12)
+    want = model.clip_grad_norm_(1e9)
+    calls = {
+        "check(model)": lambda m: nanscan.check(m, max_norm=1e9).total_norm_tensor,
+        "clip(params)": lambda m: nanscan.clip_grad_norm_(m.parameters(), 1e9),
+    }
+    for what, call in calls.items():
+        torch._dynamo.reset()
+        assert_close(torch.compile(call, backend="eager")(model), want, f"compiled {what}")
+        torch._dynamo.reset()
+        try:
+            torch.compile(call, backend="eager", fullgraph=True)(model)
+        except Exception as error:  # dynamo's Unsupported, caused by nanscan's refusal
+            chain = f"{error} {error.__cause__} {error.__context__}"
+            assert "FSDP1" in chain or "Observed exception" in chain, (what, chain[:500])
+        else:
+            raise AssertionError(f"{what} traced whole with fullgraph=True: a rank-local answer")
+
+
 def _value_error(call: Callable[[], object]) -> str:
     """The message of the ValueError ``call`` raises; '' when it raises none."""
     try:
@@ -562,14 +661,14 @@ def dtensor_checksums_are_of_the_local_part(world: int) -> None:
     torch.manual_seed(4)
     full = torch.randn(world * 3, 5)
     dtensors = [distribute_tensor(full, mesh, [Shard(0)]), distribute_tensor(full, mesh, [Replicate()])]
-    # A DTensor first takes the direct route; a plain tensor first, the op's refusal and the fallback.
-    lists = ([*dtensors, full], [full, *dtensors])
-    results = [nanscan.scan(tensors, checksum=True) for tensors in lists]
-    for tensors, result in zip(lists, results, strict=True):
-        want = nanscan.scan([t.to_local() if isinstance(t, DTensor) else t for t in tensors], checksum=True)
-        assert result.checksum is not None and want.checksum is not None
-        assert torch.equal(result.checksum, want.checksum), "a DTensor's checksum is its local part's"
-        assert_close(result.norm, full.double().norm().expand(3), "the statistics stay global")
+    result = nanscan.scan(dtensors, checksum=True)
+    want = nanscan.scan([t.to_local() for t in dtensors], checksum=True)
+    assert result.checksum is not None and want.checksum is not None
+    assert torch.equal(result.checksum, want.checksum), "a DTensor's checksum is its local part's"
+    assert_close(result.norm, full.double().norm().expand(2), "the statistics stay global")
+    # A plain tensor beside them, first (the op's refusal, then the DTensor route) or last: refused.
+    for tensors in ([*dtensors, full], [full, *dtensors]):
+        assert "plain tensors beside DTensors" in _value_error(lambda tensors=tensors: nanscan.scan(tensors))
 
 
 @case

@@ -171,18 +171,25 @@ def replicated_mesh_dim_counted_once_in_the_total(world: int) -> None:
 
 @case
 def total_norm_over_two_meshes_and_a_plain_tensor(world: int) -> None:
-    """One collective per mesh; a plain tensor beside DTensors is this rank's own, added unreduced."""
+    """One collective per mesh; a plain tensor beside DTensors is this rank's own: refused, unless
+    process_group says whose it is."""
     if world != 4:
         return
     whole = init_device_mesh("cpu", (world,))
     pairs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]  # ranks {0, 1} and {2, 3}
     torch.manual_seed(7)
     a, b, plain = torch.randn(8, 3), torch.randn(4, 6), torch.randn(5)
-    tensors = [distribute_tensor(a, whole, [Shard(0)]), distribute_tensor(b, pairs, [Shard(1)]), plain]
+    tensors = [distribute_tensor(a, whole, [Shard(0)]), distribute_tensor(b, pairs, [Shard(1)])]
     got, calls = total_norms_and_collectives(tensors)
     for norm_type in NORM_TYPES:
         assert calls[norm_type] == 2, f"{calls[norm_type]} all-reduces for two meshes"
-        assert_close(got[norm_type], full_norm([a, b, plain], norm_type), f"{norm_type} norm", 1e-6)
+        assert_close(got[norm_type], full_norm([a, b], norm_type), f"{norm_type} norm", 1e-6)
+    try:
+        nanscan.get_total_norm([*tensors, plain])
+    except ValueError as error:
+        assert "plain tensors beside DTensors" in str(error), error
+    else:
+        raise AssertionError("a plain tensor beside DTensors was added as this rank's own")
 
 
 @case

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import walk
 from ..fused import ScanResult, empty_result, scan_local, upload
@@ -98,17 +99,72 @@ def _plain(names: Sequence[str] | None, tensors: list[torch.Tensor], **extra: An
     return Layout(names, tensors, tensors, tensors, **extra)
 
 
-def _dtensors(names: Sequence[str] | None, tensors: list[torch.Tensor], process_group: Any) -> Layout:
+def _dtensors(
+    names: Sequence[str] | None, tensors: list[torch.Tensor], process_group: Any, compared: bool = False
+) -> Layout:
+    """A list that holds DTensors, reduced over their meshes (and ``process_group``). Without
+    ``process_group``, a list whose reduction would be some ranks' own is refused (``compared``:
+    ``verify_replicas``, which compares plain tensors over the default group, takes it)."""
     shards = dtensor.to_local(tensors)
-    return Layout(names, tensors, shards, shards, dtensor.plan_of(tensors), process_group)
+    plan = dtensor.plan_of(tensors)
+    if process_group is None and not compared:
+        _require_model_wide(plan, names)
+    return Layout(names, tensors, shards, shards, plan, process_group)
 
 
-def _routed(names: Sequence[str] | None, tensors: list[torch.Tensor], process_group: Any, **extra: Any) -> Layout:
+def _require_model_wide(plan: dtensor.DTensorPlan, names: Sequence[str] | None) -> None:
+    """Refuses a list of DTensors whose statistics would not be the model's: plain tensors beside them
+    (FSDP2 leaves the gradients of parameters outside every ``fully_shard`` unreduced, each rank's
+    own), or meshes that hold only some of the ranks (pipeline stages, each sharded over its own)."""
+    if plan.own and dist.get_world_size() > 1:
+        listed = ", ".join(names[i] if names is not None else f"[{i}]" for i in plan.own[:5])
+        more = f" and {len(plan.own) - 5} more" if len(plan.own) > 5 else ""
+        raise ValueError(
+            f"nanscan: {listed}{more}: plain tensors beside DTensors. Each rank's plain tensor is its own "
+            "(FSDP2 does not reduce the gradient of a parameter outside every fully_shard: shard the root "
+            "too, fully_shard(model)), so their statistics would be one rank's, not the model's; torch's "
+            "clip_grad_norm_ refuses such a list too. Make them DTensors, or pass process_group= (the "
+            "ranks that each hold different tensors)"
+        )
+    if not plan.spans_world:
+        raise ValueError(
+            f"nanscan: these DTensors' meshes hold only some of the {dist.get_world_size()} ranks (pipeline "
+            "stages, each sharded over its own ranks?), so their statistics would be those ranks' own, not "
+            "the model's. Pass process_group= (the ranks that hold the other stages: the pipeline's group)"
+        )
+
+
+def _routed(
+    names: Sequence[str] | None, tensors: list[torch.Tensor], process_group: Any, compared: bool = False, **extra: Any
+) -> Layout:
     """DTensors (lists are routed by their first entry) over their meshes, other tensors as they are;
-    either over ``process_group`` too, if given."""
+    either over ``process_group`` too, if given (``compared``: see ``_dtensors``)."""
     if tensors and dtensor.is_dtensor(tensors[0]):
-        return dataclasses.replace(_dtensors(names, tensors, process_group), **extra)
+        return dataclasses.replace(_dtensors(names, tensors, process_group, compared), **extra)
     return _plain(names, tensors, process_group=process_group, **extra)
+
+
+walk.TRACED_MARKS = (fsdp1.FLATTENED, *(attribute for attribute, _, _ in refused.MARKS))
+
+
+def _refuse_what_compile_cannot_reduce(params: Sequence[Any], module_types: Iterable[type] = ()) -> None:
+    """Inside ``torch.compile`` no layout is built from what nanscan keeps of a model (FSDP1's units
+    and groups) and no engine's marks are looked up by their imports, so a model holding FSDP1 units,
+    its flattened parameters and a refused engine's parameters would be scanned as this rank's own:
+    they are refused, by types and attributes alone (traceable). With ``fullgraph=True`` the error
+    stops the compile; without, torch.compile runs the caller eagerly, which reduces them."""
+    if any(map(fsdp1.is_fsdp1_class, module_types)) or any(hasattr(p, fsdp1.FLATTENED) for p in params):
+        raise ValueError(
+            "nanscan: FSDP1's flattened parameters inside torch.compile: nanscan reduces them only outside "
+            "the compiled region (inside, each rank's answer would be its own shard's). Call check / "
+            "clip_grad_norm_ outside torch.compile, as FSDP1's own clip_grad_norm_ is called"
+        )
+    for attribute, _, what in refused.MARKS:
+        if any(hasattr(p, attribute) for p in params):
+            raise ValueError(
+                f"nanscan: a parameter is {what}, inside torch.compile: what this rank holds is not the "
+                "model's gradient. Use the engine's own norm"
+            )
 
 
 def _fsdp1(
@@ -125,18 +181,23 @@ def _fsdp1(
 
 
 def of_tensors(
-    tensors: list[torch.Tensor], names: Sequence[str] | None = None, process_group: Any = None, per_tensor: bool = True
+    tensors: list[torch.Tensor],
+    names: Sequence[str] | None = None,
+    process_group: Any = None,
+    per_tensor: bool = True,
+    compared: bool = False,
 ) -> Layout:
     """The layout of a list of tensors scanned as they are (``nanscan.scan``, ``get_total_norm``):
     DTensors reduced over their meshes, FSDP1's flattened parameters over FSDP's groups (of a model
-    nanscan has seen; refused otherwise), others this rank's own unless ``process_group``."""
+    nanscan has seen; refused otherwise), others this rank's own unless ``process_group``.
+    ``compared``: for ``verify_replicas`` (see ``_dtensors``)."""
     # Parameters (not the usual gradients, plain tensors) may carry an engine's marks.
     if tensors and type(tensors[0]) is not torch.Tensor and _marks_possible() and not dtensor.is_dtensor(tensors[0]):
         refused.check_tensors(tensors)
         if fsdp1.flattened(tensors):
             model_layout, positions = fsdp1.of_parameters(tensors)
             return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
-    return _routed(names, tensors, process_group)
+    return _routed(names, tensors, process_group, compared)
 
 
 def _marks_possible() -> bool:
@@ -145,22 +206,27 @@ def _marks_possible() -> bool:
     return fsdp1.possible() or refused.possible()
 
 
-def of_parameters(params_or_pairs: torch.Tensor | Iterable[Any], process_group: Any = None) -> Layout:
+def of_parameters(
+    params_or_pairs: torch.Tensor | Iterable[Any], process_group: Any = None, compared: bool = False
+) -> Layout:
     """The layout of the gradients of a list of parameters, or of ``(name, parameter)`` pairs
-    (``check(params)``, ``clip_grad_norm_``): the parameters without a gradient left out."""
+    (``check(params)``, ``clip_grad_norm_``): the parameters without a gradient left out.
+    ``compared``: for ``verify_replicas`` (see ``_dtensors``)."""
     items: Sequence[Any]
     if isinstance(params_or_pairs, torch.Tensor):
         items = [params_or_pairs]
     else:
         items = params_or_pairs if isinstance(params_or_pairs, (list, tuple)) else list(params_or_pairs)
-    if items and _marks_possible() and not dtensor.is_dtensor(items[0]) and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        _refuse_what_compile_cannot_reduce([item[1] if type(item) is tuple else item for item in items])
+    elif items and _marks_possible() and not dtensor.is_dtensor(items[0]):
         params = [item[1] if type(item) is tuple else item for item in items]
         refused.check_tensors(params)
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group)
     names, grads, _ = single.listed_gradients(items)
-    return _routed(names, grads, process_group)
+    return _routed(names, grads, process_group, compared)
 
 
 def of_parameter_list(
@@ -168,7 +234,9 @@ def of_parameter_list(
 ) -> Layout:
     """The layout of ``grads``, the gradients of ``params`` (a list of parameters whose entries the
     caller has checked: ``clip_grad_norm_``), those without a gradient left out."""
-    if params and _marks_possible() and not dtensor.is_dtensor(params[0]) and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        _refuse_what_compile_cannot_reduce(params)
+    elif params and _marks_possible() and not dtensor.is_dtensor(params[0]):
         refused.check_tensors(params)
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
@@ -177,13 +245,20 @@ def of_parameter_list(
 
 
 def of_module(
-    model: torch.nn.Module, process_group: Any = None, source: str = "grad", per_tensor: bool = True
+    model: torch.nn.Module,
+    process_group: Any = None,
+    source: str = "grad",
+    per_tensor: bool = True,
+    compared: bool = False,
 ) -> Layout:
     """The layout of a model's gradients (``source="grad"``, parameters without one left out) or of
     its parameters' values (``"data"``): FSDP1 units cut back into their parameters, DTensors reduced
-    over their meshes, a DDP model with its replicas' group and hook (see the module notes)."""
+    over their meshes, a DDP model with its replicas' group and hook (see the module notes).
+    ``compared``: for ``verify_replicas`` (see ``_dtensors``)."""
     if torch.compiler.is_compiling():
         walked = walk.walk(model)
+        _refuse_what_compile_cannot_reduce(walked.parameters, walked.module_types)
+        _refuse_ddp_gradients_that_are_not_the_models(model, process_group, source)
         names, tensors, _ = single.module_gradients(walked.names, walked.parameters)
         return _plain(names, tensors)
     refused.check_module(model)
@@ -207,11 +282,38 @@ def of_module(
         names, params = walked.names, walked.parameters
         tensors = [p.detach() for p in params]
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if is_ddp:
+        _refuse_ddp_gradients_that_are_not_the_models(model, process_group, source)
     replica_group = model.process_group if is_ddp else None
     scanner = ddp.scanner_of(model) if source == "grad" else None
     if scanner is not None:
         return _plain(names, tensors, replica_group=replica_group, scanner=scanner, parameters=params)
-    return _routed(names, tensors, process_group, replica_group=replica_group)
+    return _routed(names, tensors, process_group, compared, replica_group=replica_group)
+
+
+def _refuse_ddp_gradients_that_are_not_the_models(model: torch.nn.Module, process_group: Any, source: str) -> None:
+    """A DDP model's gradients are the model's once DDP has all-reduced them. Refused: inside
+    ``no_sync()`` (gradient accumulation: each rank's gradients are its own until the backward that
+    synchronises them), and with a ``process_group`` that shares ranks with DDP's own group (their
+    copies would be counted once per rank)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    if source == "grad" and not model.require_backward_grad_sync:
+        raise ValueError(
+            "nanscan: this DDP model is inside no_sync() (gradient accumulation): its gradients are each "
+            "rank's own until the backward that synchronises them, so their statistics would be one "
+            "rank's, not the model's. Check them after the last micro-batch's backward, outside no_sync()"
+        )
+    if process_group is not None and not torch.compiler.is_compiling():
+        shared = set(dist.get_process_group_ranks(process_group)) & set(
+            dist.get_process_group_ranks(model.process_group)
+        )
+        if len(shared) > 1:
+            raise ValueError(
+                f"nanscan: process_group= shares ranks {sorted(shared)} with this DDP model's own group: DDP "
+                "leaves each of them the same gradients, which the group would count once per rank. Leave "
+                "process_group out for a DDP model (or pass only the ranks that hold other pipeline stages)"
+            )
 
 
 def fsdp1_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[fsdp1.ModelLayout, Any] | None:

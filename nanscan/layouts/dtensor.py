@@ -4,7 +4,9 @@ Each rank scans its local shards; each distinct mesh is one reduction group (nan
 a tensor counted on the rank at coordinate 0 of each of its Replicate (or Partial) mesh dims. Partial
 placements are reduced first (redistributed to Replicate, one collective per such tensor; gradients
 of FSDP2 and tensor parallel are Shard or Replicate, so this is rare). Plain tensors beside the
-DTensors are this rank's own (not reduced: ``Plan.own``).
+DTensors are this rank's own (not reduced: ``Plan.own``): the statistics refuse them without
+``process_group`` (nanscan.layouts._dtensors), and ``verify_replicas`` compares them over the
+default group.
 
 Plans are made once per list layout and found again by the identity of the tensors' DTensorSpecs:
 FSDP2 gives a parameter's gradient the same spec object every step, so finding the plan costs no
@@ -78,6 +80,9 @@ class DTensorPlan(Plan):
     """A Plan whose key is its DTensorSpecs, held so that their ids stay theirs."""
 
     specs: list[Any] | None = None
+    # Whether the meshes together hold every rank of the default group: where not (pipeline stages
+    # each sharded over their own ranks), the reduction is those ranks' own (layouts._dtensors).
+    spans_world: bool = True
 
 
 _plans: OrderedDict[tuple[int, ...], DTensorPlan] = OrderedDict()
@@ -113,7 +118,11 @@ def _plan(key: tuple[int, ...], specs: list[Any]) -> DTensorPlan:
     # costs 0.1 ms a call); a spec without tensor metadata leaves them to be read from the shards.
     known = None if any(meta is None for meta in metas) else frozenset(meta.dtype for meta in metas)
     known_indices = [i for i, spec in enumerate(specs) if spec is not None] if known is not None else []
-    plan = DTensorPlan(groups, own, _copies(specs), known, known_indices, partial, specs=list(specs))
+    ranks = {rank for mesh in by_mesh for rank in mesh.mesh.flatten().tolist()}
+    spans_world = len(ranks) >= dist.get_world_size()
+    plan = DTensorPlan(
+        groups, own, _copies(specs), known, known_indices, partial, specs=list(specs), spans_world=spans_world
+    )
     _plans[key] = plan
     if len(_plans) > _PLANS:
         _plans.popitem(last=False)

@@ -80,7 +80,7 @@ _ENGINES = (
 
 # Marks an engine sets on every parameter it manages: (attribute, the packages that set it, what it
 # means). Looked for only where one of the packages is imported: none can have set it otherwise.
-_MARKS = (
+MARKS = (
     ("ds_id", ("deepspeed",), "a parameter partitioned by DeepSpeed ZeRO stage 3 (its .data is a placeholder)"),
     (
         "_hp_mapping",
@@ -122,7 +122,7 @@ def _qualified(cls: type) -> str:
 def _deepspeed_without_sharding(model: object, cls: type) -> bool:
     """Whether a DeepSpeed engine keeps DDP's layout: ZeRO stage 0 and no pipeline, so that every rank
     holds its gradients whole and all-reduced, in ``.grad`` (nanscan then reads its ``.module`` as a
-    DDP model's; a bf16 optimizer that keeps them otherwise marks its parameters: ``_MARKS``)."""
+    DDP model's; a bf16 optimizer that keeps them otherwise marks its parameters: ``MARKS``)."""
     if cls.__name__ != "DeepSpeedEngine":
         return False  # a pipeline (each rank its own stage) or another engine
     try:
@@ -147,13 +147,13 @@ def check_module(model: object) -> None:
 
 def possible() -> bool:
     """Whether a refused engine's package is imported (only then can a parameter carry its mark)."""
-    return any(package in sys.modules for _, packages, _ in _MARKS for package in packages)
+    return any(package in sys.modules for _, packages, _ in MARKS for package in packages)
 
 
 def check_tensors(tensors: Sequence[object]) -> None:
     """Raises for an entry that carries a refused engine's mark (see the module notes). Costs nothing
     where no such engine was imported, and a C-level map per mark (45 ns a tensor) where one is."""
-    for attribute, packages, what in _MARKS:
+    for attribute, packages, what in MARKS:
         if not any(package in sys.modules for package in packages):
             continue
         if not any(map(hasattr, tensors, itertools.repeat(attribute))):
