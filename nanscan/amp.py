@@ -288,11 +288,16 @@ class GradScaler(torch.amp.GradScaler):
         dtypes = {g.dtype for g in grads}
         if not allow_fp16 and torch.float16 in dtypes:
             raise ValueError("Attempting to unscale FP16 gradients.")
-        if not grads or not dtypes.issubset(_SCANNED_DTYPES):
+        if not dtypes.issubset(_SCANNED_DTYPES):
             return None
+        # Made even where this rank holds no gradient: an FSDP1 rank whose shard holds none of these
+        # parameters' elements still joins the reduction that gives every rank the same found_inf
+        # (as torch's ShardedGradScaler all-reduces it), or the others wait for it.
         layout = layouts.of_parameter_list(all_params, grads)
         if layout.cut:  # named after the parameters FSDP1 flattened
             return layout
+        if not grads:
+            return None
         names = OptimizerNames(params, all_params, [len(group_params) for group_params in groups], self._names)
         # A sparse gradient is found by the op's validation, before it writes (_unscale_grads_).
         return dataclasses.replace(layout, names=names)

@@ -73,8 +73,9 @@ def check_state(
         raise TypeError(f"nanscan.check_state: recorder must be a nanscan.Recorder, got {type(recorder).__name__}")
     found = layouts.fsdp1_parameters(model_or_params)
     if found is not None:
-        if optimizer is not None:
-            _require_state(optimizer)
+        # The ranks agree on the keys first (a rank whose shard holds no element of the optimizer's
+        # parameters may keep no state at all): whether there is any state is decided from that, alike
+        # on every rank.
         keys = () if optimizer is None else _agreed_state_keys(optimizer)
         layout = layouts.of_fsdp1_state(found, {} if optimizer is None else optimizer.state, keys)
         with torch.no_grad():
@@ -97,11 +98,14 @@ def check_state(
     return report
 
 
-def _require_state(optimizer: torch.optim.Optimizer) -> None:
-    if not optimizer.state:
+def _require_state(optimizer: torch.optim.Optimizer, has_state: bool | None = None) -> None:
+    """Refuses an optimizer without state: this rank's, or ``has_state`` where the ranks have agreed
+    on it (whether any rank keeps state: alike on every rank)."""
+    if not (bool(optimizer.state) if has_state is None else has_state):
+        where = "" if has_state is None else " on any rank"
         raise ValueError(
-            "nanscan.check_state: the optimizer has no state yet (it is made at the first optimizer.step()); "
-            "check the parameters alone before that: nanscan.check_state(model)"
+            f"nanscan.check_state: the optimizer has no state yet{where} (it is made at the first "
+            "optimizer.step()); check the parameters alone before that: nanscan.check_state(model)"
         )
 
 
@@ -134,12 +138,16 @@ def _agreed_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
         )
     )
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        _require_state(optimizer)
         return local
     agreed = _agreed_keys.get(optimizer)
     if agreed is None:
+        # Each rank's keys and whether it keeps any state: an optimizer with no state on any rank is
+        # refused on every rank, and not kept, so that the ranks agree again after its first step.
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        agreed = tuple(sorted(set().union(*gathered)))
+        dist.all_gather_object(gathered, (local, bool(optimizer.state)))
+        _require_state(optimizer, has_state=any(kept for _, kept in gathered))
+        agreed = tuple(sorted(set().union(*(keys for keys, _ in gathered))))
         _agreed_keys[optimizer] = agreed
     late = sorted(set(local) - set(agreed))
     if late:

@@ -498,13 +498,44 @@ def fsdp1_hybrid_over_one_rank_shards_is_warned_of(world: int) -> None:
     assert len(set(gathered)) == world, f"each rank's own gradient: {gathered}"
 
 
-@case
-def fsdp1_ignored_modules_are_copies_counted_once(world: int) -> None:
-    """Parameters FSDP does not manage (``ignored_modules``) are the same on every rank (DDP-like
-    training keeps them so): named, counted once, and in the total as FSDP's own clip counts them."""
+def attempt(call: Callable[..., Any], *args: Any) -> Any:
+    """What ``call(*args)`` returned, else its error's type and message (a str)."""
+    try:
+        return call(*args)
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
 
-    def make(orig: bool) -> FSDP:
+
+def outcome(call: Callable[..., Any], *args: Any) -> str:
+    """'' where ``call(*args)`` returned, else its error's type and message."""
+    got = attempt(call, *args)
+    return got if isinstance(got, str) else ""
+
+
+def on_every_rank(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def rank_batch(dim: int = 16) -> torch.Tensor:
+    """A batch of this rank's own: what data parallelism feeds each rank."""
+    torch.manual_seed(100 + dist.get_rank())
+    return torch.randn(8, dim)
+
+
+@case
+def fsdp1_ignored_modules_with_gradients_are_refused(world: int) -> None:
+    """FSDP never reduces the gradients of ``ignored_modules``: with each rank on its own data each
+    rank's differ, so check, the clips and the GradScaler refuse them on every rank (decided by
+    ``requires_grad``, alike on every rank) rather than report one rank's as the model's; the list of
+    the parameters FSDP manages is reduced as FSDP reduces them, and a frozen ignored module is no
+    obstacle."""
+
+    def make(orig: bool, frozen: bool = False) -> FSDP:
         model = TinyDecoder()
+        if frozen:
+            model.head.requires_grad_(False)
         return wrap(
             model,
             ShardingStrategy.FULL_SHARD,
@@ -514,17 +545,212 @@ def fsdp1_ignored_modules_are_copies_counted_once(world: int) -> None:
             ignored_modules=[model.head],
         )
 
+    def run(model: torch.nn.Module) -> None:
+        torch.manual_seed(200 + dist.get_rank())
+        model(torch.randint(0, 11, (4, 6))).float().square().mean().backward()
+
     for orig in (False, True):
+        what = f"use_orig_params={orig}"
         ours, theirs = make(orig), make(orig)
-        decoder_backward(ours)
-        decoder_backward(theirs)
-        report = nanscan.check(ours)
-        names, total, head = report.names, report.total_norm, report.to_dict()["parameters"]["head.weight"]["norm"]
+        run(ours)
+        run(theirs)
+        opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+        scaler = nanscan.amp.GradScaler("cpu", init_scale=1.0)
+        scaler.scale(torch.ones(()))  # a scale to unscale by (no need to scale the loss by 1)
+        refusals = [
+            outcome(nanscan.check, ours),
+            outcome(nanscan.clip_grad_norm_, ours, 1e9),
+            outcome(nanscan.clip_grad_norm_, list(ours.parameters()), 1e9),
+            outcome(scaler.watch(ours).unscale_, opt),
+        ]
+        head = {id(p) for p in ours.module.head.parameters()}
+        managed = [p for p in ours.parameters() if id(p) not in head]
+        total = nanscan.clip_grad_norm_(managed, 1e9)
+        want = theirs.clip_grad_norm_(1e9)  # the managed ones reduced, plus this rank's own head
+        own_head = torch.cat([p.grad.reshape(-1) for p in theirs.module.head.parameters()]).double().norm()
+        heads = on_every_rank(own_head.item())
+        frozen_ours, frozen_theirs = make(orig, frozen=True), make(orig, frozen=True)
+        run(frozen_ours)
+        run(frozen_theirs)
+        frozen = nanscan.check(frozen_ours).total_norm
+        frozen_want = frozen_theirs.clip_grad_norm_(1e9)
+        everywhere = on_every_rank(refusals)
+        assert len(set(heads)) == world, f"{what}: the ranks' data should make their heads differ: {heads}"
+        for rank_refusals in everywhere:
+            for message in rank_refusals:
+                assert message.startswith("ValueError") and "head.weight" in message, f"{what}: {message!r}"
+                assert "FSDP never reduces" in message, f"{what}: {message!r}"
+        assert_close(total, (want.double().square() - own_head.square()).sqrt(), f"{what}: the managed ones", 1e-5)
+        assert_close(frozen, frozen_want, f"{what}: a frozen ignored module", 1e-5)
+
+
+@case
+def fsdp1_no_sync_accumulation_is_refused_on_every_rank(world: int) -> None:
+    """A backward under ``model.no_sync()`` leaves each rank its own unreduced gradient (unsharded,
+    for a sharded strategy): check, the clips (of the model, of its parameters), the gradients' norm
+    and the GradScaler refuse it on every rank, naming no_sync, for every strategy; after the
+    backward that synchronises, the accumulated gradients are reported as FSDP's own clip sees them."""
+    for strategy, orig in all_strategies():
+        what = f"{strategy.name}, use_orig_params={orig}"
+        ours, theirs = wrap(net(), strategy, orig, world), wrap(net(), strategy, orig, world)
+        nanscan.check(ours)  # seen before the accumulation (no gradient yet)
+        x = rank_batch()
+        for model in (ours, theirs):
+            with model.no_sync():
+                model(x).square().mean().backward()
+        opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+        scaler = nanscan.amp.GradScaler("cpu", init_scale=1.0).watch(ours)
+        scaler.scale(torch.ones(()))  # a scale to unscale by (no need to scale the loss by 1)
+        refusals = [
+            outcome(nanscan.check, ours),
+            outcome(nanscan.clip_grad_norm_, ours, 1e9),
+            outcome(nanscan.clip_grad_norm_, list(ours.parameters()), 1e9),
+            outcome(scaler.unscale_, opt),
+        ]
+        if not orig:  # the flat gradients themselves (with use_orig_params, refused as views anyway)
+            grads = [p.grad for p in ours.parameters() if p.grad is not None]
+            refusals.append(outcome(nanscan.get_total_norm, grads))
+        for model in (ours, theirs):
+            model(x).square().mean().backward()  # synchronises: the accumulated gradients reduced
+        total = nanscan.check(ours).total_norm
         want = theirs.clip_grad_norm_(1e9)
-        want_head = ours.module.head.weight.grad.double().norm()
-        assert names == [name for name, _ in TinyDecoder().named_parameters()], names
-        assert_close(head, want_head, "an ignored module's gradient, counted once", 1e-6)
-        assert_close(total, want, f"use_orig_params={orig}: total against FSDP's clip", 1e-5)
+        everywhere = on_every_rank(refusals)
+        for rank_refusals in everywhere:
+            for message in rank_refusals:
+                assert message.startswith("ValueError") and "no_sync()" in message, f"{what}: {message!r}"
+        assert_close(total, want, f"{what}: after the synchronising backward", 1e-5)
+
+
+@case
+def fsdp1_gradient_lists_are_the_models(world: int) -> None:
+    """``get_total_norm`` and ``scan`` given the gradients (``[p.grad for p in model.parameters() if
+    p.grad is not None]``) of an FSDP1 model nanscan has seen: FSDP1's flat gradients
+    (use_orig_params=False) are reduced as their parameters are, equal to FSDP's clip on every rank;
+    the views FSDP hands out as the original parameters' (use_orig_params=True), which differ from
+    rank to rank, are refused."""
+    for strategy, orig in all_strategies():
+        what = f"{strategy.name}, use_orig_params={orig}"
+        ours, theirs = wrap(net(), strategy, orig, world), wrap(net(), strategy, orig, world)
+        x = rank_batch()
+        for model in (ours, theirs):
+            model(x).square().mean().backward()
+        nanscan.check(ours)
+        grads = [p.grad for p in ours.parameters() if p.grad is not None]
+        got = [attempt(nanscan.get_total_norm, grads), attempt(nanscan.scan, grads)]
+        mixed = outcome(nanscan.get_total_norm, [*grads, torch.ones(3)]) if not orig else ""
+        want = theirs.clip_grad_norm_(1e9)
+        everywhere = on_every_rank([g if isinstance(g, str) else None for g in got])
+        if orig:
+            for rank, messages in enumerate(everywhere):
+                for message in messages:
+                    assert message is not None and "use_orig_params=True" in message, f"{what}, rank {rank}: {message}"
+            continue
+        total, scanned = got
+        assert isinstance(total, torch.Tensor), f"{what}: {total}"
+        assert_close(total, want, f"{what}: get_total_norm of the flat gradients", 1e-5)
+        assert_close(scanned.total_norm, want, f"{what}: scan of the flat gradients", 1e-5)
+        assert list(scanned.names or ()) == [n for n, _ in net().named_parameters()], f"{what}: {scanned.names}"
+        assert "not one of the FSDP1 model's" in mixed, f"{what}: {mixed!r}"
+
+
+def _head_bias_optimizers(model: FSDP) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(every parameter but the last Linear's bias, that bias): with a unit per Linear and
+    use_orig_params=True the bias lies at the end of its unit's flat parameter, so only the last
+    rank's shard holds any of it; the other ranks hold no gradient of it."""
+    named = list(model.named_parameters())
+    last = named[-1][1]
+    return [p for _, p in named[:-1]], [last]
+
+
+@case
+def fsdp1_grad_scaler_rank_without_gradients_joins_the_reduction(world: int) -> None:
+    """nanscan's GradScaler on an optimizer whose parameters have no element in some ranks' shards
+    (use_orig_params=True: their ``.grad`` is None there): those ranks still join the reduction, so an
+    Inf on the last rank skips the step on every rank, as torch's ShardedGradScaler makes them, and a
+    clean step (and the scaler's clip) matches ShardedGradScaler's."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    bad = world - 1
+    ours, theirs = (wrap(net(), ShardingStrategy.FULL_SHARD, True, world) for _ in range(2))
+    body, bias = _head_bias_optimizers(ours)
+    ref_body, ref_bias = _head_bias_optimizers(theirs)
+    opts = [torch.optim.SGD(body, lr=0.1), torch.optim.Adam(bias, lr=0.1)]
+    ref_opts = [torch.optim.SGD(ref_body, lr=0.1), torch.optim.Adam(ref_bias, lr=0.1)]
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0**10).watch(ours)
+    reference = ShardedGradScaler("cpu", init_scale=2.0**10)
+    x = rank_batch()
+    # Step 1: an Inf in the last rank's part of the bias: the bias's optimizer skips on every rank (the
+    # other one steps: found_inf is per optimizer, as torch's), and the scale falls.
+    for model, grad_scaler, last in ((ours, scaler, bias[0]), (theirs, reference, ref_bias[0])):
+        grad_scaler.scale(model(x).square().mean()).backward()
+        if dist.get_rank() == bad:
+            last.grad[0] = math.inf
+    holds = bias[0].grad is not None
+    skips = []
+    for opt in opts:
+        scaler.step(opt)
+        skips.append(scaler.skipped)
+    scaler.update()
+    for opt in ref_opts:
+        reference.step(opt)
+    reference.update()
+    scales = (scaler.get_scale(), reference.get_scale())
+    # Step 2, clean: the scaler's clip of the bias's optimizer, then both steps, beside ShardedGradScaler's.
+    for opt in (*opts, *ref_opts):
+        opt.zero_grad()
+    scaler.scale(ours(x).square().mean()).backward()
+    reference.scale(theirs(x).square().mean()).backward()
+    clipped = scaler.clip_grad_norm_(opts[1], 1e9)
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    reference.unscale_(ref_opts[1])
+    bias_norm = (
+        ref_bias[0].grad.double().square().sum()
+        if ref_bias[0].grad is not None
+        else torch.zeros((), dtype=torch.float64)
+    )
+    dist.all_reduce(bias_norm)
+    for opt in ref_opts:
+        reference.step(opt)
+    reference.update()
+    stepped = [
+        (a.detach().clone(), b.detach().clone()) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+    ]
+    held = on_every_rank(holds)
+    assert not all(held), f"some rank should hold none of the bias: {held}"
+    assert skips == [False, True], f"rank {dist.get_rank()}: skipped {skips}"
+    assert scales == (2.0**9, 2.0**9), scales
+    assert_close(clipped, bias_norm.sqrt(), "the scaler's clip of the bias's optimizer", 1e-5)
+    assert scaler.get_scale() == reference.get_scale()
+    for a, b in stepped:
+        assert_close(a, b, "a stepped parameter against ShardedGradScaler's", 1e-6)
+
+
+@case
+def fsdp1_check_state_rank_without_state(world: int) -> None:
+    """check_state of an optimizer whose parameters have no element in some ranks' shards (so no
+    state there): every rank agrees first, and reports the state the last rank keeps; an optimizer
+    without state on any rank is refused on every rank alike, and accepted after its first step."""
+    model = wrap(net(), ShardingStrategy.FULL_SHARD, True, world)
+    body, bias = _head_bias_optimizers(model)
+    opts = [torch.optim.Adam(body, lr=0.1), torch.optim.Adam(bias, lr=0.1)]
+    model(rank_batch()).square().mean().backward()
+    before = outcome(nanscan.check_state, model, opts[1])
+    for opt in opts:
+        opt.step()
+    kept = len(opts[1].state)
+    report = nanscan.check_state(model, opts[1])
+    name = "3.bias:exp_avg_sq"
+    got = report.to_dict()["parameters"][name]["norm"]
+    mine = opts[1].state[bias[0]]["exp_avg_sq"].double().norm().item() if kept else 0.0
+    want = math.sqrt(sum(n * n for n in on_every_rank(mine)))
+    everywhere = on_every_rank((before, kept))
+    assert any(k == 0 for _, k in everywhere), f"some rank should keep no state: {everywhere}"
+    for message, _ in everywhere:
+        assert "no state yet on any rank" in message, message
+    assert report.finite
+    assert_close(got, want, f"{name} on rank {dist.get_rank()}", 1e-6)
 
 
 @case

@@ -197,6 +197,8 @@ def of_tensors(
         if fsdp1.flattened(tensors):
             model_layout, positions = fsdp1.of_parameters(tensors)
             return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
+    elif (gradients_of := fsdp1.of_gradients(tensors)) is not None:  # gradients of an FSDP1 model seen
+        return _fsdp1(*gradients_of, "grad", process_group, per_tensor)
     return _routed(names, tensors, process_group, compared)
 
 

@@ -18,8 +18,11 @@ in the model passed, without FSDP's ``_fsdp_wrapped_module.``; nanscan.names), i
 order. Reduction (nanscan.layouts.reduce): a unit's parameters are reduced over its shard group
 (sharded strategies), over the world counted on the first replica only (the hybrid ones: every
 node's group holds a full copy), or over its group counted on its rank 0 (``NO_SHARD``). Parameters
-of the model that no unit manages (ignored modules) are taken as FSDP's own ``clip_grad_norm_``
-takes them: copies on every rank, reduced over the root's group and counted on its rank 0. Units
+of the model that no unit manages (ignored modules) are never reduced by FSDP: each rank's gradient
+of them is its own, so where they require a gradient the gradients' calls refuse them (decided by
+``requires_grad``, alike on every rank); their values (``check_state``) are taken as copies on
+every rank, reduced over the root's group and counted on its rank 0. Gradients FSDP has not reduced
+(a backward under ``no_sync()``) are refused (``_unsynced``). Units
 that share their groups (FSDP's auto-wrap gives every unit the root's) make one reduction group:
 two collectives per check.
 
@@ -36,8 +39,9 @@ whose module lies in the model passed are reported.
 
 What nanscan learns of a model's units it keeps (by weak reference) for each unit's parameters, so
 that a later list of those parameters (``clip_grad_norm_(model.parameters())``, an optimizer's under
-the GradScaler) is reduced too. Flattened parameters whose model nanscan has not seen are refused
-(``refuse_unknown``): a rank's shard is not the model.
+the GradScaler) is reduced too, and so is a list of its flat gradients (``of_gradients``).
+Flattened parameters whose model nanscan has not seen are refused (``refuse_unknown``): a rank's
+shard is not the model.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class _Unit:
     counted: bool  # whether this rank adds its parts' counts and squares (False on extra copies)
     strategy: str
     copies: tuple[tuple[Any, ...], Any] | None  # (key, lines maker) when its parts have copies
+    numel: int  # of the local flat shard (``sizes`` add up to it): what a reduced gradient holds
     # use_orig_params: the original parameters and FSDP's list of which have no gradient (lists it
     # keeps for the unit's life; parameters hold no reference to their model).
     params: tuple[torch.nn.Parameter, ...] = ()
@@ -339,6 +344,7 @@ def _make(model: torch.nn.Module, states: list[Any], order: Any, handles: list[A
                 counted,
                 _strategy(handle),
                 copies,
+                sum(sizes),
                 tuple(handle.flat_param._params) if handle._use_orig_params else (),
                 handle.flat_param._is_grad_none_mask if handle._use_orig_params else None,
             )
@@ -446,10 +452,34 @@ class _Selection:
 
 def _locals(layout: ModelLayout, source: str) -> list[torch.Tensor | None]:
     """This rank's flat tensor of each unit: its gradient shard (None where the unit has none) or its
-    parameter shard."""
+    parameter shard. Gradients that FSDP has not reduced yet are refused (``_require_synced``)."""
     if source == "grad":
-        return [u.flat_param.grad for u in layout.units]
+        flats = [u.flat_param for u in layout.units]
+        grads: list[torch.Tensor | None] = list(map(_GRAD, flats))
+        if any(map(_unsynced, flats, grads, layout.units)):
+            _refuse_unsynced(layout)
+        return grads
     return [u.flat_param.detach() for u in layout.units]
+
+
+def _unsynced(flat: Any, grad: torch.Tensor | None, unit: _Unit) -> bool:
+    """Whether a unit's gradient is one FSDP has not reduced: accumulated under ``no_sync()``. FSDP
+    marks a flat parameter ``_post_backward_called`` in its post-backward hook and clears the mark
+    only at the end of a backward that synchronised (``_finalize_params``), so the mark outlives a
+    backward run under ``no_sync()``, on every rank alike; the gradient of a sharded strategy is then
+    the unsharded one, of another size than the shard the unit is cut by."""
+    if grad is None:
+        return False
+    return bool(getattr(flat, "_post_backward_called", False)) or grad.numel() != unit.numel
+
+
+def _refuse_unsynced(layout: ModelLayout) -> None:
+    raise ValueError(
+        "nanscan: this FSDP1 model's gradients are not reduced across its ranks: its last backward ran inside "
+        "model.no_sync() (gradient accumulation), which leaves each rank its own unreduced (and, for a sharded "
+        "strategy, unsharded) gradient, not the model's. Call nanscan after the backward that synchronises "
+        "(the first one outside no_sync(), before the optimizer step), as FSDP's own clip_grad_norm_ is meant to be"
+    )
 
 
 def _wanted(layout: ModelLayout, source: str) -> tuple[tuple[tuple[bool, ...], ...], ...]:
@@ -458,11 +488,16 @@ def _wanted(layout: ModelLayout, source: str) -> tuple[tuple[tuple[bool, ...], .
     C-level maps; part of the selection's key."""
     if source != "grad":
         return ()
-    return tuple(
+    rules = tuple(
         (tuple(map(_REQUIRES_GRAD, unit.params)), tuple(unit.grad_none_mask or ()))
         for unit in layout.units
         if unit.use_orig_params
     )
+    if not layout.unmanaged_refs:
+        return rules
+    # The parameters no unit manages: whether each requires a gradient (refused: _select) and has one.
+    unmanaged = [layout.unmanaged(i) for i in range(len(layout.unmanaged_refs))]
+    return (*rules, (tuple(map(_REQUIRES_GRAD, unmanaged)), tuple(p.grad is None for p in unmanaged)))
 
 
 def _selected(
@@ -632,6 +667,8 @@ def _select(
     kept: list[_Entry] = []
     for entry in entries:
         if entry.unit is None:
+            if source == "grad" and layout.unmanaged(entry.index).requires_grad:
+                _refuse_unmanaged(layout, entries)
             if source == "grad" and layout.unmanaged(entry.index).grad is None:
                 continue
         else:
@@ -660,6 +697,19 @@ def _select(
     whole = [first_of_unit[u] for u in flat_scaled] + [kept[i] for i in one_by_one]
     plan = _plan(layout, kept)
     return _Selection(where, [e.name for e in kept], numels, plan, flat_scaled, one_by_one, _plan(layout, whole), kept)
+
+
+def _refuse_unmanaged(layout: ModelLayout, entries: list[_Entry]) -> None:
+    """Refuses the gradients of parameters no unit manages that require one (module notes): decided
+    by ``requires_grad``, alike on every rank, never by whether a rank holds a gradient."""
+    names = [e.name for e in entries if e.unit is None and layout.unmanaged(e.index).requires_grad]
+    raise ValueError(
+        f"nanscan: {', '.join(names)} belong to no FSDP1 unit (ignored_modules, or modules outside the FSDP root) "
+        "and require a gradient: FSDP never reduces those gradients, so each rank's is its own (with each rank "
+        "on its own data, they differ), and nanscan cannot report them as the model's. Check the parameters FSDP "
+        "manages by a list of them (nanscan.check([...]): this call has shown nanscan the model), and each such "
+        "module on each rank as that rank's own (nanscan.check(module)); or freeze them (requires_grad=False)"
+    )
 
 
 def _plan(layout: ModelLayout, entries: list[_Entry]) -> Plan:
@@ -729,6 +779,64 @@ def of_parameters(params: Sequence[Any]) -> tuple[ModelLayout, list[int]]:
             "(nanscan.check(model), nanscan.clip_grad_norm_(model, max_norm))"
         )
     return layout, positions
+
+
+def of_gradients(tensors: Sequence[Any]) -> tuple[ModelLayout, list[int]] | None:
+    """Where ``tensors`` are the gradients of parameters of an FSDP1 model nanscan has seen (the usual
+    ``[p.grad for p in model.parameters() if p.grad is not None]`` given to ``get_total_norm`` or
+    ``scan``): that model's layout and the entries meant, as for a list of those parameters
+    (``of_parameters``); None where none of them is. A flat gradient (``use_orig_params=False``) stands
+    for its unit's parameters, as its flat parameter does. The gradients FSDP hands out as the original
+    parameters' (``use_orig_params=True``: views into the flat gradient) are refused: each rank holds
+    a gradient only for the parameters with an element in its shard, so such a list differs from rank
+    to rank and says nothing of which parameters were meant. A gradient carries no mark of FSDP's: the
+    gradients of a model nanscan has not seen are not recognised (module notes)."""
+    if not _models or not tensors:
+        return None
+    owners: dict[int, Any] = {}  # id of a gradient -> its parameter (flat, or one no unit manages)
+    views: dict[int, str] = {}  # id of a flat gradient, or of an original parameter's -> its name
+    for layout in list(_models.values()):
+        if not layout.current():
+            continue
+        for unit in layout.units:
+            handle = unit.handle_ref()
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            flat = handle.flat_param
+            owners[id(flat.grad)] = flat
+            if unit.use_orig_params:
+                for p in unit.params:
+                    if p.grad is not None:
+                        views[id(p.grad)] = "the gradient FSDP1 hands out as an original parameter's"
+        for ref in layout.unmanaged_refs:
+            unmanaged = ref()
+            if unmanaged is not None and unmanaged.grad is not None:
+                owners[id(unmanaged.grad)] = unmanaged
+    if not owners and not views:
+        return None
+    ids = list(map(id, tensors))
+    bases = [id(t._base) if isinstance(t, torch.Tensor) and t._base is not None else 0 for t in tensors]
+    for i, (key, base) in enumerate(zip(ids, bases, strict=True)):
+        seen = views.get(key) or views.get(base) or ("a view of FSDP1's flat gradient" if base in owners else None)
+        if seen is not None:
+            raise ValueError(
+                f"nanscan: entry {i} is {seen}, a part of this rank's shard of an FSDP1 model's gradient: with "
+                "use_orig_params=True each rank holds the gradients of only the parameters with an element in its "
+                "shard, so a list of them differs from rank to rank and cannot say which parameters are meant. Pass the FSDP model (nanscan.check(model), "
+                "nanscan.clip_grad_norm_(model, max_norm): its total norm) or its parameters "
+                "(nanscan.clip_grad_norm_(model.parameters(), max_norm)), whose gradients are reduced over FSDP's "
+                "groups"
+            )
+    params = [owners.get(key) for key in ids]
+    if all(p is None for p in params):
+        return None
+    missing = next((i for i, p in enumerate(params) if p is None), None)
+    if missing is not None:
+        raise ValueError(
+            f"nanscan: entry {missing} of the gradients is not one of the FSDP1 model's that the others are: "
+            "pass that model's gradients alone, or the model itself (nanscan.check(model))"
+        )
+    return of_parameters(params)
 
 
 def refuse_unknown(index: int) -> None:
