@@ -13,7 +13,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -145,7 +145,13 @@ class Attribution:
         rank_sum: float64 [N], the sum of those ranks.
         rank_square_sum: float64 [N], the sum of their squares.
         any_by_rank: float64 [world], 1 for every rank whose local data held any NaN/Inf.
+
+    A rank that cannot tell whether its local data made a tensor's NaN/Inf (the DDP hook after a
+    pass that may have brought another rank's, nanscan.layouts.ddp) adds ``UNKNOWN`` to its count and
+    nothing else: ``ranks`` then names the ranks that did say, or none ("rank unknown").
     """
+
+    UNKNOWN: ClassVar[int] = 1 << 20  # above any count of ranks; exact in float64 up to 2^32 ranks
 
     count: torch.Tensor
     rank_sum: torch.Tensor
@@ -158,8 +164,9 @@ class Attribution:
 
     @staticmethod
     def ranks(count: float, rank_sum: float, rank_square_sum: float, any_by_rank: Sequence[float]) -> list[int]:
-        """The ranks of one tensor, from its host values (see the module notes on when exact)."""
-        n = round(count)
+        """The ranks of one tensor, from its host values (see the module notes on when exact); empty
+        when no rank is known to have held it (see UNKNOWN)."""
+        n = round(count) % Attribution.UNKNOWN
         if n <= 0:
             return []
         if n == 1:
