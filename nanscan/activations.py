@@ -17,7 +17,10 @@ its smallest subnormal, 2^-24), and the NaN and Inf counts. The headroom is 6550
 
 How it works. A forward hook on every module scans the module's floating-point outputs (nested
 tuples, lists and dicts too) in one call of nanscan's fused op (``fp16_range``), which leaves its
-statistics on the device. A tensor already scanned in the same forward pass and unchanged since (the
+statistics on the device. A DTensor output is scanned by its local tensor (what this rank holds; see
+docs/diagnosis.md for what the reduced figures of a sharded, replicated or Partial output mean); an
+output no hook can read is counted in ``ModuleActivations.unread`` and warned about, never skipped
+in silence. A tensor already scanned in the same forward pass and unchanged since (the
 same object, the same version counter: a container returning its last child's output) is not scanned
 again; one changed in place (``ReLU(inplace=True)`` on a Linear's output) is, as the new values it
 holds. Under ``torch.inference_mode()`` tensors have no version counter, so every module's outputs

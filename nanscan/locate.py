@@ -35,6 +35,11 @@ How it works. Every call of every hooked module gives events, recorded in the or
 Nothing syncs inside the hooks: each scan leaves its statistics on the device, and the first Python
 value read from the trace copies all of them to the host in one transfer (one per device).
 
+DTensors (tensor parallel, FSDP2) are read by their local tensors: each rank locates the first
+non-finite event in what it holds itself, and ``first_by_rank()`` gathers every rank's. A floating
+tensor no hook can read (a subclass that keeps its values elsewhere, a sparse or meta tensor) is
+listed in ``unread`` (with one warning), never taken for finite in silence.
+
 Which hooks, and why not ``register_full_backward_hook``: the full backward hook routes a module's
 inputs and outputs through a custom autograd Function that returns them as-is, and autograd forbids
 in-place changes to such outputs (a ``ReLU(inplace=True)`` after a hooked module raises); it also sees

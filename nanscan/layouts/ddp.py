@@ -8,9 +8,17 @@ that reduces it (torch's default all-reduce, or the fp16/bf16 compression hooks,
 
 ``nanscan.check(ddp_model)`` then scans the reduced gradients as usual (they are the same on every
 rank, so their statistics need no collective) and reduces the flags in one small SUM all-reduce
-(three rows per parameter and one per rank: nanscan.distributed.Attribution), so that
+(eight rows per parameter and two per rank, made into nanscan.fused.Attribution), so that
 ``Report.nonfinite_ranks`` names the rank(s) whose own gradients held each NaN/Inf. That is the one
 collective a check adds per step; nothing syncs with the host.
+
+Where no rank can be named, none is (an empty list: "rank unknown"), never a wrong one. The flags
+are a state per parameter (BucketScanner), because a bucket does not always hold only this rank's
+gradient: after a synced pass, a further synced pass without ``zero_grad()`` (gradient accumulation
+without ``no_sync()``) scans buffers that hold the first pass's all-reduced sum, another rank's NaN
+included. A parameter found non-finite then for the first time is UNKNOWN on that rank, unless some
+rank found it finite in the same pass (no all-reduced NaN was there). A check after a backward pass
+the hook did not see (inside ``no_sync()``) names no rank: the flags are of another step.
 
 Costs: one more read of the gradients per step (the hook's scan, before each bucket's all-reduce is
 launched); host work per bucket per step is O(1) Python (a bucket's views are made once, and again
