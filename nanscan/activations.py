@@ -17,7 +17,10 @@ its smallest subnormal, 2^-24), and the NaN and Inf counts. The headroom is 6550
 
 How it works. A forward hook on every module scans the module's floating-point outputs (nested
 tuples, lists and dicts too) in one call of nanscan's fused op (``fp16_range``), which leaves its
-statistics on the device. A tensor already scanned in the same forward pass and unchanged since (the
+statistics on the device. A DTensor output is scanned by its local tensor (what this rank holds; see
+docs/diagnosis.md for what the reduced figures of a sharded, replicated or Partial output mean); an
+output no hook can read is counted in ``ModuleActivations.unread`` and warned about, never skipped
+in silence. A tensor already scanned in the same forward pass and unchanged since (the
 same object, the same version counter: a container returning its last child's output) is not scanned
 again; one changed in place (``ReLU(inplace=True)`` on a Linear's output) is, as the new values it
 holds. Under ``torch.inference_mode()`` tensors have no version counter, so every module's outputs
@@ -57,6 +60,7 @@ sample with ``every``.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,7 +71,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .fused import capturing, floating_tensors, upload
+from .fused import capturing, describe_unread, floating_tensors, upload
 from .names import clean_module_names
 
 FP16_MAX = 65504.0
@@ -105,6 +109,10 @@ class ModuleActivations:
         ranks: in a distributed watch, the ranks whose outputs of this module overflowed fp16 or held
             NaN/Inf (empty in a single process, and when the ranks are too many to list per module:
             more than 2^20 modules x ranks).
+        unread: floating output tensors of the sampled calls the watch could not read (a tensor
+            subclass other than DTensor that keeps its values elsewhere, a sparse, nested or meta
+            tensor): nothing above covers them, so a module with ``unread`` is not known to be healthy
+            (``complete`` is False). Counted by the hooks, on every rank.
     """
 
     name: str
@@ -118,6 +126,12 @@ class ModuleActivations:
     overflow: int
     underflow: int
     ranks: tuple[int, ...] = ()
+    unread: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether every floating output of the sampled calls was read (``unread`` is 0)."""
+        return self.unread == 0
 
     @property
     def headroom(self) -> float:
@@ -203,6 +217,7 @@ class _Host(NamedTuple):
     elements: list[int]
     ranks: list[tuple[int, ...]]
     passes: int  # sampled passes folded (the most of any device, and of any rank)
+    unread: list[int]  # floating outputs the hooks could not read
 
 
 class _Read(NamedTuple):
@@ -218,7 +233,7 @@ class _Read(NamedTuple):
     def worst(self) -> list[ModuleActivations]:
         """The modules scanned, worst first: the first to go non-finite, the other non-finite ones,
         then by headroom, smallest first."""
-        observed = [(i, f) for i, f in enumerate(self.figures) if f.calls > 0]
+        observed = [(i, f) for i, f in enumerate(self.figures) if f.calls > 0 or f.unread > 0]
         ordered = sorted(observed, key=lambda item: (item[0] != self.first_slot, item[1].finite, item[1].headroom))
         return [f for _, f in ordered]
 
@@ -257,6 +272,10 @@ class ActivationWatch:
         # record (zeros when no replay ran since).
         self._captured = 0
         self._eager_passes = 0  # sampled passes folded outside a capture: the rest of `passes` are replays
+        # Per module, the floating outputs the hooks could not read (ModuleActivations.unread): host
+        # counts, since the decision is the hook's; and what they were, for the first warning.
+        self._unread = [0] * len(self.names)
+        self._warned_unread = False
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
@@ -325,7 +344,10 @@ class ActivationWatch:
 
     def _scan(self, slot: int, output: Any) -> None:
         found: list[torch.Tensor] = []
-        floating_tensors(output, found)
+        unread: list[torch.Tensor] = []
+        floating_tensors(output, found, unread)  # a DTensor's local tensor: this rank's own values
+        if unread:
+            self._note_unread(slot, unread)
         fresh = []
         for t in found:
             if t.is_inference():  # no version counter to tell an in-place change by: scanned each time
@@ -355,6 +377,19 @@ class ActivationWatch:
             if len(totals.pending) >= _MAX_PENDING:
                 totals.fold()
         self._call_number += 1
+
+    def _note_unread(self, slot: int, unread: list[torch.Tensor]) -> None:
+        """Counts the outputs the hook could not read, and says so once per watch: never a silent zero."""
+        self._unread[slot] += len(unread)
+        if not self._warned_unread:
+            self._warned_unread = True
+            kinds = sorted({describe_unread(t) for t in unread})
+            warnings.warn(
+                f"nanscan.watch_activations: the outputs of `{self.names[slot] or '(model)'}` "
+                f"({self.ops[slot]}) include {', '.join(kinds)} values the watch cannot read; they are not "
+                "scanned, and ModuleActivations.unread counts them (the table's `unread` column)",
+                stacklevel=2,
+            )
 
     def _new_totals(self, device: torch.device) -> _DeviceTotals:
         """The accumulators of a device's first scanned call. Made in a CUDA graph capture, their
@@ -420,13 +455,14 @@ class ActivationWatch:
             elements=[t[2] for t in tallies],
             ranks=[()] * m,
             passes=passes,
+            unread=list(self._unread),
         )
         group = self._group()
         if group is not None:
             host = self._reduce(group, host)
         figures = [
-            ModuleActivations(name, op, n, fp16, e, c[0], c[1], a, c[2], c[3], ranks)
-            for name, op, n, fp16, e, c, a, ranks in zip(
+            ModuleActivations(name, op, n, fp16, e, c[0], c[1], a, c[2], c[3], ranks, unread)
+            for name, op, n, fp16, e, c, a, ranks, unread in zip(
                 self.names,
                 self.ops,
                 host.calls,
@@ -435,6 +471,7 @@ class ActivationWatch:
                 host.counts,
                 host.amax,
                 host.ranks,
+                host.unread,
                 strict=True,
             )
         ]
@@ -514,7 +551,7 @@ class ActivationWatch:
         summed = torch.cat(
             [
                 torch.tensor([x for c in host.counts for x in c], dtype=torch.float64),
-                torch.tensor(host.calls + host.fp16_calls + host.elements, dtype=torch.float64),
+                torch.tensor(host.calls + host.fp16_calls + host.elements + host.unread, dtype=torch.float64),
                 flags.flatten(),
             ]
         ).to(device)
@@ -523,8 +560,8 @@ class ActivationWatch:
         all_reduce(summed, dist.ReduceOp.SUM, group)
         all_reduce(largest, dist.ReduceOp.MAX, group)
         s, big = summed.tolist(), largest.tolist()
-        rest = [int(x) for x in s[4 * m : 7 * m]]
-        flat = s[7 * m :]
+        rest = [int(x) for x in s[4 * m : 8 * m]]
+        flat = s[8 * m :]
         code = -big[m]
         return _Host(
             counts=[[int(x) for x in s[4 * i : 4 * i + 4]] for i in range(m)],
@@ -532,9 +569,10 @@ class ActivationWatch:
             first=_NONE if code >= 2.0**62 else int(code),
             calls=rest[:m],
             fp16_calls=rest[m : 2 * m],
-            elements=rest[2 * m :],
+            elements=rest[2 * m : 3 * m],
             ranks=[tuple(r for r in range(world) if flat[i * world + r]) for i in range(m)] if per_module else [()] * m,
             passes=int(big[m + 1]),
+            unread=rest[3 * m :],
         )
 
     def figures(self) -> list[ModuleActivations]:
@@ -571,21 +609,28 @@ class ActivationWatch:
             head += (
                 f"\nfirst non-finite output: `{first.name or '(model)'}` ({first.op}), scanned call {read.first_call}"
             )
+        unread = [f for f in read.figures if f.unread]
+        if unread:
+            head += (
+                f"\n{sum(f.unread for f in unread)} output tensor(s) of {len(unread)} module(s) could not be read "
+                "(column `unread`): those modules' figures cover only what was read"
+            )
         if not rows:
             return head + "\n(nothing scanned yet)"
         shown = rows if limit is None else rows[:limit]
-        width = max(len(f.name or "(model)") for f in shown)
+        width = max(len("module"), *(len(f.name or "(model)") for f in shown))
         lines = [
             head,
             f"{'module':<{width}}  {'op':<16} {'amax':>10} {'headroom':>9} {'overflow':>9} {'underflow':>10} "
-            f"{'nan':>6} {'inf':>6} {'calls':>6}",
+            f"{'nan':>6} {'inf':>6} {'calls':>6}" + (f" {'unread':>6}" if unread else ""),
         ]
         for f in shown:
-            headroom = "inf" if math.isinf(f.headroom) else f"{f.headroom:.3g}"
+            # A module none of whose outputs was read has no headroom to show: "?", never "inf".
+            headroom = "?" if f.calls == 0 else "inf" if math.isinf(f.headroom) else f"{f.headroom:.3g}"
             ranks = f"  ranks {','.join(map(str, f.ranks))}" if f.ranks else ""
             lines.append(
                 f"{f.name or '(model)':<{width}}  {f.op[:16]:<16} {f.amax:>10.4g} {headroom:>9} {f.overflow:>9} "
-                f"{f.underflow:>10} {f.nan:>6} {f.inf:>6} {f.calls:>6}{ranks}"
+                f"{f.underflow:>10} {f.nan:>6} {f.inf:>6} {f.calls:>6}" + (f" {f.unread:>6}" if unread else "") + ranks
             )
         if len(rows) > len(shown):
             lines.append(f"... {len(rows) - len(shown)} more (table(limit=None) shows all)")

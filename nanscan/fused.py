@@ -7,12 +7,13 @@ Where the tensors come from and how results are reduced across ranks is the layo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -65,21 +66,71 @@ def scannable(t: object) -> bool:
     )
 
 
-def floating_tensors(obj: object, out: list[torch.Tensor]) -> None:
-    """Appends the scannable tensors in ``obj`` (nested tuples, lists, dict values), each object once."""
+@functools.cache
+def _wrapper_types() -> tuple[type | None, type | None]:
+    """DTensor and functional collectives' AsyncCollectiveTensor (None where torch.distributed is not
+    built in). Imported on the first tensor subclass met, never for plain tensors."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None, None
+    return DTensor, AsyncCollectiveTensor
+
+
+def local_values(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor that holds the values of ``t`` this process can read, or None where nanscan
+    cannot read them: ``t`` itself when it is a plain scannable tensor; a DTensor's local tensor
+    (this rank's shard, its copy of a replicated tensor, its term of a Partial one), once any
+    collective that makes it has completed; a tensor subclass that overrides no dispatch (its memory
+    holds its values) seen as a plain tensor of the same memory. Any other subclass (a quantized or
+    lazy wrapper), and a sparse, nested or meta tensor, or one of a dtype nanscan does not scan: None."""
+    kind = type(t)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return t if scannable(t) else None
+    dtensor, async_collective = _wrapper_types()
+    if dtensor is not None and isinstance(t, dtensor):
+        return local_values(t._local_tensor)  # type: ignore[attr-defined]
+    if async_collective is not None and isinstance(t, async_collective):
+        return local_values(t.trigger_wait())  # type: ignore[attr-defined]
+    if getattr(kind, "__torch_dispatch__", None) is torch._C._disabled_torch_dispatch_impl:
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = t.as_subclass(torch.Tensor)
+        return plain if scannable(plain) else None
+    return None
+
+
+def floating_tensors(obj: object, out: list[torch.Tensor], unread: list[torch.Tensor] | None = None) -> None:
+    """Appends the values of the floating tensors in ``obj`` (nested tuples, lists, dict values) that
+    nanscan can read (``local_values``: a DTensor's local tensor), each object once; the floating
+    tensors it cannot read go to ``unread`` (when given), so that a caller can say what it did not see."""
     if isinstance(obj, torch.Tensor):
-        if not out:  # the usual case, a lone tensor: no duplicate to look for
-            if scannable(obj):
-                out.append(obj)
+        local = local_values(obj)
+        if local is None:
+            if unread is not None and obj.dtype.is_floating_point:
+                unread.append(obj)
             return
-        if scannable(obj) and not any(obj is seen for seen in out):
-            out.append(obj)
+        if not out or not any(local is seen for seen in out):  # a lone tensor: no duplicate to look for
+            out.append(local)
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            floating_tensors(item, out)
+            floating_tensors(item, out, unread)
     elif isinstance(obj, dict):
         for item in obj.values():
-            floating_tensors(item, out)
+            floating_tensors(item, out, unread)
+
+
+def describe_unread(t: torch.Tensor) -> str:
+    """How a message names a tensor nanscan could not read: its type, and its layout or device where
+    those are the reason."""
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        return kind.__name__
+    if t.layout != torch.strided or t.is_nested:
+        return f"{t.layout} tensor"
+    if t.is_meta:
+        return "meta tensor"
+    return f"{t.dtype} tensor"
 
 
 _SUBSETS_SEARCHED = 200_000  # rank subsets tried when attributing a NaN held by three ranks or more
@@ -94,7 +145,13 @@ class Attribution:
         rank_sum: float64 [N], the sum of those ranks.
         rank_square_sum: float64 [N], the sum of their squares.
         any_by_rank: float64 [world], 1 for every rank whose local data held any NaN/Inf.
+
+    A rank that cannot tell whether its local data made a tensor's NaN/Inf (the DDP hook after a
+    pass that may have brought another rank's, nanscan.layouts.ddp) adds ``UNKNOWN`` to its count and
+    nothing else: ``ranks`` then names the ranks that did say, or none ("rank unknown").
     """
+
+    UNKNOWN: ClassVar[int] = 1 << 20  # above any count of ranks; exact in float64 up to 2^32 ranks
 
     count: torch.Tensor
     rank_sum: torch.Tensor
@@ -107,8 +164,9 @@ class Attribution:
 
     @staticmethod
     def ranks(count: float, rank_sum: float, rank_square_sum: float, any_by_rank: Sequence[float]) -> list[int]:
-        """The ranks of one tensor, from its host values (see the module notes on when exact)."""
-        n = round(count)
+        """The ranks of one tensor, from its host values (see the module notes on when exact); empty
+        when no rank is known to have held it (see UNKNOWN)."""
+        n = round(count) % Attribution.UNKNOWN
         if n <= 0:
             return []
         if n == 1:

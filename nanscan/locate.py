@@ -35,6 +35,11 @@ How it works. Every call of every hooked module gives events, recorded in the or
 Nothing syncs inside the hooks: each scan leaves its statistics on the device, and the first Python
 value read from the trace copies all of them to the host in one transfer (one per device).
 
+DTensors (tensor parallel, FSDP2) are read by their local tensors: each rank locates the first
+non-finite event in what it holds itself, and ``first_by_rank()`` gathers every rank's. A floating
+tensor no hook can read (a subclass that keeps its values elsewhere, a sparse or meta tensor) is
+listed in ``unread`` (with one warning), never taken for finite in silence.
+
 Which hooks, and why not ``register_full_backward_hook``: the full backward hook routes a module's
 inputs and outputs through a custom autograd Function that returns them as-is, and autograd forbids
 in-place changes to such outputs (a ``ReLU(inplace=True)`` after a hooked module raises); it also sees
@@ -61,6 +66,7 @@ as further forward events, with the next call numbers.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -72,7 +78,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .fused import floating_tensors, scannable
+from .fused import describe_unread, floating_tensors, local_values, scannable
 from .names import clean_module_names
 from .scan import scan
 
@@ -289,6 +295,11 @@ class _Event:
         self.parameter = parameter  # (qualified name, name within the module) of a parameter gradient
 
 
+def _where(name: str, op: str, call: int) -> str:
+    """How a message names a module call: "`blocks.2.mlp` (MLP), call 1"."""
+    return f"{f'`{name}`' if name else 'the model itself'} ({op}), call {call}"
+
+
 def _on_grads(tensors: Sequence[torch.Tensor], fn: Callable[[Sequence[torch.Tensor | None]], None]) -> None:
     """Calls ``fn(grads)`` once the gradient of every tensor of ``tensors`` that takes part is ready."""
     if len(tensors) > 1:
@@ -302,6 +313,21 @@ def _on_grads(tensors: Sequence[torch.Tensor], fn: Callable[[Sequence[torch.Tens
         # A node pre-hook gets the gradients of all of the node's outputs; this tensor is one of them.
         index = t.output_nr
         node.register_prehook(lambda grads: fn([grads[index]]))
+
+
+def _requiring_grad(obj: object, out: list[torch.Tensor]) -> None:
+    """Appends the tensors in ``obj`` (nested tuples, lists, dict values) that require grad and whose
+    values nanscan reads (a DTensor: its gradient comes as a DTensor, read by its local tensor), each
+    object once: the tensors whose gradients a module's output hook waits for."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and local_values(obj) is not None and not any(obj is seen for seen in out):
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _requiring_grad(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _requiring_grad(item, out)
 
 
 class Locator:
@@ -346,6 +372,9 @@ class Locator:
         self._receiving: dict[str, list[_Call]] = {}
         self._active = False
         self._host: tuple[int, dict[int, list[list[float]]]] | None = None
+        # Floating tensors a hook met and could not read (a tensor subclass other than DTensor, a
+        # sparse or meta tensor): (where, what), in the order met. Never a silent gap: see ``unread``.
+        self._unread: list[tuple[str, str]] = []
 
     # -------------------------------------------------------------------------------- lifetime
 
@@ -408,8 +437,11 @@ class Locator:
 
     def _parameter_hook(self, name: str, op: str, parameter: tuple[str, str]) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            if not self._active or grad is None or not scannable(grad):
+            if not self._active or param.grad is None:
+                return
+            grad = local_values(param.grad)  # a DTensor's: this rank's shard
+            if grad is None:
+                self._note_unread(f"parameter gradient `{parameter[0]}`", [param.grad])
                 return
             if self._param_scan is None:
                 self._param_scan = _Scan.deferred()
@@ -450,9 +482,12 @@ class Locator:
             call = _Call(name, op, n)
             open_calls.append(call)
             inputs: list[torch.Tensor] = []
-            floating_tensors(args, inputs)
+            unread: list[torch.Tensor] = []
+            floating_tensors(args, inputs, unread)
             if kwargs:
-                floating_tensors(kwargs, inputs)
+                floating_tensors(kwargs, inputs, unread)
+            if unread:
+                self._note_unread(f"forward input of {_where(name, op, n)}", unread)
             # Before forward runs: a module that changes an input in place must not see it changed.
             call.inputs = self._resolve(inputs, [self._lookup(t) for t in inputs])
             if self.backward and torch.is_grad_enabled():
@@ -464,7 +499,10 @@ class Locator:
             # entries of later calls, so the top of the stack is still this call.
             call = open_calls.pop() if open_calls else _Call(name, op, self._calls.get(name, 0))
             outputs: list[torch.Tensor] = []
-            floating_tensors(output, outputs)
+            unread: list[torch.Tensor] = []
+            floating_tensors(output, outputs, unread)  # a DTensor's local tensor: this rank's values
+            if unread:
+                self._note_unread(f"forward output of {_where(*call.who)}", unread)
             # An output already scanned and unchanged (a module that returns its input, as dropout
             # with p=0 and Identity do) keeps its scan.
             refs = self._resolve(outputs, [self._lookup(t) for t in outputs])
@@ -477,7 +515,8 @@ class Locator:
                     call.grad_inputs = False
                 call.views = None
             if self.backward and torch.is_grad_enabled():
-                differentiable = [t for t in outputs if t.requires_grad]
+                differentiable: list[torch.Tensor] = []
+                _requiring_grad(output, differentiable)
                 if differentiable:
                     _on_grads(differentiable, lambda grads: self._on_grad_outputs(call, grads))
 
@@ -531,6 +570,33 @@ class Locator:
         _on_grads(list(views.values()), lambda grads: self._on_grad_inputs(call, grads))
         return new_args, new_kwargs
 
+    def _readable(self, grads: Sequence[torch.Tensor | None], where: str) -> list[torch.Tensor]:
+        """The values of the gradients nanscan can read (a DTensor's local tensor); the floating ones
+        it cannot are noted as unread."""
+        readable, unread = [], []
+        for g in grads:
+            if g is None:
+                continue
+            local = local_values(g)
+            if local is not None:
+                readable.append(local)
+            elif g.dtype.is_floating_point:
+                unread.append(g)
+        if unread:
+            self._note_unread(where, unread)
+        return readable
+
+    def _note_unread(self, where: str, tensors: list[torch.Tensor]) -> None:
+        """Records floating tensors a hook could not read, and warns once per locator."""
+        what = ", ".join(sorted({describe_unread(t) for t in tensors}))
+        if not self._unread:
+            warnings.warn(
+                f"nanscan.locate: the {where} holds {what} values that cannot be scanned; they are not "
+                "covered by `finite` and `first` (Locator.unread lists every such tensor)",
+                stacklevel=2,
+            )
+        self._unread.append((where, what))
+
     def _grad_ref(self, grad: torch.Tensor) -> _Ref | None:
         """The scan of ``grad`` if it is a recent input-gradient seen again.
 
@@ -553,7 +619,7 @@ class Locator:
     def _on_grad_outputs(self, call: _Call, grads: Sequence[torch.Tensor | None]) -> None:
         if not self._active:
             return
-        received = [g for g in grads if g is not None and scannable(g)]
+        received = self._readable(grads, f"gradient received by {_where(*call.who)}")
         refs = [self._grad_ref(g) for g in received]
         self._receiving.setdefault(call.who[0], []).append(call)
         if call.grad_inputs:
@@ -566,7 +632,7 @@ class Locator:
     def _on_grad_inputs(self, call: _Call, grads: Sequence[torch.Tensor | None]) -> None:
         if not self._active or not call.grad_inputs:
             return
-        produced = [g for g in grads if g is not None and scannable(g)]
+        produced = self._readable(grads, f"input-gradient of {_where(*call.who)}")
         context_known = call.grad_outputs is not None
         received, received_refs = call.grad_outputs or ([], [])
         call.grad_outputs = None  # drop the references
@@ -658,8 +724,34 @@ class Locator:
 
     @property
     def finite(self) -> bool:
-        """True when no recorded module output or gradient held a NaN or an Inf."""
+        """True when no recorded module output or gradient held a NaN or an Inf. Under torch.distributed,
+        this rank's (module outputs and gradients as this rank holds them: a DTensor's local shard);
+        ``first_by_rank`` gathers every rank's answer. Tensors the hooks could not read are not covered:
+        see ``unread``."""
         return self.first is None
+
+    @property
+    def unread(self) -> list[str]:
+        """Where the hooks met floating tensors they could not read, and what those were (``"forward
+        output of `0` (Linear), call 1: MyQuantTensor"``): a tensor subclass other than DTensor that
+        keeps its values elsewhere, a sparse or meta tensor. Empty when every floating tensor was
+        scanned; otherwise ``finite`` says nothing about the tensors listed (a warning said so when the
+        first was met)."""
+        return [f"{where}: {what}" for where, what in self._unread]
+
+    def first_by_rank(self, process_group: Any = None) -> list[Finding | None]:
+        """Every rank's ``first``, in rank order of ``process_group`` (default: every rank): each rank
+        locates the first non-finite event in its own outputs and gradients, so ranks differ (the rank
+        that made a NaN sees it at its origin, the others where a collective brought it to them). A
+        collective: every rank of the group must call it. One process: ``[self.first]``."""
+        import torch.distributed as dist
+
+        first = self.first
+        if not dist.is_available() or not dist.is_initialized():
+            return [first]
+        gathered: list[Finding | None] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, first, group=process_group)
+        return gathered
 
     @property
     def first(self) -> Finding | None:
@@ -691,7 +783,10 @@ class Locator:
             return f"{title}: no events recorded (was the model called inside the with block?)"
         first = self.first
         if first is None:
-            return f"{title}: all {len(self._events)} events finite"
+            unread = (
+                f"; {len(self._unread)} tensor(s) could not be read, not covered: see .unread" if self._unread else ""
+            )
+            return f"{title}: all {len(self._events)} events finite{unread}"
         bad = sum(1 for _, outputs_finite, _ in self._flags() if not outputs_finite)
         text = f"{title}: {bad} of {len(self._events)} events non-finite; the first: {first}"
         origin = self.origin

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import distributed_fsdp1_cases  # noqa: F401  (registers the FSDP1 cases, after distributed_cases')
+import distributed_watch_cases  # noqa: F401  (activations, locate and the DDP hook's attribution)
 import torch
 import torch.distributed as dist
 from distributed_cases import CASES, assert_close, case, counted_all_reduces, run

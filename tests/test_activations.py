@@ -542,3 +542,98 @@ def test_advice_before_anything_was_observed_is_refused() -> None:
 def test_advisor_refuses_what_is_not_a_watch() -> None:
     with pytest.raises(TypeError, match=r"activations must be a nanscan\.watch_activations"):
         nanscan.amp.Advisor(activations=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------- what the watch cannot miss
+
+
+def _tensor_parallel_of_one() -> torch.nn.Sequential:
+    """Column- then row-parallel Linears on a mesh of one rank, whose outputs stay DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    styles = {"0": ColwiseParallel(use_local_output=False), "1": RowwiseParallel(use_local_output=False)}
+    parallelize_module(model, init_device_mesh("cpu", (1,)), styles)  # type: ignore[arg-type]
+    return model
+
+
+def test_dtensor_outputs_are_read_by_their_local_tensor(world_of_one: None) -> None:
+    model = _tensor_parallel_of_one()
+    x = torch.randn(3, 4)
+    x[0, 0] = math.nan
+    with nanscan.watch_activations(model) as watch:
+        out = model(x)
+    assert type(out).__name__ == "DTensor"
+    figures = {f.name: f for f in watch.figures()}
+    for name in ("0", "1"):  # every output row 0 is NaN: 8 and 4 values
+        f = figures[name]
+        want = 8 if name == "0" else 4
+        assert (f.calls, f.elements, f.nan, f.unread) == (1, 3 * want, want, 0), f
+        assert f.amax > 0 and not f.finite
+    assert watch.first_nonfinite == ("0", "Linear", 0)
+
+
+class _Opaque(torch.Tensor):
+    """A wrapper subclass that keeps its values elsewhere (as quantized or lazy tensors do)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Opaque:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined]
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"_Opaque: {func}")
+
+
+class _Plain(torch.Tensor):
+    """A subclass that overrides no dispatch: its memory holds its values."""
+
+
+class _Wraps(torch.nn.Module):
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Opaque(x) if self.kind is _Opaque else x.as_subclass(_Plain)
+
+
+def test_an_output_the_watch_cannot_read_is_counted_and_shown_never_a_silent_zero() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(_Opaque))
+    with pytest.warns(UserWarning, match="cannot read"), nanscan.watch_activations(model) as watch:
+        model[0](torch.randn(2, 4))  # a submodule alone: not the model's forward, nothing scanned
+        model(torch.full((2, 4), math.nan))
+    figures = {f.name: f for f in watch.figures()}
+    wrapped = figures["1"]
+    assert (wrapped.calls, wrapped.unread, wrapped.complete) == (0, 1, False), wrapped
+    assert figures["0"].complete and figures["0"].nan == 8
+    table = watch.table()
+    assert "2 output tensor(s) of 2 module(s) could not be read" in table, table  # the model's output too
+    row = next(line for line in table.splitlines() if line.startswith("1 "))
+    assert row.split()[3] == "?", row  # no headroom shown for a module none of whose outputs was read
+    assert "unread" in table.splitlines()[3], table
+
+
+def test_a_subclass_that_overrides_no_dispatch_is_read() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(_Plain))
+    x = torch.randn(2, 4)
+    x[1, 2] = math.inf
+    with nanscan.watch_activations(model) as watch:
+        model(x)
+    wrapped = next(f for f in watch.figures() if f.name == "1")
+    assert (wrapped.calls, wrapped.unread, wrapped.inf) == (1, 0, 4), wrapped
+
+
+def test_table_header_lines_up_with_short_module_names() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with nanscan.watch_activations(model) as watch:
+        model(torch.randn(3, 4))
+    lines = watch.table().splitlines()
+    header, row = lines[1], lines[2]
+    assert header.index("op") == row.index("Linear"), (header, row)
+    assert header.index("calls") + len("calls") == len(row), (header, row)

@@ -679,3 +679,80 @@ def test_reading_results_syncs_once() -> None:
     host = trace._host
     _ = trace.finite, trace.origin, trace.nonfinite, str(trace)
     assert trace._host is host, "values were fetched again"
+
+
+# ------------------------------------------------------------------------------ DTensors, subclasses
+
+
+def test_dtensor_outputs_and_gradients_are_located(world_of_one: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    styles = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel(use_local_output=False)}
+    parallelize_module(model, init_device_mesh("cpu", (1,)), styles)  # type: ignore[arg-type]
+    with torch.no_grad():
+        model[2].weight.to_local()[0, 0] = math.nan
+    with locate(model) as trace:
+        model(torch.randn(3, 4)).full_tensor().sum().backward()
+    assert not trace.finite and trace.unread == []
+    assert trace.first is not None and (trace.first.module, trace.first.kind) == ("2", "output")
+    assert [(f.module, f.event) for f in trace.first_by_rank() if f is not None] == [("2", trace.first.event)]
+    # The gradients are DTensors too: the first layer's weight gradient, through the NaN, is an event.
+    kinds = {(f.module, f.kind) for f in trace.nonfinite}
+    assert ("0", "parameter-gradient") in kinds, kinds
+
+
+def test_fsdp2_parameter_gradients_are_located(world_of_one: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Gain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.gain.sqrt()  # finite outputs and input-gradients; d/dgain is inf
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Gain())
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with locate(model) as trace:
+        model(torch.randn(2, 4)).sum().backward()
+    assert type(model[1].gain.grad).__name__ == "DTensor"
+    assert trace.first is not None, str(trace)
+    assert (trace.first.kind, trace.first.parameter) == ("parameter-gradient", "1.gain"), trace.first
+
+
+class _Opaque(torch.Tensor):
+    """A wrapper subclass that keeps its values elsewhere (as quantized or lazy tensors do)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Opaque:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined]
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        raise NotImplementedError(f"_Opaque: {func}")
+
+
+class _Hides(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, _Opaque(x)
+
+
+def test_a_tensor_locate_cannot_read_is_listed_never_silently_finite() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Hides())
+    with pytest.warns(UserWarning, match="cannot be scanned"), locate(model, backward=False) as trace:
+        model(torch.randn(2, 4))
+    assert trace.finite  # of what was read...
+    assert trace.unread == [
+        "forward output of `1` (_Hides), call 1: _Opaque",
+        "forward output of the model itself (Sequential), call 1: _Opaque",
+    ]
+    assert "could not be read" in str(trace), str(trace)

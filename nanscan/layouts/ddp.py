@@ -8,9 +8,17 @@ that reduces it (torch's default all-reduce, or the fp16/bf16 compression hooks,
 
 ``nanscan.check(ddp_model)`` then scans the reduced gradients as usual (they are the same on every
 rank, so their statistics need no collective) and reduces the flags in one small SUM all-reduce
-(three rows per parameter and one per rank: nanscan.distributed.Attribution), so that
+(eight rows per parameter and two per rank, made into nanscan.fused.Attribution), so that
 ``Report.nonfinite_ranks`` names the rank(s) whose own gradients held each NaN/Inf. That is the one
 collective a check adds per step; nothing syncs with the host.
+
+Where no rank can be named, none is (an empty list: "rank unknown"), never a wrong one. The flags
+are a state per parameter (BucketScanner), because a bucket does not always hold only this rank's
+gradient: after a synced pass, a further synced pass without ``zero_grad()`` (gradient accumulation
+without ``no_sync()``) scans buffers that hold the first pass's all-reduced sum, another rank's NaN
+included. A parameter found non-finite then for the first time is UNKNOWN on that rank, unless some
+rank found it finite in the same pass (no all-reduced NaN was there). A check after a backward pass
+the hook did not see (inside ``no_sync()``) names no rank: the flags are of another step.
 
 Costs: one more read of the gradients per step (the hook's scan, before each bucket's all-reduce is
 launched); host work per bucket per step is O(1) Python (a bucket's views are made once, and again
@@ -45,17 +53,36 @@ GradBucket = Any  # torch.distributed.GradBucket, which torch does not expose to
 Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
+# What a rank knows of each parameter's gradient, from its bucket scans (BucketScanner._state): int8.
+FRESH = 0  # no synced pass since the gradient (re)started: the next scan says exactly whose it is
+CLEAN = 1  # the latest scan found it finite
+MADE = 2  # this rank's own gradient held a NaN/Inf before any all-reduced one did: this rank made it
+UNKNOWN = 3  # found non-finite after an earlier synced pass: maybe the all-reduced NaN of another rank
+# What an UNKNOWN adds to the count row (Attribution.UNKNOWN): read back as "rank unknown", never as a rank.
+_UNKNOWN_WEIGHT = float(Attribution.UNKNOWN)
+
+
 @dataclass
 class _Bucket:
     """What a bucket's scan needs, made once per bucket layout."""
 
     key: tuple[int, int, int]  # (data pointer, size, dtype id) of the flat buffer it was made for
     views: list[torch.Tensor]  # one view of the flat buffer per parameter
-    params: list[int]  # ids of the bucket's parameters, in the views' order
+    positions: torch.Tensor  # int64, on the buffer's device: each view's parameter in the scanner's state
+    first: torch.nn.Parameter  # its first parameter: a gradient of None there means the gradients restarted
 
 
 class BucketScanner:
-    """The comm hook ``attach`` registers, and the flags it keeps (see the module notes)."""
+    """The comm hook ``attach`` registers, and what it knows of each parameter (see the module notes).
+
+    Per parameter, a state on the device (``FRESH``, ``CLEAN``, ``MADE``, ``UNKNOWN``), updated by each
+    synced pass's bucket scans. A bucket scanned after an earlier synced pass, with the gradients not
+    restarted since, holds that pass's all-reduced values: a NaN another rank made there is in every
+    rank's buffer, so a parameter found non-finite then for the first time is ``UNKNOWN``, never
+    this rank's. A check reads the states (``attribution``) only when the last backward pass was a
+    synced one the hook saw; after one it did not see (inside ``no_sync()``, or a forward with grad
+    whose backward has not run), no rank is named.
+    """
 
     def __init__(self, module: torch.nn.Module, hook: Hook | None, state: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -64,63 +91,123 @@ class BucketScanner:
         self.hook: Hook = hook if hook is not None else allreduce_hook
         self.state = state
         self._buckets: dict[int, _Bucket] = {}
-        self._flags: dict[int, torch.Tensor] = {}  # per bucket index: bool [params], local NaN/Inf
+        self._index: dict[int, int] = {}  # id of each parameter a bucket held -> its place in _state
+        self._state: torch.Tensor | None = None  # int8 [parameters], on the buckets' device
         self._step_complete = True
+        # Grad-enabled forwards of the model, and the one whose backward the hook saw last (a synced
+        # pass): equal when the gradients a check reads are the ones the hook scanned.
+        self._forwards = 0
+        self._scanned_forward = -1
         # DDP inspects a hook's name and signature; this module's annotations are strings (postponed),
         # which DDP would take for wrong ones: present a plain (state, bucket) signature.
         self.__name__ = self.__qualname__ = "nanscan_bucket_scan_hook"
         self.__signature__ = inspect.Signature(
             [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("state", "bucket")]
         )
-        # For the parameter list check scans (by ids): each bucket's positions in it, on the device.
-        self._positions: tuple[tuple[int, ...], dict[int, torch.Tensor | None]] | None = None
+        # For the parameter list check scans (by ids): their places in _state, on the device (-1: none).
+        self._positions: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """DDP's forward pre-hook: counts the forwards whose backward makes gradients, and sees where
+        the gradients restarted (``zero_grad()`` sets them to None): every parameter FRESH again."""
+        if not torch.is_grad_enabled():
+            return
+        self._forwards += 1
+        if self._state is not None and self._buckets and all(b.first.grad is None for b in self._buckets.values()):
+            self._state.fill_(FRESH)
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if self._step_complete:  # the first bucket of a new backward pass: forget the last one's flags
-            self._flags.clear()
+        if self._step_complete:  # the first bucket of a new synced backward pass
             self._step_complete = False
+            self._scanned_forward = self._forwards
         entry = self._bucket(bucket)
         if entry.views:
             with torch.no_grad():
                 counts = scan_op(entry.views)[0]
-            self._flags[bucket.index()] = (counts[0] + counts[1]) > 0
+            self._update(entry.positions, (counts[0] + counts[1]) > 0)
         if bucket.is_last():
             self._step_complete = True
         return self.hook(self.state, bucket)
+
+    def _update(self, positions: torch.Tensor, bad: torch.Tensor) -> None:
+        """A scan's news for its parameters: non-finite after FRESH is this rank's own (MADE), and MADE
+        stays MADE; non-finite after any other pass may be an all-reduced NaN (UNKNOWN); finite is
+        CLEAN. On the device, no sync."""
+        state = self._state
+        assert state is not None
+        old = state.index_select(0, positions)
+        own = (old == FRESH) | (old == MADE)
+        new = torch.where(bad, torch.where(own, MADE, UNKNOWN), CLEAN).to(torch.int8)
+        state.index_copy_(0, positions, new)
 
     def _bucket(self, bucket: GradBucket) -> _Bucket:
         buffer = bucket.buffer()
         key = (buffer.data_ptr(), buffer.numel(), id(buffer.dtype))
         entry = self._buckets.get(bucket.index())
         if entry is None or entry.key != key:  # first use, or DDP rebuilt its buckets
-            entry = _Bucket(key, list(bucket.gradients()), [id(p) for p in bucket.parameters()])
+            params = list(bucket.parameters())
+            places = [self._index.setdefault(id(p), len(self._index)) for p in params]
+            if self._state is None or self._state.numel() < len(self._index):
+                grown = torch.full((len(self._index),), FRESH, dtype=torch.int8, device=buffer.device)
+                if self._state is not None:
+                    grown[: self._state.numel()] = self._state
+                self._state = grown
+            entry = _Bucket(key, list(bucket.gradients()), upload(places, torch.int64, buffer.device), params[0])
             self._buckets[bucket.index()] = entry
-            self._positions = None  # the buckets' places in check's list are to be found again
+            self._positions = None  # the parameters' places in check's list are to be found again
         return entry
 
     def attribution(self, params: list[torch.nn.Parameter], device: torch.device) -> Attribution:
         """Which ranks' own (unreduced) gradients held a NaN/Inf, per parameter of ``params`` (the
-        ones ``check`` scanned), reduced over DDP's process group in one SUM all-reduce."""
-        ids = tuple(id(p) for p in params)
-        if self._positions is None or self._positions[0] != ids:
-            self._positions = (ids, {})
-        places = self._positions[1]
+        ones ``check`` scanned), reduced over DDP's process group in one SUM all-reduce.
+
+        Each rank sends, per parameter, the rows of its MADE flag and of its UNKNOWN flag (1, its rank,
+        its rank squared), a CLEAN flag, and a BLIND flag where it knows nothing (the gradients come
+        from a backward pass the hook did not see, or a parameter it holds no state for). A rank whose
+        latest scan found a parameter finite proves that no all-reduced NaN/Inf was in the buffers of
+        that pass, so every rank that found it non-finite then made it: UNKNOWN counts as MADE where
+        any rank is CLEAN. What stays unknown adds Attribution.UNKNOWN to the count, and no rank."""
         n, rank, world = len(params), dist.get_rank(self.state), dist.get_world_size(self.state)
-        bad = torch.zeros(n, dtype=torch.float64, device=device)
-        for index, flags in self._flags.items():
-            if index not in places:
-                position = {pid: i for i, pid in enumerate(ids)}
-                found = [position.get(pid) for pid in self._buckets[index].params]
-                # A bucket with a parameter check did not scan (no gradient now) is left out.
-                places[index] = None if None in found else upload(found, torch.int64, device)
-            where = places[index]
-            if where is not None:
-                bad.index_copy_(0, where, flags.to(device, torch.float64))
-        any_by_rank = torch.zeros(world, dtype=torch.float64, device=device)
-        any_by_rank[rank] = bad.amax() if n else 0.0
-        rows = torch.cat([bad, bad * rank, bad * (rank * rank), any_by_rank])
+        state = self._state
+        if state is None or self._scanned_forward != self._forwards:
+            # No synced pass, or a backward since it that the hook did not see: nothing known.
+            found = torch.full((n,), -1, dtype=torch.int8, device=device)
+        else:
+            ids = tuple(id(p) for p in params)
+            if self._positions is None or self._positions[0] != ids:
+                places = [self._index.get(pid, -1) for pid in ids]
+                self._positions = (ids, upload(places, torch.int64, state.device))
+            where = self._positions[1]
+            found = torch.where(where >= 0, state.index_select(0, where.clamp(min=0)), -1).to(device, torch.int8)
+        made, unknown = (found == MADE).double(), (found == UNKNOWN).double()
+        clean, blind = (found == CLEAN).double(), (found < 0).double()
+        by_rank = torch.zeros((2, world), dtype=torch.float64, device=device)
+        if n:
+            by_rank[0, rank], by_rank[1, rank] = made.amax(), unknown.amax()
+        r = float(rank)
+        rows = torch.cat(
+            [made, made * r, made * r * r, unknown, unknown * r, unknown * r * r, clean, blind, by_rank[0], by_rank[1]]
+        )
         all_reduce(rows, dist.ReduceOp.SUM, self.state)
-        return Attribution(rows[:n], rows[n : 2 * n], rows[2 * n : 3 * n], rows[3 * n :].clamp(max=1.0))
+        m, m_sum, m_square, u, u_sum, u_square, c, b = rows[: 8 * n].view(8, n)
+        own = c > 0
+        count = m + torch.where(own, u, u * _UNKNOWN_WEIGHT) + b * _UNKNOWN_WEIGHT
+        rank_sum = m_sum + torch.where(own, u_sum, 0.0)
+        rank_square_sum = m_square + torch.where(own, u_square, 0.0)
+        any_by_rank = (rows[8 * n : 8 * n + world] + rows[8 * n + world :]).clamp(max=1.0)
+        return Attribution(count, rank_sum, rank_square_sum, any_by_rank)
+
+    def checked(self, params: list[torch.nn.Parameter], stats: ScanResult) -> None:
+        """After a check of the reduced gradients: each parameter whose reduced gradient is finite is
+        FRESH again (any NaN a later pass adds to it is a rank's own); the others keep their state."""
+        state, positions = self._state, self._positions
+        if state is None or positions is None or positions[0] != tuple(id(p) for p in params) or not params:
+            return
+        where = positions[1]
+        finite = ((stats.nan_count + stats.inf_count) == 0).to(state.device) & (where >= 0)
+        hits = torch.zeros(state.numel(), dtype=torch.int32, device=state.device)
+        hits.index_add_(0, where.clamp(min=0), finite.to(torch.int32))
+        state.masked_fill_(hits > 0, FRESH)
 
 
 def attach(ddp_model: torch.nn.Module, hook: Hook | None = None, state: Any = None) -> BucketScanner:
@@ -143,6 +230,7 @@ def attach(ddp_model: torch.nn.Module, hook: Hook | None = None, state: Any = No
         state = ddp_model.process_group
     scanner = BucketScanner(ddp_model, hook, state)
     ddp_model.register_comm_hook(state, scanner)
+    ddp_model.register_forward_pre_hook(scanner.before_forward)
     ddp_model._nanscan_scanner = scanner  # type: ignore[assignment]
     return scanner
 
@@ -155,4 +243,6 @@ def scanner_of(model: object) -> BucketScanner | None:
 
 def with_attribution(stats: ScanResult, scanner: BucketScanner, params: list[torch.nn.Parameter]) -> ScanResult:
     """``stats`` of the reduced gradients, with the ranks whose own gradients held each NaN/Inf."""
-    return dataclasses.replace(stats, ranks=scanner.attribution(params, stats.norm.device))
+    result = dataclasses.replace(stats, ranks=scanner.attribution(params, stats.norm.device))
+    scanner.checked(params, stats)
+    return result
