@@ -370,7 +370,9 @@ class Advice:
             holds these gradients), ``"loss-scale"`` (change the scaler's settings:
             ``suggested_init_scale``), ``"bf16"`` (fp16's range does not fit; bf16 has fp32's range) or
             ``"fp32-modules"`` (a few modules overflow fp16: keep ``fp32_modules`` in fp32, what a
-            hand-written ``force_fp32`` does).
+            hand-written ``force_fp32`` does); with an activation watch, also ``"incomplete"`` (all
+            that was read fits, but some modules' outputs could not be read:
+            ``ModuleActivations.unread``, so nothing says they fit).
         reasons: the evidence, one sentence each.
         nonfinite: the parameters whose gradient held a NaN or an Inf in an observed step, in order.
         activation_headroom: with an activation watch, the smallest headroom (65504 over the largest
@@ -614,6 +616,15 @@ class Advisor:
                 f"fp16, most in {', '.join(f.name or '(model)' for f in worst)}; a loss scale acts on gradients only"
             )
             return self._decided("bf16", reasons, grad_reasons, gradients, headroom)
+        unread = [f for f in read.figures if f.unread > 0]
+        if unread:
+            listed = ", ".join(f"{f.name or '(model)'} ({f.unread})" for f in unread[:_NAMED_AT_MOST])
+            more = f" and {len(unread) - _NAMED_AT_MOST} more" if len(unread) > _NAMED_AT_MOST else ""
+            reasons.append(
+                f"activations: {len(unread)} module(s) output tensors the watch could not read (tensor subclasses, "
+                f"sparse or meta tensors): {listed}{more}; nothing says those fit fp16, so 'keep' is not advised"
+            )
+            return self._decided("incomplete", reasons, grad_reasons, gradients, headroom)
         reasons.append(
             f"activations fit fp16 with a headroom of {'inf' if math.isinf(headroom) else f'{headroom:.3g}'}x and "
             f"{flushed:.2e} of values underflowing"

@@ -619,6 +619,17 @@ def test_an_output_the_watch_cannot_read_is_counted_and_shown_never_a_silent_zer
     assert "unread" in table.splitlines()[3], table
 
 
+def test_the_advice_is_not_keep_while_an_output_went_unread() -> None:
+    """All that was read fits fp16, but one module's output could not be read: the Advisor says the
+    evidence is incomplete, naming the module, instead of 'keep'."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(_Opaque)))
+    with pytest.warns(UserWarning, match="cannot read"), nanscan.watch_activations(model) as watch:
+        model(torch.randn(2, 4))
+    advice = nanscan.amp.Advisor(activations=watch).advise()
+    assert advice.recommendation == "incomplete", advice
+    assert any("1.1 (1)" in reason and "could not read" in reason for reason in advice.reasons), advice.reasons
+
+
 def test_a_subclass_that_overrides_no_dispatch_is_read() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(_Plain))
     x = torch.randn(2, 4)
