@@ -24,6 +24,12 @@ A run of ``check_state`` records (subject ``"state"``) is drawn the same way, it
 weights and the optimizer state (rows ``fc.weight``, ``fc.weight:exp_avg_sq``; grouped, ``fc`` and
 ``fc:exp_avg_sq``).
 
+A file that holds several runs (a job resumed or run again, its JSONLSink appending to the same
+file: the step numbers start over) is drawn whole, its runs side by side in file order, with a solid
+line across every panel where each later run begins (``run 2: steps from 0``) and the total norm's
+line broken there, so that neither the axis nor the curve passes one run off as the continuation of
+another.
+
 Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
 layer (``nanscan.layers``: a group's norm is its members' norms combined as one L2 norm, NaN or Inf
 if any member's is). Above ``MAX_COLUMNS`` records a column is a bin of consecutive records holding
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import math
 import sys
 import warnings
@@ -87,7 +94,8 @@ class Run:
     where the step was not clipped. ``first_nonfinite`` is the record index and parameter names of the
     first non-finite record, or None. ``first_ranks`` maps those names to the ranks whose local data
     held their NaN/Inf, when the run is distributed with a rank attribution (``_has_ranks``), else
-    None.
+    None. ``run_starts`` holds the record indices at which a later run of the same file begins: where
+    the step numbers go back (a job resumed or run again, appending to the same JSONL).
     """
 
     names: list[str]
@@ -106,6 +114,7 @@ class Run:
     activations: Activations | None = None
     updates: Updates | None = None
     subject: str = "gradients"
+    run_starts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,8 +179,11 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
     activation_columns: list[tuple[int, dict[str, tuple[float, bool]]]] = []  # (record index, module -> figures)
     update_columns: list[tuple[int, UpdateRecord]] = []
     subjects: set[str] = set()
+    run_starts: list[int] = []
     for record in records:
         subjects.add(record.subject)
+        if steps and record.step <= steps[-1]:  # a recorder's steps only grow: a new run begins here
+            run_starts.append(len(steps))
         if record.updates is not None:
             update_columns.append((len(steps), record.updates))
         if record.activations is not None:
@@ -238,6 +250,7 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         activations=_activations(activation_columns, len(steps)),
         updates=_updates(update_columns, len(steps)),
         subject="state" if subjects == {"state"} else "gradients",
+        run_starts=tuple(run_starts),
     )
 
 
@@ -470,12 +483,41 @@ def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figur
     _draw_totals(totals, run)
     _label_steps(totals, run)
     strip.set_xlim(-0.5, len(run.steps) - 0.5)
+    _mark_run_starts(figure, strip, run)
     if run.first_nonfinite is not None:
         _annotate_first(heat, totals, run, grid)
     figure.suptitle(title, x=left, ha="left", y=0.985, fontsize=12, fontweight="bold")
     figure.text(left, 0.94, _summary(run, grid), fontsize=8.5, color="#333333")
     _draw_legend(figure, acts is not None, updates is not None)
     return figure
+
+
+RUN_START_COLOR = "#1a1a1a"
+
+
+def _mark_run_starts(figure: Figure, strip: Axes, run: Run) -> None:
+    """A solid line across every panel where a later run of the file begins, named above the strip
+    (``run 2: steps from 0``): a resumed job is drawn whole, its attempts side by side, not as one."""
+    for k, start in enumerate(run.run_starts):
+        for ax in figure.axes:
+            if ax.get_shared_x_axes().joined(ax, strip):
+                ax.axvline(start - 0.5, color=RUN_START_COLOR, linewidth=1.4, zorder=5)
+        strip.text(
+            start - 0.5,
+            1.04,
+            f" run {k + 2}: steps from {run.steps[start]}",
+            transform=strip.get_xaxis_transform(),
+            ha="left",
+            va="bottom",
+            fontsize=7,
+            color=RUN_START_COLOR,
+        )
+
+
+def _runs(run: Run) -> list[slice]:
+    """The record ranges of the runs of a file, in file order."""
+    bounds = [0, *run.run_starts, len(run.steps)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def _module_label(module: str) -> str:
@@ -657,6 +699,10 @@ def _summary(run: Run, grid: Grid) -> str:
     steps = (
         f"{len(run.steps)} steps ({run.steps[0]}-{run.steps[-1]})" if len(run.steps) > 1 else f"1 step ({run.steps[0]})"
     )
+    if run.run_starts:
+        ranges = [f"{run.steps[r.start]}-{run.steps[r.stop - 1]}" for r in _runs(run)]
+        shown = ", ".join(ranges[:4]) + (f", +{len(ranges) - 4} more" if len(ranges) > 4 else "")
+        steps = f"{len(run.steps)} steps in {len(ranges)} runs appended to one file ({shown})"
     rows = f"{len(run.names)} parameters"
     if len(grid.groups) < len(run.names):
         rows += f" in {len(grid.groups)} layer rows"
@@ -788,7 +834,16 @@ def _draw_totals(ax: Axes, run: Run) -> None:
     positive = run.total_norm[finite & (run.total_norm > 0)]
     log_scale = positive.size > 0 and positive.max() / positive.min() > 100
     y = np.where(finite & (run.total_norm > 0 if log_scale else True), run.total_norm, np.nan)
-    ax.plot(x, y, color="#1f77b4", linewidth=1, marker="o" if len(x) <= 50 else None, markersize=3, label="total norm")
+    for k, part in enumerate(_runs(run)):  # one line per run: none joins a run's end to the next one's start
+        ax.plot(
+            x[part],
+            y[part],
+            color="#1f77b4",
+            linewidth=1,
+            marker="o" if len(x) <= 50 else None,
+            markersize=3,
+            label="total norm" if k == 0 else None,
+        )
     if log_scale:
         ax.set_yscale("log")
     if np.isfinite(run.max_norm).any():

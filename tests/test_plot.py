@@ -405,6 +405,29 @@ def test_a_single_process_run_and_a_schema_1_file_draw_as_before(tmp_path: Path)
     assert heat.startswith("first non-finite: step 3 on rank 0\n")
 
 
+def test_runs_appended_to_one_file_are_drawn_side_by_side_not_joined(tmp_path: Path) -> None:
+    """A job run twice (or resumed) into one JSONL: its steps restart; the plot marks where and breaks
+    the total norm's line there, rather than drawing one run whose steps go 0..39, 0..39."""
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run
+
+    first = make_records(["a.w", "b.w"], 40, nan_at={25: ["a.w"]})
+    resumed = [replace(r, step=r.step + 10) for r in make_records(["a.w", "b.w"], 30)]  # from a checkpoint
+    path = write_jsonl(tmp_path / "run.jsonl", first + first + resumed)
+    run = load_run(path)
+    assert run.run_starts == (40, 80) and list(run.steps[78:82]) == [38, 39, 10, 11]
+    assert load_run(first).run_starts == ()
+    figure = draw_run(path)
+    texts = figure_texts(figure)
+    assert any(t.startswith("110 steps in 3 runs appended to one file (0-39, 0-39, 10-39)") for t in texts), texts
+    assert " run 2: steps from 0" in texts and " run 3: steps from 10" in texts
+    totals = figure.axes[2]
+    curves = [line for line in totals.get_lines() if str(line.get_color()) == "#1f77b4"]
+    assert [len(line.get_xdata()) for line in curves] == [40, 40, 30], "one line per run, none joining two"
+    boundaries = {float(line.get_xdata()[0]) for line in totals.get_lines() if str(line.get_color()) == "#1a1a1a"}
+    assert boundaries == {39.5, 79.5}
+
+
 def test_an_all_finite_run_has_no_annotation() -> None:
     pytest.importorskip("matplotlib")
     from nanscan.plot import draw_run
