@@ -42,6 +42,7 @@ matplotlib is imported when a picture is drawn, never with this module (``nansca
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import itertools
 import math
@@ -363,16 +364,48 @@ def downsample(grid: Grid, max_columns: int = MAX_COLUMNS) -> Grid:
     )
 
 
+FORMATS = ("png", "svg", "pdf", "eps", "ps")
+"""The picture formats ``plot_run`` writes, by the output's suffix: a 256-colour PNG, or matplotlib's
+vector formats (no further dependency)."""
+
+
 def plot_run(
     records_or_path: str | Path | Iterable[StepRecord], output: str | Path, *, title: str | None = None
 ) -> Path:
-    """Draws a recorded run (a JSONL file of ``JSONLSink``, or its records) into a PNG (module notes)
-    and returns the path written."""
-    figure = draw_run(records_or_path, title=title)
+    """Draws a recorded run (a JSONL file of ``JSONLSink``, or its records) into a picture (module
+    notes) and returns the path written. The output's suffix picks the format (``FORMATS``: ``.png``,
+    or ``.svg``, ``.pdf``, ``.eps``, ``.ps``); any other suffix is a ValueError, and an output that
+    cannot be written an OSError, both before anything is read or drawn."""
     path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _save_png(figure, path)
+    file_format = check_output(path)
+    figure = draw_run(records_or_path, title=title)
+    if file_format == "png":
+        _save_png(figure, path)
+    else:
+        figure.savefig(path, format=file_format, dpi=DPI)
     return path
+
+
+def check_output(path: Path) -> str:
+    """The format of a picture to be written to ``path`` (its suffix), after making its folder and
+    proving the file can be written: ValueError for a suffix not in ``FORMATS``, OSError (its
+    ``filename`` the path) for a path that cannot be written (a directory, no permission, a folder that
+    cannot be made)."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "it is a directory", str(path))
+    file_format = path.suffix.lower().lstrip(".")
+    if file_format not in FORMATS:
+        raise ValueError(
+            f"nanscan: cannot write {path}: the suffix {path.suffix or '(none)'!r} is not a picture format "
+            f"nanscan writes ({', '.join('.' + f for f in FORMATS)})"
+        )
+    existed = path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab"):  # appends nothing: only proves the file can be opened for writing
+        pass
+    if not existed:
+        path.unlink()
+    return file_format
 
 
 def draw_run(records_or_path: str | Path | Iterable[StepRecord], *, title: str | None = None) -> Figure:
@@ -391,17 +424,39 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m nanscan plot RUN.jsonl [-o OUT.png] [--title T]``."""
     parser = argparse.ArgumentParser(
         prog="python -m nanscan plot",
-        description="Draw a run recorded by nanscan.Recorder (a JSONL file of JSONLSink) into a PNG: "
-        "a heatmap of log10 gradient norm per parameter and step, and the total norm.",
+        description="Draw a run recorded by nanscan.Recorder (a JSONL file of JSONLSink) into a picture: "
+        "a strip of the non-finite, skipped and spiking steps; a heatmap of log10 gradient norm per "
+        "parameter (or layer) and step, NaN/Inf cells coloured, spikes ringed, the first non-finite step "
+        "named; with an activation watch's records, log10 activation amax per module; with an update "
+        "watch's, log10 update ratio per parameter; and the total norm with the clip threshold. A "
+        "check_state recorder's file (weights and optimizer state) is drawn the same way. Runs appended "
+        "to one file (steps starting over) are drawn side by side, the boundary marked.",
     )
     parser.add_argument("run", type=Path, help="the JSONL file")
-    parser.add_argument("-o", "--output", type=Path, help="the PNG to write (default: RUN with the suffix .png)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="the picture to write, its format by its suffix: .png, .svg, .pdf, .eps or .ps "
+        "(default: RUN with the suffix .png)",
+    )
     parser.add_argument("--title", help="the figure's title (default: the file's name)")
     args = parser.parse_args(argv)
+    if args.run.is_dir():
+        print(f"nanscan: {args.run} is a directory, not a JSONL file", file=sys.stderr)
+        return 2
     if not args.run.is_file():
         print(f"nanscan: no such file: {args.run}", file=sys.stderr)
         return 2
     output = args.output if args.output is not None else args.run.with_suffix(".png")
+    try:
+        check_output(output)  # before the run is read and drawn
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"nanscan: cannot write {output}: {error.strerror or error}", file=sys.stderr)
+        return 2
     caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -410,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as error:
         _say_warnings(caught)
         print(error, file=sys.stderr)
+        return 1
+    except OSError as error:  # the file became unwritable since the check, or could not be read
+        _say_warnings(caught)
+        print(f"nanscan: {error.filename or output}: {error.strerror or error}", file=sys.stderr)
         return 1
     _say_warnings(caught)
     print(f"nanscan: wrote {path}")
