@@ -6,9 +6,11 @@ from __future__ import annotations
 import sys
 
 USAGE = """\
-usage: python -m nanscan demo [--scenario train|fp16-overflow|log-zero|eval-fp16|all] [--steps N] [--fault-step K] [--width W] [--depth D] [--device DEV]
-       python -m nanscan plot RUN.jsonl [-o OUT.png] [--title T]
-       python -m nanscan --version"""
+usage: python -m nanscan demo [--scenario train|fp16-overflow|log-zero|eval-fp16|all] [--steps N]
+                              [--fault-step K] [--width W] [--depth D] [--device DEV] [--out DIR]
+       python -m nanscan plot RUN.jsonl [-o OUT.png|.svg|.pdf] [--title T]
+       python -m nanscan --version
+(python -m nanscan demo --help, python -m nanscan plot --help: what each option does)"""
 
 
 def version_line() -> str:
@@ -33,7 +35,7 @@ def version_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)  # asked for: the output; missing: an error
         return 0 if argv else 2
     if argv[0] == "--version":
         print(version_line())

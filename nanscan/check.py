@@ -108,7 +108,17 @@ def check(
             raise_on_nonfinite(early)
         coef = clip_grads_with_norm_(layout.scaled, max_norm, total) if clips and max_norm is not None else None
     report = Report(names, stats, total, norm_type, max_norm, coef, replicas)
-    if recorder is not None:
-        recorder.append(report, skipped=~stats.finite if on_nonfinite == "skip" else False)
-    act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
+    if recorder is None:
+        act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
+    elif on_nonfinite == "skip":
+        # The skip is armed before the append, which may read the records out (a NaN step on the CPU)
+        # and so raise (a warning turned into an error): a step that raises is still never applied. The
+        # record is appended even when too many consecutive skips raise.
+        try:
+            act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
+        finally:
+            recorder.append(report, skipped=~stats.finite)
+    else:
+        recorder.append(report)  # before "raise" raises and "warn" warns
+        act_on_nonfinite(report, on_nonfinite, optimizer, max_consecutive_skips)
     return report

@@ -3,6 +3,7 @@ show that nanscan names it, and measure what the check costs beside the usual al
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -85,9 +86,13 @@ def run_demo(
     device_name: str = "auto",
     out_dir: str = "nanscan-demo",
 ) -> int:
-    """Trains, injects an Inf into one layer's gradient at ``fault_step``, reports, records every step
-    (``out_dir``/run.jsonl, drawn to run.png), times. Returns 0 on success."""
+    """Trains, injects an Inf into one layer's gradient at ``fault_step`` (-1: none), reports, records
+    every step (``out_dir``/run.jsonl, begun afresh, drawn to run.png), times. Returns 0 on success."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device_name == "auto" else device_name)
+    if depth < 2 or width < 1:
+        raise ValueError(f"nanscan demo: depth must be at least 2 and width at least 1, got {depth} and {width}")
+    if not -1 <= fault_step < steps:
+        raise ValueError(f"nanscan demo: fault_step must be -1 (none) or a step of the run (0-{steps - 1})")
     model = make_model(width, depth, device)
     task = TeacherStudentTask(width, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -104,9 +109,15 @@ def run_demo(
     fault_name = "4.weight"
     current = {"step": -1}
     faulty.register_hook(lambda g: g * 1e39 if current["step"] == fault_step else g)
-    print(f"  a fault will be injected at step {fault_step}: {fault_name}'s gradient overflows to Inf")
+    if fault_step >= 0:
+        print(f"  a fault will be injected at step {fault_step}: {fault_name}'s gradient overflows to Inf")
+    else:
+        print("  no fault will be injected")
 
     out = Path(out_dir)
+    # A fresh record: JSONLSink appends, and a second demo in the same place would add its steps to
+    # the first one's (the plot would draw both runs).
+    (out / "run.jsonl").unlink(missing_ok=True)
     recorder = Recorder([JSONLSink(out / "run.jsonl")], every=50, warn=False)
     found: list[tuple[int, list[str]]] = []
     skipped = 0
@@ -132,10 +143,12 @@ def run_demo(
                 flush=True,
             )
 
-    ok = found == [(fault_step, [fault_name])] if 0 <= fault_step < steps else not found
+    injected = fault_step >= 0
+    ok = found == [(fault_step, [fault_name])] if injected else not found
+    verdict = "the injected fault, named exactly" if injected else "none, as none was injected"
     print(
         f"nanscan found {len(found)} bad step(s), {skipped} optimizer step(s) skipped: "
-        + ("the injected fault, named exactly" if ok else f"UNEXPECTED: {found}")
+        + (verdict if ok else f"UNEXPECTED: {found}")
     )
     recorder.close()
     print(f"\n{recorder}\n  every step's statistics: {out / 'run.jsonl'}")
@@ -275,15 +288,21 @@ SCENARIOS = {"fp16-overflow": scenario_fp16_overflow, "log-zero": scenario_log_z
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m nanscan demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--fault-step", type=int, default=200, help="step at which to inject the fault (-1: none)")
-    parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--out", default="nanscan-demo", help="where the training run's record and plot go")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    parser.add_argument(
+        "--fault-step",
+        type=int,
+        help="step at which to inject the fault (-1: none; default: two thirds into the run, 200 of 300)",
+    )
+    parser.add_argument("--width", type=int, default=384, help="the MLP's width (default 384)")
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers, at least 2 (default 4)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (default: cuda if available)")
+    parser.add_argument(
+        "--out",
+        default="nanscan-demo",
+        help="the folder for the training run's record (run.jsonl, begun afresh) and plot (run.png)",
+    )
     parser.add_argument(
         "--scenario",
         choices=["train", *SCENARIOS, "all"],
@@ -291,18 +310,56 @@ def main(argv: list[str] | None = None) -> int:
         help="train: the training run with an injected Inf; the others: AMP and localisation cases",
     )
     args = parser.parse_args(argv)
-    if args.steps <= 0:
-        parser.error("--steps must be positive")
+    device = _check_options(parser, args)
     status = 0
     if args.scenario in ("train", "all"):
-        status |= run_demo(args.steps, args.fault_step, args.width, args.depth, args.device, args.out)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        status |= run_demo(args.steps, args.fault_step, args.width, args.depth, str(device), args.out)
     for name, scenario in SCENARIOS.items():
         if args.scenario in (name, "all"):
             ok = scenario(device)
             print(f"  -> {'named the cause' if ok else 'UNEXPECTED result'}")
             status |= 0 if ok else 1
     return status
+
+
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """Every option checked before anything runs (``parser.error``: usage and a line, exit 2); the
+    device to run on."""
+    if args.steps <= 0:
+        parser.error(f"--steps must be positive, got {args.steps}")
+    if args.scenario in ("train", "all"):
+        if args.depth < 2:
+            parser.error(f"--depth must be at least 2 (the fault goes into the third linear layer), got {args.depth}")
+        if args.width < 1:
+            parser.error(f"--width must be positive, got {args.width}")
+        if args.fault_step is None:
+            args.fault_step = args.steps * 2 // 3
+        if not -1 <= args.fault_step < args.steps:
+            parser.error(
+                f"--fault-step {args.fault_step} is not a step of the run: give -1 (no fault) or 0 to "
+                f"{args.steps - 1} (--steps {args.steps})"
+            )
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            parser.error(f"--device {args.device!r} is not a device torch knows: give cpu, cuda, cuda:N or auto")
+        try:
+            torch.empty(1, device=device)
+        except (RuntimeError, AssertionError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            parser.error(f"--device {args.device}: this torch cannot use it ({reason})")
+    if args.scenario in ("train", "all"):
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "run.jsonl", "a"):
+                pass
+        except OSError as error:
+            parser.error(f"--out {args.out}: cannot write there ({error.strerror or error})")
+    return device
 
 
 if __name__ == "__main__":

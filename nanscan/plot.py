@@ -24,6 +24,12 @@ A run of ``check_state`` records (subject ``"state"``) is drawn the same way, it
 weights and the optimizer state (rows ``fc.weight``, ``fc.weight:exp_avg_sq``; grouped, ``fc`` and
 ``fc:exp_avg_sq``).
 
+A file that holds several runs (a job resumed or run again, its JSONLSink appending to the same
+file: the step numbers start over) is drawn whole, its runs side by side in file order, with a solid
+line across every panel where each later run begins (``run 2: steps from 0``) and the total norm's
+line broken there, so that neither the axis nor the curve passes one run off as the continuation of
+another.
+
 Large runs are reduced before drawing, never by averaging. Above ``MAX_ROWS`` parameters a row is a
 layer (``nanscan.layers``: a group's norm is its members' norms combined as one L2 norm, NaN or Inf
 if any member's is). Above ``MAX_COLUMNS`` records a column is a bin of consecutive records holding
@@ -36,7 +42,9 @@ matplotlib is imported when a picture is drawn, never with this module (``nansca
 from __future__ import annotations
 
 import argparse
+import errno
 import io
+import itertools
 import math
 import sys
 import warnings
@@ -87,7 +95,8 @@ class Run:
     where the step was not clipped. ``first_nonfinite`` is the record index and parameter names of the
     first non-finite record, or None. ``first_ranks`` maps those names to the ranks whose local data
     held their NaN/Inf, when the run is distributed with a rank attribution (``_has_ranks``), else
-    None.
+    None. ``run_starts`` holds the record indices at which a later run of the same file begins: where
+    the step numbers go back (a job resumed or run again, appending to the same JSONL).
     """
 
     names: list[str]
@@ -106,6 +115,7 @@ class Run:
     activations: Activations | None = None
     updates: Updates | None = None
     subject: str = "gradients"
+    run_starts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,8 +180,11 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
     activation_columns: list[tuple[int, dict[str, tuple[float, bool]]]] = []  # (record index, module -> figures)
     update_columns: list[tuple[int, UpdateRecord]] = []
     subjects: set[str] = set()
+    run_starts: list[int] = []
     for record in records:
         subjects.add(record.subject)
+        if steps and record.step <= steps[-1]:  # a recorder's steps only grow: a new run begins here
+            run_starts.append(len(steps))
         if record.updates is not None:
             update_columns.append((len(steps), record.updates))
         if record.activations is not None:
@@ -238,6 +251,7 @@ def load_run(source: str | Path | Iterable[StepRecord]) -> Run:
         activations=_activations(activation_columns, len(steps)),
         updates=_updates(update_columns, len(steps)),
         subject="state" if subjects == {"state"} else "gradients",
+        run_starts=tuple(run_starts),
     )
 
 
@@ -350,16 +364,48 @@ def downsample(grid: Grid, max_columns: int = MAX_COLUMNS) -> Grid:
     )
 
 
+FORMATS = ("png", "svg", "pdf", "eps", "ps")
+"""The picture formats ``plot_run`` writes, by the output's suffix: a 256-colour PNG, or matplotlib's
+vector formats (no further dependency)."""
+
+
 def plot_run(
     records_or_path: str | Path | Iterable[StepRecord], output: str | Path, *, title: str | None = None
 ) -> Path:
-    """Draws a recorded run (a JSONL file of ``JSONLSink``, or its records) into a PNG (module notes)
-    and returns the path written."""
-    figure = draw_run(records_or_path, title=title)
+    """Draws a recorded run (a JSONL file of ``JSONLSink``, or its records) into a picture (module
+    notes) and returns the path written. The output's suffix picks the format (``FORMATS``: ``.png``,
+    or ``.svg``, ``.pdf``, ``.eps``, ``.ps``); any other suffix is a ValueError, and an output that
+    cannot be written an OSError, both before anything is read or drawn."""
     path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _save_png(figure, path)
+    file_format = check_output(path)
+    figure = draw_run(records_or_path, title=title)
+    if file_format == "png":
+        _save_png(figure, path)
+    else:
+        figure.savefig(path, format=file_format, dpi=DPI)
     return path
+
+
+def check_output(path: Path) -> str:
+    """The format of a picture to be written to ``path`` (its suffix), after making its folder and
+    proving the file can be written: ValueError for a suffix not in ``FORMATS``, OSError (its
+    ``filename`` the path) for a path that cannot be written (a directory, no permission, a folder that
+    cannot be made)."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "it is a directory", str(path))
+    file_format = path.suffix.lower().lstrip(".")
+    if file_format not in FORMATS:
+        raise ValueError(
+            f"nanscan: cannot write {path}: the suffix {path.suffix or '(none)'!r} is not a picture format "
+            f"nanscan writes ({', '.join('.' + f for f in FORMATS)})"
+        )
+    existed = path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab"):  # appends nothing: only proves the file can be opened for writing
+        pass
+    if not existed:
+        path.unlink()
+    return file_format
 
 
 def draw_run(records_or_path: str | Path | Iterable[StepRecord], *, title: str | None = None) -> Figure:
@@ -378,17 +424,39 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m nanscan plot RUN.jsonl [-o OUT.png] [--title T]``."""
     parser = argparse.ArgumentParser(
         prog="python -m nanscan plot",
-        description="Draw a run recorded by nanscan.Recorder (a JSONL file of JSONLSink) into a PNG: "
-        "a heatmap of log10 gradient norm per parameter and step, and the total norm.",
+        description="Draw a run recorded by nanscan.Recorder (a JSONL file of JSONLSink) into a picture: "
+        "a strip of the non-finite, skipped and spiking steps; a heatmap of log10 gradient norm per "
+        "parameter (or layer) and step, NaN/Inf cells coloured, spikes ringed, the first non-finite step "
+        "named; with an activation watch's records, log10 activation amax per module; with an update "
+        "watch's, log10 update ratio per parameter; and the total norm with the clip threshold. A "
+        "check_state recorder's file (weights and optimizer state) is drawn the same way. Runs appended "
+        "to one file (steps starting over) are drawn side by side, the boundary marked.",
     )
     parser.add_argument("run", type=Path, help="the JSONL file")
-    parser.add_argument("-o", "--output", type=Path, help="the PNG to write (default: RUN with the suffix .png)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="the picture to write, its format by its suffix: .png, .svg, .pdf, .eps or .ps "
+        "(default: RUN with the suffix .png)",
+    )
     parser.add_argument("--title", help="the figure's title (default: the file's name)")
     args = parser.parse_args(argv)
+    if args.run.is_dir():
+        print(f"nanscan: {args.run} is a directory, not a JSONL file", file=sys.stderr)
+        return 2
     if not args.run.is_file():
         print(f"nanscan: no such file: {args.run}", file=sys.stderr)
         return 2
     output = args.output if args.output is not None else args.run.with_suffix(".png")
+    try:
+        check_output(output)  # before the run is read and drawn
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"nanscan: cannot write {output}: {error.strerror or error}", file=sys.stderr)
+        return 2
     caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -397,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as error:
         _say_warnings(caught)
         print(error, file=sys.stderr)
+        return 1
+    except OSError as error:  # the file became unwritable since the check, or could not be read
+        _say_warnings(caught)
+        print(f"nanscan: {error.filename or output}: {error.strerror or error}", file=sys.stderr)
         return 1
     _say_warnings(caught)
     print(f"nanscan: wrote {path}")
@@ -470,12 +542,41 @@ def _draw(figure_class: type[Figure], run: Run, grid: Grid, title: str) -> Figur
     _draw_totals(totals, run)
     _label_steps(totals, run)
     strip.set_xlim(-0.5, len(run.steps) - 0.5)
+    _mark_run_starts(figure, strip, run)
     if run.first_nonfinite is not None:
         _annotate_first(heat, totals, run, grid)
     figure.suptitle(title, x=left, ha="left", y=0.985, fontsize=12, fontweight="bold")
     figure.text(left, 0.94, _summary(run, grid), fontsize=8.5, color="#333333")
     _draw_legend(figure, acts is not None, updates is not None)
     return figure
+
+
+RUN_START_COLOR = "#1a1a1a"
+
+
+def _mark_run_starts(figure: Figure, strip: Axes, run: Run) -> None:
+    """A solid line across every panel where a later run of the file begins, named above the strip
+    (``run 2: steps from 0``): a resumed job is drawn whole, its attempts side by side, not as one."""
+    for k, start in enumerate(run.run_starts):
+        for ax in figure.axes:
+            if ax.get_shared_x_axes().joined(ax, strip):
+                ax.axvline(start - 0.5, color=RUN_START_COLOR, linewidth=1.4, zorder=5)
+        strip.text(
+            start - 0.5,
+            1.04,
+            f" run {k + 2}: steps from {run.steps[start]}",
+            transform=strip.get_xaxis_transform(),
+            ha="left",
+            va="bottom",
+            fontsize=7,
+            color=RUN_START_COLOR,
+        )
+
+
+def _runs(run: Run) -> list[slice]:
+    """The record ranges of the runs of a file, in file order."""
+    bounds = [0, *run.run_starts, len(run.steps)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def _module_label(module: str) -> str:
@@ -657,6 +758,10 @@ def _summary(run: Run, grid: Grid) -> str:
     steps = (
         f"{len(run.steps)} steps ({run.steps[0]}-{run.steps[-1]})" if len(run.steps) > 1 else f"1 step ({run.steps[0]})"
     )
+    if run.run_starts:
+        ranges = [f"{run.steps[r.start]}-{run.steps[r.stop - 1]}" for r in _runs(run)]
+        shown = ", ".join(ranges[:4]) + (f", +{len(ranges) - 4} more" if len(ranges) > 4 else "")
+        steps = f"{len(run.steps)} steps in {len(ranges)} runs appended to one file ({shown})"
     rows = f"{len(run.names)} parameters"
     if len(grid.groups) < len(run.names):
         rows += f" in {len(grid.groups)} layer rows"
@@ -788,7 +893,16 @@ def _draw_totals(ax: Axes, run: Run) -> None:
     positive = run.total_norm[finite & (run.total_norm > 0)]
     log_scale = positive.size > 0 and positive.max() / positive.min() > 100
     y = np.where(finite & (run.total_norm > 0 if log_scale else True), run.total_norm, np.nan)
-    ax.plot(x, y, color="#1f77b4", linewidth=1, marker="o" if len(x) <= 50 else None, markersize=3, label="total norm")
+    for k, part in enumerate(_runs(run)):  # one line per run: none joins a run's end to the next one's start
+        ax.plot(
+            x[part],
+            y[part],
+            color="#1f77b4",
+            linewidth=1,
+            marker="o" if len(x) <= 50 else None,
+            markersize=3,
+            label="total norm" if k == 0 else None,
+        )
     if log_scale:
         ax.set_yscale("log")
     if np.isfinite(run.max_norm).any():

@@ -165,6 +165,9 @@ class FirstNonfinite:
         ranks: per such parameter, the ranks whose local data held its NaN/Inf
             (``StepRecord.nonfinite_ranks``).
         subject: ``"gradients"``, or ``"state"`` for a recorder of ``check_state`` reports.
+        attributed: whether ``ranks`` come from a rank attribution (DTensors, ``process_group``, DDP
+            with ``nanscan.ddp.attach``); otherwise they are the recording process's own rank (0 in a
+            single process), which ``summary()`` and ``str()`` leave out.
     """
 
     step: int
@@ -174,10 +177,15 @@ class FirstNonfinite:
     steps: list[int]
     ranks: dict[str, list[int]]
     subject: str = "gradients"
+    attributed: bool = True
 
     def summary(self) -> str:
-        """Up to three of the parameters, each with its ranks: ``2.weight (rank 1), ...``."""
-        shown = ", ".join(f"{name} ({_ranks_text(self.ranks.get(name))})" for name in self.parameters[:3])
+        """Up to three of the parameters, each with its ranks where the step's report carried a rank
+        attribution (``2.weight (rank 1), ...``); a single process's names alone (its rank 0 is no news)."""
+        if not self.attributed:
+            shown = ", ".join(self.parameters[:3])
+        else:
+            shown = ", ".join(f"{name} ({_ranks_text(self.ranks.get(name))})" for name in self.parameters[:3])
         return shown + (f" (+{len(self.parameters) - 3} more)" if len(self.parameters) > 3 else "")
 
     def __str__(self) -> str:
@@ -307,7 +315,9 @@ class Recorder:
 
     Args:
         sinks: callables taking a ``StepRecord`` (nanscan.sinks: JSONL, CSV; TensorBoard in
-            nanscan.integrations.tensorboard; any function for W&B, MLflow, ...).
+            nanscan.integrations.tensorboard; any function for W&B, MLflow, ...), in a list, or one on
+            its own. Every sink gets every record: one that raises is warned about (naming it and
+            the step) and counted in ``sink_failures``, never raised into the training loop.
         every: records between two reads of the buffer.
         capacity: records the device buffer holds (default: ``every``, at least ``spike_window + 1``).
         spike_factor: a norm at or above this many times its running median is a spike.
@@ -335,6 +345,15 @@ class Recorder:
             ranks by the watch's scan: no collective. Not inside a captured CUDA graph. One recorder
             per watch.
 
+    Attributes:
+        records: the last ``history`` records read.
+        first_nonfinite: the first non-finite step read (``FirstNonfinite``), or None.
+        spikes: the latest 1000 norm spikes read, ``(step, parameter, ratio)``; ``spike_count`` and
+            ``largest_spike`` cover every one (``update_spikes``, ``update_spike_count`` and
+            ``largest_update_spike`` the same for an update watch's ratios).
+        read, skipped, lost, sink_failures: records handed to the sinks, skipped steps among them,
+            records overwritten before they were read, and sink calls that raised.
+
     While a recorder is open, a SIGTERM reads out its records before the process ends as it would
     have without nanscan (module notes: what survives which end of a job).
 
@@ -350,7 +369,7 @@ class Recorder:
 
     def __init__(
         self,
-        sinks: Iterable[Sink] = (),
+        sinks: Iterable[Sink] | Sink = (),
         *,
         every: int = 100,
         capacity: int | None = None,
@@ -390,9 +409,7 @@ class Recorder:
             raise ValueError(
                 f"nanscan.Recorder: spike_min_history must be an int in [1, spike_window], got {spike_min_history!r}"
             )
-        self.sinks: list[Sink] = list(sinks)
-        for sink in self.sinks:
-            _check_sink(sink)
+        self.sinks: list[Sink] = _sink_list(sinks)
         self.activations = activations
         self.updates = updates
         self.every = every
@@ -406,6 +423,12 @@ class Recorder:
         self.spikes: deque[tuple[int, str, float]] = deque(maxlen=1000)  # (step, parameter, ratio), latest
         # Update-ratio spikes, the same way: (step, parameter, ratio over its median), the latest.
         self.update_spikes: deque[tuple[int, str, float]] = deque(maxlen=1000)
+        # Every spike read, however many the deques above have let go: their count and the largest.
+        self.spike_count = 0
+        self.largest_spike: tuple[int, str, float] | None = None
+        self.update_spike_count = 0
+        self.largest_update_spike: tuple[int, str, float] | None = None
+        self.sink_failures = 0  # sink calls that raised (each warned about; the other sinks still ran)
         # The update ratios of the last spike_window measured steps read, oldest first: the window
         # each new one's median is taken over, on the host at the read (measured steps are sampled
         # and few; the device keeps none of this).
@@ -628,10 +651,13 @@ class Recorder:
         counter, attribution, rows = ring.views(host)
         end = int(counter.item())
         first = max(ring.decoded, end - ring.capacity)
+        # The warnings of this read, given only once every record has reached every sink: a warning
+        # turned into an error (python -W error) then costs no sink a record.
+        notes: list[str] = []
         if first > ring.decoded:
             lost = first - ring.decoded
             self.lost += lost
-            _warn(
+            notes.append(
                 f"nanscan.Recorder: {lost} records were overwritten before they were read (capacity "
                 f"{ring.capacity}); flush more often, or raise capacity"
             )
@@ -654,47 +680,70 @@ class Recorder:
                 record = _record(
                     step, ring, columns[k], params, k, self.spike_factor, ranks, activations.of(k), updates.of(k)
                 )
-                # Marked read before a sink (or a warning turned error) can raise: a record is handed
-                # on once, never again at the next read.
+                # Marked read first: a record is handed on once, never again at the next read (every
+                # sink gets it: _emit catches a sink's failure).
                 ring.decoded = step + 1
-                self._emit(record, spiked[k])
+                self._emit(record, spiked[k], ring.world is not None, notes)
         ring.decoded = max(ring.decoded, end)
         if end > first:
             for sink in self.sinks:
-                _call_optional(sink, "flush")
+                self._call_sink(sink, "flush", None, notes)
+        for note in notes:
+            _warn(note)
 
-    def _emit(self, record: StepRecord, spiked: bool) -> None:
-        """One record on the host: the answers kept here, then the sinks. ``spiked``: whether any
-        ratio reached the spike factor (found for the whole block at once)."""
+    def _emit(self, record: StepRecord, spiked: bool, attributed: bool, notes: list[str]) -> None:
+        """One record on the host: the answers kept here, then every sink. ``spiked``: whether any
+        ratio reached the spike factor (found for the whole block at once); ``attributed``: whether
+        the record's ranks come from a rank attribution. Warnings go to ``notes``, given after the read."""
         self.read += 1
         self.skipped += record.skipped
         self._last_total = record.total_norm
         if not record.finite and self.first_nonfinite is None:
-            self.first_nonfinite = self._first_nonfinite(record)
+            self.first_nonfinite = self._first_nonfinite(record, attributed)
             if self.warn:
-                _warn(f"nanscan.Recorder: {self.first_nonfinite}")
+                notes.append(f"nanscan.Recorder: {self.first_nonfinite}")
         spikes = record.spikes if spiked else {}
         for name, ratio in spikes.items():
             self.spikes.append((record.step, name, ratio))
+            if self.largest_spike is None or ratio > self.largest_spike[2]:
+                self.largest_spike = (record.step, name, ratio)
+        self.spike_count += len(spikes)
         if spikes and self.warn:
             what = "gradient" if record.subject == "gradients" else "state"
-            _warn(
+            notes.append(
                 f"nanscan.Recorder: {what} norm spike at step {record.step} (norm over its median of the "
                 f"{self.spike_window} steps before): {_worst(spikes)}"
             )
         update_spikes = {} if record.updates is None else record.updates.spikes
         for name, multiple in update_spikes.items():
             self.update_spikes.append((record.step, name, multiple))
+            if self.largest_update_spike is None or multiple > self.largest_update_spike[2]:
+                self.largest_update_spike = (record.step, name, multiple)
+        self.update_spike_count += len(update_spikes)
         if update_spikes and self.warn:
-            _warn(
+            notes.append(
                 f"nanscan.Recorder: update ratio spike at step {record.step} (‖Δw‖/‖w‖ over its median of the "
                 f"{self.spike_window} measured steps before): {_worst(update_spikes)}"
             )
         self.records.append(record)
         for sink in self.sinks:
-            sink(record)
+            self._call_sink(sink, "__call__", record, notes)
 
-    def _first_nonfinite(self, record: StepRecord) -> FirstNonfinite:
+    def _call_sink(self, sink: Sink, method: str, record: StepRecord | None, notes: list[str]) -> None:
+        """Calls ``sink`` with ``record``, or without one its optional ``method`` (flush, close). An exception (a
+        logger's network error, a full disk) is counted and noted, naming the sink and the step; the
+        other sinks still run, and the training step is not interrupted."""
+        try:
+            if record is not None:
+                sink(record)
+            else:
+                _call_optional(sink, method)
+        except Exception as error:
+            self.sink_failures += 1
+            at = f"on step {record.step}" if record is not None else f"at {method}()"
+            notes.append(f"nanscan.Recorder: sink {_sink_name(sink)} failed {at}: {type(error).__name__}: {error}")
+
+    def _first_nonfinite(self, record: StepRecord, attributed: bool) -> FirstNonfinite:
         bad = record.nonfinite
         before = [r for r in self.records if _same_names(r.names, record.names)]
         index = {name: i for i, name in enumerate(record.names)}
@@ -706,6 +755,7 @@ class Recorder:
             total_norm_history=[r.total_norm for r in before],
             steps=[r.step for r in before],
             ranks=record.nonfinite_ranks or {},
+            attributed=attributed,
         )
 
     # ------------------------------------------------------------------------------------- the rest
@@ -731,9 +781,12 @@ class Recorder:
         finally:
             self._closed = True
             _open_recorders.discard(self)
+            notes: list[str] = []
             for sink in self.sinks:
-                _call_optional(sink, "close")
+                self._call_sink(sink, "close", None, notes)
             _restore_if_none_open()
+            for note in notes:
+                _warn(note)
 
     def __enter__(self) -> Recorder:
         return self
@@ -754,16 +807,19 @@ class Recorder:
             parts.append(f"first non-finite at step {self.first_nonfinite.step}: {self.first_nonfinite.summary()}")
         else:
             parts.append("no non-finite step")
-        if self.spikes:
-            step, name, ratio = max(self.spikes, key=lambda s: s[2])
-            parts.append(f"{len(self.spikes)} norm spikes (largest: {name} at step {step}, {ratio:.1f}x its median)")
-        if self.update_spikes:
-            step, name, ratio = max(self.update_spikes, key=lambda s: s[2])
+        if self.largest_spike is not None:
+            step, name, ratio = self.largest_spike
+            parts.append(f"{self.spike_count} norm spikes (largest: {name} at step {step}, {ratio:.1f}x its median)")
+        if self.largest_update_spike is not None:
+            step, name, ratio = self.largest_update_spike
             parts.append(
-                f"{len(self.update_spikes)} update ratio spikes (largest: {name} at step {step}, {ratio:.1f}x its median)"
+                f"{self.update_spike_count} update ratio spikes (largest: {name} at step {step}, "
+                f"{ratio:.1f}x its median)"
             )
         if self.lost:
             parts.append(f"{self.lost} records lost (overwritten before read)")
+        if self.sink_failures:
+            parts.append(f"{self.sink_failures} sink calls failed (warned about)")
         return "; ".join(parts)
 
     def __repr__(self) -> str:
@@ -989,7 +1045,34 @@ def _same_names(old: Sequence[str], new: Sequence[str]) -> bool:
 
 def _check_sink(sink: object) -> None:
     if not callable(sink):
-        raise TypeError(f"nanscan.Recorder: a sink must be callable with a StepRecord, got {type(sink).__name__}")
+        hint = (
+            " (a path is not a sink: nanscan.sinks.JSONLSink(path) is)" if isinstance(sink, (str, os.PathLike)) else ""
+        )
+        raise TypeError(f"nanscan.Recorder: a sink must be callable with a StepRecord, got {type(sink).__name__}{hint}")
+
+
+def _sink_list(sinks: Iterable[Sink] | Sink) -> list[Sink]:
+    """The sinks given: a list (any iterable) of them, or one sink on its own."""
+    if callable(sinks):
+        sinks = [sinks]
+    elif isinstance(sinks, (str, bytes, os.PathLike)) or not isinstance(sinks, Iterable):
+        raise TypeError(
+            "nanscan.Recorder: sinks must be a list of sinks (callables taking a StepRecord), e.g. "
+            f"[nanscan.sinks.JSONLSink('run.jsonl')], got {type(sinks).__name__}"
+        )
+    result = list(sinks)
+    for sink in result:
+        _check_sink(sink)
+    return result
+
+
+def _sink_name(sink: object) -> str:
+    """How a warning names a sink: a function by its name, an object by its own repr if it has one
+    (``JSONLSink('run.jsonl')``), else by its type."""
+    name = getattr(sink, "__name__", None)
+    if isinstance(name, str):
+        return name
+    return repr(sink) if type(sink).__repr__ is not object.__repr__ else type(sink).__name__
 
 
 def _call_optional(sink: object, method: str) -> None:

@@ -509,25 +509,33 @@ def iter_jsonl(path: str | Path) -> Iterator[StepRecord]:
     modules: Sequence[str] | None = None
     update_names: Sequence[str] | None = None
     subject = "gradients"
-    with Path(path).open() as f:
-        for number, text in enumerate(f, 1):
-            if not text.strip():
-                continue
+    with Path(path).open("rb") as f:
+        for number, raw in enumerate(f, 1):
             try:
-                line = json.loads(text)
-            except json.JSONDecodeError as error:
-                if not text.endswith("\n") and not f.read(1):  # the last line, cut mid-write
+                text = raw.decode("utf-8")  # (JSONLSink writes ASCII: json.dumps escapes the rest)
+                line = json.loads(text) if text.strip() else None
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                # The last line, cut mid-write (never one that is not UTF-8: JSONLSink writes ASCII).
+                cut = not isinstance(error, UnicodeDecodeError) and not raw.endswith(b"\n") and not f.read(1)
+                if cut:
                     warnings.warn(
-                        f"nanscan: {path}:{number} was cut short ({len(text)} characters, no end of line: a "
+                        f"nanscan: {path}:{number} was cut short ({len(raw)} bytes, no end of line: a "
                         "process killed while writing it?); dropped it, read the records before it",
                         RuntimeWarning,
                         stacklevel=2,
                     )
                     return
+                if isinstance(error, UnicodeDecodeError):
+                    raise ValueError(
+                        f"nanscan: {path}:{number} is not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                        f"{error.start + 1}): not a JSONL file written by nanscan.sinks.JSONLSink"
+                    ) from None
                 raise ValueError(
                     f"nanscan: {path}:{number} is not JSON ({error.msg}, column {error.colno}); only a last line "
                     "cut short is skipped, a damaged line before other lines is an error"
                 ) from None
+            if line is None:
+                continue
             try:
                 if type(line) is not dict:
                     raise ValueError(f"a JSON {type(line).__name__}, not an object")

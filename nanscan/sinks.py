@@ -74,6 +74,9 @@ class _FileSink:
         _cut_incomplete_last_line(self.path, type(self).__name__)
         self._file: IO[str] | None = self.path.open("a", newline=newline)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
     def _open_file(self) -> IO[str]:
         if self._file is None:
             raise ValueError(f"nanscan.{type(self).__name__}: {self.path} is closed")

@@ -144,6 +144,21 @@ def test_bad_settings_are_refused_when_the_callback_is_made(settings: dict[str, 
         NanscanCallback(**settings)
 
 
+@pytest.mark.parametrize("every", [1.5, "10", True])
+def test_a_log_every_n_steps_that_is_not_an_int_is_refused(every: Any) -> None:
+    with pytest.raises(ValueError, match=r"log_every_n_steps must be >= 1 \(an int\) or None, got "):
+        NanscanCallback(log_every_n_steps=every)
+
+
+@pytest.mark.parametrize("argument", ["recorder", "state_recorder"])
+def test_a_sink_or_a_path_given_as_a_recorder_is_refused_clearly(argument: str, tmp_path: Path) -> None:
+    sink = nanscan.sinks.JSONLSink(tmp_path / "run.jsonl")
+    for wrong in (sink, "run.jsonl"):
+        with pytest.raises(TypeError, match=rf"{argument} must be a nanscan\.Recorder, got \w+ \(a sink or a path"):
+            NanscanCallback(**{argument: wrong}, check_state_every=1)
+    sink.close()
+
+
 def test_recorder_gets_one_record_per_step_and_feeds_the_loggers(tmp_path: Path) -> None:
     torch.manual_seed(0)
     records: list[nanscan.records.StepRecord] = []

@@ -405,6 +405,29 @@ def test_a_single_process_run_and_a_schema_1_file_draw_as_before(tmp_path: Path)
     assert heat.startswith("first non-finite: step 3 on rank 0\n")
 
 
+def test_runs_appended_to_one_file_are_drawn_side_by_side_not_joined(tmp_path: Path) -> None:
+    """A job run twice (or resumed) into one JSONL: its steps restart; the plot marks where and breaks
+    the total norm's line there, rather than drawing one run whose steps go 0..39, 0..39."""
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import draw_run
+
+    first = make_records(["a.w", "b.w"], 40, nan_at={25: ["a.w"]})
+    resumed = [replace(r, step=r.step + 10) for r in make_records(["a.w", "b.w"], 30)]  # from a checkpoint
+    path = write_jsonl(tmp_path / "run.jsonl", first + first + resumed)
+    run = load_run(path)
+    assert run.run_starts == (40, 80) and list(run.steps[78:82]) == [38, 39, 10, 11]
+    assert load_run(first).run_starts == ()
+    figure = draw_run(path)
+    texts = figure_texts(figure)
+    assert any(t.startswith("110 steps in 3 runs appended to one file (0-39, 0-39, 10-39)") for t in texts), texts
+    assert " run 2: steps from 0" in texts and " run 3: steps from 10" in texts
+    totals = figure.axes[2]
+    curves = [line for line in totals.get_lines() if str(line.get_color()) == "#1f77b4"]
+    assert [len(line.get_xdata()) for line in curves] == [40, 40, 30], "one line per run, none joining two"
+    boundaries = {float(line.get_xdata()[0]) for line in totals.get_lines() if str(line.get_color()) == "#1a1a1a"}
+    assert boundaries == {39.5, 79.5}
+
+
 def test_an_all_finite_run_has_no_annotation() -> None:
     pytest.importorskip("matplotlib")
     from nanscan.plot import draw_run
@@ -420,8 +443,70 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plot", str(tmp_path / "absent.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["nope"]) == 2
+    capsys.readouterr()
     assert main([]) == 2
+    missing = capsys.readouterr()
+    assert missing.out == "" and "python -m nanscan plot RUN.jsonl" in missing.err, "no command: usage, on stderr"
+    assert "[--device DEV] [--out DIR]" in missing.err
+    assert main(["--help"]) == 0
     assert "python -m nanscan plot RUN.jsonl" in capsys.readouterr().out
+
+
+def test_cli_says_in_one_line_why_an_input_cannot_be_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.__main__ import main
+
+    (tmp_path / "adir").mkdir()
+    assert main(["plot", str(tmp_path / "adir")]) == 2
+    assert capsys.readouterr().err == f"nanscan: {tmp_path / 'adir'} is a directory, not a JSONL file\n"
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b'{"kind": "layout", "schema": 4, "names": ["w"]}\n\x7fELF\xd0\x01 no newline')
+    assert main(["plot", str(binary)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"nanscan: {binary}:2 is not UTF-8 text (byte 0xd0 at column 5): not a JSONL file written by " + (
+        "nanscan.sinks.JSONLSink\n"
+    ), "file, line and column; not taken for a line cut short"
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("{tmp}/run.jsonl/x.png", "cannot write {tmp}/run.jsonl/x.png: "),  # its folder is a file
+        ("{tmp}/adir", "cannot write {tmp}/adir: it is a directory"),
+        ("{tmp}/run.jpg", "cannot write {tmp}/run.jpg: the suffix '.jpg' is not a picture format nanscan writes"),
+        ("/sys/nanscan-x.png", "cannot write /sys/nanscan-x.png: Permission denied"),  # sysfs: not even root
+    ],
+)
+def test_cli_refuses_an_output_it_cannot_write_before_drawing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, output: str, message: str
+) -> None:
+    pytest.importorskip("matplotlib")
+    import nanscan.plot
+    from nanscan.__main__ import main
+
+    if output.startswith("/sys") and not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs")
+    (tmp_path / "adir").mkdir()
+    run = write_jsonl(tmp_path / "run.jsonl", make_records(["w"], 3))
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("drawn before the output was checked")
+
+    monkeypatch.setattr(nanscan.plot, "draw_run", never)
+    assert main(["plot", str(run), "-o", output.format(tmp=tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("nanscan: " + message.format(tmp=tmp_path)) and captured.err.count("\n") == 1
+    assert "Traceback" not in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "run.jsonl"], "nothing written"
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".pdf", b"%PDF"), (".PNG", b"\x89PNG")])
+def test_the_output_suffix_picks_the_format(tmp_path: Path, suffix: str, magic: bytes) -> None:
+    pytest.importorskip("matplotlib")
+    from nanscan.plot import plot_run
+
+    out = plot_run(make_records(["w"], 3), tmp_path / f"run{suffix}")
+    assert out.read_bytes().startswith(magic), "the bytes of the format asked for, not PNG under any name"
 
 
 def test_cli_refuses_a_run_without_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -530,3 +615,18 @@ def test_more_modules_than_rows_keep_the_nonfinite_and_the_largest() -> None:
     acts = Activations(["a", "b", "c", "d", "e"], amax, bad, (0, ["d"]))
     assert _worst_modules(acts, 3) == [1, 3, 4]  # d, then e and b by amax; in model order
     assert _worst_modules(acts, 5) == [0, 1, 2, 3, 4]
+
+
+def test_the_api_reference_lists_the_public_names_users_meet() -> None:
+    """The names the docs and the returned objects lead a user to, each in docs/api.md."""
+    api = (ROOT / "docs" / "api.md").read_text()
+    for name in (
+        "nanscan.plot.plot_run",
+        "nanscan.plot.draw_run",
+        "nanscan.plot.load_run",
+        "nanscan.plot.check_output",
+        "nanscan.recorder.FirstNonfinite",
+        "nanscan.integrations.tensorboard.TensorBoardSink",
+        "nanscan.integrations.tensorboard.Writer",
+    ):
+        assert f":: {name}\n" in api, name

@@ -339,13 +339,116 @@ def test_a_sink_that_raises_does_not_get_a_record_twice() -> None:
 
     recorder = nanscan.Recorder([flaky], every=4, warn=False)
     backward(m, 0)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.warns(RuntimeWarning, match=r"sink .*flaky failed on step 2: OSError: disk full"):
         for _ in range(4):
             nanscan.check(m, recorder=recorder)
     for _ in range(4):
         nanscan.check(m, recorder=recorder)
     recorder.close()
     assert seen == [0, 1, 2, 3, 4, 5, 6, 7], "record 2 failed once and was not handed on again; none twice"
+    assert recorder.sink_failures == 1 and "1 sink calls failed" in str(recorder)
+
+
+def test_a_failing_sink_costs_the_other_sinks_nothing(tmp_path: Path) -> None:
+    m = model()
+
+    def bad(record: StepRecord) -> None:
+        if record.step == 2:
+            raise OSError("disk full")
+
+    class BadClose(Collect):
+        def close(self) -> None:
+            raise OSError("cannot close")
+
+    first, last = BadClose(), Collect()
+    recorder = nanscan.Recorder([first, bad, JSONLSink(tmp_path / "run.jsonl"), last], every=4, warn=False)
+    backward(m, 0)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(6):
+            nanscan.check(m, recorder=recorder)
+        recorder.close()
+    messages = [str(w.message) for w in caught]
+    assert any(m.endswith("sink bad failed on step 2: OSError: disk full") for m in messages), messages
+    assert any("sink BadClose failed at close(): OSError: cannot close" in m for m in messages), messages
+    assert [r.step for r in read_jsonl(tmp_path / "run.jsonl")] == list(range(6))
+    assert [r.step for r in last.records] == list(range(6)) and last.closed
+    assert recorder.sink_failures == 2
+
+
+def _nan_step_run(tmp_path: Path, sinks: list[Any]) -> tuple[torch.nn.Module, list[str]]:
+    """Ten SGD steps, a NaN at step 5, check(..., on_nonfinite="skip"); the errors out of check()."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    recorder = nanscan.Recorder([*sinks, JSONLSink(tmp_path / "run.jsonl")], every=10)
+    errors = []
+    for step in range(10):
+        x = torch.randn(8, 4)
+        if step == 5:
+            x[0, 0] = math.nan
+        m(x).pow(2).mean().backward()
+        try:
+            nanscan.check(m, on_nonfinite="skip", optimizer=opt, recorder=recorder)
+        except Exception as error:  # the loop survives, as a job that logs and goes on would
+            errors.append(f"{step}: {type(error).__name__}")
+        opt.step()
+        opt.zero_grad()
+    recorder.close()
+    return m, errors
+
+
+def test_a_sink_failing_at_the_nan_step_loses_neither_the_record_nor_the_skip(tmp_path: Path) -> None:
+    def logger(record: StepRecord) -> None:
+        if not record.finite:
+            raise ConnectionError("logger unreachable")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m, errors = _nan_step_run(tmp_path, [logger])
+    assert errors == [], "a sink's failure is warned about, not raised out of check()"
+    assert any(
+        "sink" in str(w.message) and "logger failed on step 5: ConnectionError" in str(w.message) for w in caught
+    )
+    assert [r.step for r in read_jsonl(tmp_path / "run.jsonl")] == list(range(10))
+    assert all(bool(torch.isfinite(p).all()) for p in m.parameters()), "the NaN step was skipped"
+
+
+def test_warnings_as_errors_at_the_nan_step_lose_neither_the_record_nor_the_skip(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # python -W error, pytest -W error
+        m, errors = _nan_step_run(tmp_path, [])
+    assert errors == ["5: RuntimeWarning"], "the first non-finite step's warning, raised as an error"
+    assert [r.step for r in read_jsonl(tmp_path / "run.jsonl")] == list(range(10)), "step 5 reached the file"
+    assert all(bool(torch.isfinite(p).all()) for p in m.parameters()), "the skip was armed before the warning"
+
+
+def test_a_recorder_takes_one_sink_or_a_list_and_says_so_for_anything_else(tmp_path: Path) -> None:
+    sink = Collect()
+    recorder = nanscan.Recorder(sink, warn=False)  # type: ignore[arg-type]
+    assert recorder.sinks == [sink]
+    recorder.close()
+    with pytest.raises(TypeError, match=r"must be a list of sinks.*JSONLSink\('run.jsonl'\)\], got str"):
+        nanscan.Recorder("run.jsonl")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be a list of sinks"):
+        nanscan.Recorder(3)  # type: ignore[arg-type]
+
+
+def test_the_spike_count_and_the_largest_spike_cover_every_spike_read() -> None:
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(100)]
+    recorder = nanscan.Recorder(every=10, warn=False)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(40):
+        for i, p in enumerate(params):
+            scale = 1e3 * (100 if i == 3 and step == 21 else 1) if 20 <= step < 35 else 1.0
+            p.grad = torch.randn(4, generator=gen) * scale
+        nanscan.check(params, recorder=recorder)
+    recorder.close()
+    spikes = [(r.step, name, ratio) for r in recorder.records for name, ratio in r.spikes.items()]
+    assert len(spikes) > 1000 and len(recorder.spikes) == 1000, "more spikes than the deque keeps"
+    largest = max(spikes, key=lambda s: s[2])
+    assert largest[:2] == (21, "[3]")
+    assert recorder.spike_count == len(spikes) and recorder.largest_spike == largest
+    assert f"{len(spikes)} norm spikes (largest: [3] at step 21, {largest[2]:.1f}x" in str(recorder)
 
 
 def test_unscale_then_clip_is_recorded_once_per_step() -> None:
@@ -429,7 +532,9 @@ def test_a_single_process_names_its_own_rank_and_pays_nothing_for_attribution() 
     assert recorder.nbytes == 40 * (24 * 4 + 24) + 8, "no attribution rows without an attribution"
     recorder.close()
     assert [r.nonfinite_ranks for r in recorder.records] == [{}, {"2.weight": [0]}, {}]
-    assert "step 1: 2.weight (rank 0)" in str(recorder)
+    assert recorder.first_nonfinite is not None and recorder.first_nonfinite.ranks == {"2.weight": [0]}
+    assert str(recorder).endswith("step 1: 2.weight"), "a single process's rank 0 is no news: not printed"
+    assert "rank" not in str(recorder.first_nonfinite)
 
 
 def test_gaining_an_attribution_starts_a_layout_and_keeps_every_record() -> None:

@@ -185,3 +185,13 @@ def test_ranks_of_a_nonfinite_step_are_counted_per_rank() -> None:
     sink(record(2, names))  # a record made without ranks (None): no rank tags
     by_rank = [(tag, value, step) for tag, value, step in writer.scalars if "nonfinite_rank/" in tag]
     assert by_rank == [("nanscan/nonfinite_rank/1", 1.0, 1), ("nanscan/nonfinite_rank/3", 2.0, 1)]
+
+
+def test_a_single_process_rank_0_is_not_logged_as_a_rank() -> None:
+    writer = RecordingWriter()
+    sink = TensorBoardSink(writer, per_parameter=False, histograms=False)
+    names = names_of(1)
+    bad = record(1, names, nan="h.0.ln_1.weight")
+    sink(dataclasses.replace(bad, nonfinite_ranks={"h.0.ln_1.weight": [0]}))  # what a single process records
+    assert [tag for tag, _, _ in writer.scalars if "nonfinite_rank/" in tag] == []
+    assert ("nanscan/nonfinite_parameters", 1.0, 1) in writer.scalars

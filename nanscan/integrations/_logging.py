@@ -19,6 +19,7 @@ check without a sync; the ranks themselves come with the records, which reach th
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,6 +68,7 @@ class CheckingCallback:
             )
         check_max_consecutive_skips(max_consecutive_skips)
         check_log_every(owner, log_every_n_steps)
+        check_recorder(owner, "recorder", recorder)
         self.max_norm = None if max_norm is None else as_max_norm(max_norm)
         self.norm_type = as_norm_type(norm_type)
         self.on_nonfinite = on_nonfinite
@@ -103,10 +105,7 @@ class CheckingCallback:
     def _set_state_check(self, owner: str, every: int | None, recorder: Recorder | None) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"nanscan.{owner}: check_state_every must be a positive int or None, got {every!r}")
-        if recorder is not None and not isinstance(recorder, Recorder):
-            raise TypeError(
-                f"nanscan.{owner}: state_recorder must be a nanscan.Recorder, got {type(recorder).__name__}"
-            )
+        check_recorder(owner, "state_recorder", recorder)
         if recorder is not None and every is None:
             raise ValueError(f"nanscan.{owner}: a state_recorder records the state checks: set check_state_every too")
         self._owner = owner
@@ -168,8 +167,20 @@ class CheckingCallback:
 
 
 def check_log_every(owner: str, log_every_n_steps: int | None) -> None:
-    if log_every_n_steps is not None and log_every_n_steps < 1:
-        raise ValueError(f"nanscan.{owner}: log_every_n_steps must be >= 1 or None, got {log_every_n_steps}")
+    if log_every_n_steps is None:
+        return
+    if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+        raise ValueError(f"nanscan.{owner}: log_every_n_steps must be >= 1 (an int) or None, got {log_every_n_steps!r}")
+
+
+def check_recorder(owner: str, argument: str, recorder: object) -> None:
+    """A clear TypeError for anything but a ``nanscan.Recorder`` (or None) given as ``argument``."""
+    if recorder is None or isinstance(recorder, Recorder):
+        return
+    hint = ""
+    if callable(recorder) or isinstance(recorder, (str, os.PathLike)):
+        hint = f" (a sink or a path is not a recorder: {argument}=nanscan.Recorder([nanscan.sinks.JSONLSink('run.jsonl')]))"
+    raise TypeError(f"nanscan.{owner}: {argument} must be a nanscan.Recorder, got {type(recorder).__name__}{hint}")
 
 
 def worth_logging(record: StepRecord, every: int | None) -> bool:

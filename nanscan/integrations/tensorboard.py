@@ -10,7 +10,10 @@ Tags, under ``prefix`` (default ``nanscan``), at ``global_step = record.step``:
   ``inf_count`` (summed over parameters), ``spikes`` (parameters at or above the spike factor);
 * ``nonfinite_rank/<rank>``: at a step with a NaN/Inf, for each rank whose local data held one, how
   many parameters it held them in (``StepRecord.nonfinite_ranks``), so the ranks that went bad show
-  over the run as points at the bad steps (a tag per such rank, not per rank of the world);
+  over the run as points at the bad steps (a tag per such rank, not per rank of the world). Not in a
+  single process, whose records name rank 0 for every NaN (as the plot and the callbacks leave it
+  out): only in a process of a distributed world of more than one rank, or for a record that names
+  another rank;
 * ``grad_norm/<layer>``: the norm of each layer's gradients together (``nanscan.layers``: a few
   hundred tags at most, however many parameters);
 * ``param_grad_norm/<name>``: each parameter's norm, when ``per_parameter`` (by default, for models
@@ -122,8 +125,9 @@ class TensorBoardSink:
             scalars["clip_coef"] = record.clip_coef
         if record.loss_scale is not None:
             scalars["loss_scale"] = record.loss_scale
-        for rank, count in parameters_by_rank(record.nonfinite_ranks).items():
-            scalars[f"nonfinite_rank/{rank}"] = float(count)
+        by_rank = parameters_by_rank(record.nonfinite_ranks)
+        if set(by_rank) - {0} or _in_a_world():  # a single process's rank 0 is no news (module notes)
+            scalars.update((f"nonfinite_rank/{rank}", float(count)) for rank, count in by_rank.items())
         layers = self._layers_of("norms", record.names)
         for layer, layer_norm in zip(layers, group_norms(norm, layers), strict=True):
             scalars[f"{what}_norm/{layer.name}"] = float(layer_norm)
@@ -205,3 +209,10 @@ def _summary_writer_class() -> Callable[[str | None], Writer]:
 
 
 __all__ = ["TensorBoardSink", "Writer"]
+
+
+def _in_a_world() -> bool:
+    """Whether this process is one rank of a distributed world of more than one."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
