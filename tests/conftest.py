@@ -202,3 +202,19 @@ def composite_on_cpu() -> Iterator[None]:
         yield
     finally:
         library._destroy()
+
+
+class OpaqueTensor(torch.Tensor):
+    """A wrapper subclass that keeps its values elsewhere (as quantized or lazy tensors do): no hook or
+    kernel can read it (tests of what the activation watch and locate do with what they cannot read)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> OpaqueTensor:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined]
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:
+        raise NotImplementedError(f"OpaqueTensor: {func}")

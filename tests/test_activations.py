@@ -14,7 +14,7 @@ import torch
 import nanscan
 from nanscan.records import read_jsonl
 
-from conftest import needs_cuda, syncs_refused
+from conftest import OpaqueTensor, needs_cuda, syncs_refused
 
 FP16_TINY = 2.0**-24  # fp16's smallest subnormal
 
@@ -575,21 +575,6 @@ def test_dtensor_outputs_are_read_by_their_local_tensor(world_of_one: None) -> N
     assert watch.first_nonfinite == ("0", "Linear", 0)
 
 
-class _Opaque(torch.Tensor):
-    """A wrapper subclass that keeps its values elsewhere (as quantized or lazy tensors do)."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Opaque:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined]
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise NotImplementedError(f"_Opaque: {func}")
-
-
 class _Plain(torch.Tensor):
     """A subclass that overrides no dispatch: its memory holds its values."""
 
@@ -600,11 +585,11 @@ class _Wraps(torch.nn.Module):
         self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Opaque(x) if self.kind is _Opaque else x.as_subclass(_Plain)
+        return OpaqueTensor(x) if self.kind is OpaqueTensor else x.as_subclass(_Plain)
 
 
 def test_an_output_the_watch_cannot_read_is_counted_and_shown_never_a_silent_zero() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(_Opaque))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(OpaqueTensor))
     with pytest.warns(UserWarning, match="cannot read"), nanscan.watch_activations(model) as watch:
         model[0](torch.randn(2, 4))  # a submodule alone: not the model's forward, nothing scanned
         model(torch.full((2, 4), math.nan))
@@ -622,7 +607,7 @@ def test_an_output_the_watch_cannot_read_is_counted_and_shown_never_a_silent_zer
 def test_the_advice_is_not_keep_while_an_output_went_unread() -> None:
     """All that was read fits fp16, but one module's output could not be read: the Advisor says the
     evidence is incomplete, naming the module, instead of 'keep'."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(_Opaque)))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), _Wraps(OpaqueTensor)))
     with pytest.warns(UserWarning, match="cannot read"), nanscan.watch_activations(model) as watch:
         model(torch.randn(2, 4))
     advice = nanscan.amp.Advisor(activations=watch).advise()

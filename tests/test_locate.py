@@ -11,7 +11,7 @@ import torch
 import nanscan
 from nanscan.locate import Locator, TensorStats, locate
 
-from conftest import DEVICES, reference_stats
+from conftest import DEVICES, OpaqueTensor, reference_stats
 
 # ------------------------------------------------------------------------------- planted faults
 
@@ -726,24 +726,9 @@ def test_fsdp2_parameter_gradients_are_located(world_of_one: None) -> None:
     assert (trace.first.kind, trace.first.parameter) == ("parameter-gradient", "1.gain"), trace.first
 
 
-class _Opaque(torch.Tensor):
-    """A wrapper subclass that keeps its values elsewhere (as quantized or lazy tensors do)."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Opaque:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined]
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:
-        raise NotImplementedError(f"_Opaque: {func}")
-
-
 class _Hides(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, _Opaque(x)
+        return x, OpaqueTensor(x)
 
 
 def test_a_tensor_locate_cannot_read_is_listed_never_silently_finite() -> None:
@@ -752,7 +737,7 @@ def test_a_tensor_locate_cannot_read_is_listed_never_silently_finite() -> None:
         model(torch.randn(2, 4))
     assert trace.finite  # of what was read...
     assert trace.unread == [
-        "forward output of `1` (_Hides), call 1: _Opaque",
-        "forward output of the model itself (Sequential), call 1: _Opaque",
+        "forward output of `1` (_Hides), call 1: OpaqueTensor",
+        "forward output of the model itself (Sequential), call 1: OpaqueTensor",
     ]
     assert "could not be read" in str(trace), str(trace)
