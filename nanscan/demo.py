@@ -89,10 +89,9 @@ def run_demo(
     """Trains, injects an Inf into one layer's gradient at ``fault_step`` (-1: none), reports, records
     every step (``out_dir``/run.jsonl, begun afresh, drawn to run.png), times. Returns 0 on success."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device_name == "auto" else device_name)
-    if depth < 2 or width < 1:
-        raise ValueError(f"nanscan demo: depth must be at least 2 and width at least 1, got {depth} and {width}")
-    if not -1 <= fault_step < steps:
-        raise ValueError(f"nanscan demo: fault_step must be -1 (none) or a step of the run (0-{steps - 1})")
+    problem = _training_options_problem(steps, fault_step, width, depth, _ARGUMENT_NAMES)
+    if problem is not None:
+        raise ValueError(f"nanscan demo: {problem}")
     model = make_model(width, depth, device)
     task = TeacherStudentTask(width, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -322,23 +321,39 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+# How run_demo's arguments are spelled in a message: as its parameters, or as the command's options.
+_ARGUMENT_NAMES = {"steps": "steps", "fault_step": "fault_step", "width": "width", "depth": "depth"}
+_OPTION_NAMES = {"steps": "--steps", "fault_step": "--fault-step", "width": "--width", "depth": "--depth"}
+
+
+def _training_options_problem(
+    steps: int, fault_step: int, width: int, depth: int, spelled: dict[str, str]
+) -> str | None:
+    """What is wrong with the training scenario's options (None: nothing), named as ``spelled`` says:
+    the one rule for run_demo's arguments and the command's options."""
+    if depth < 2:
+        return f"{spelled['depth']} must be at least 2 (the fault goes into the third linear layer), got {depth}"
+    if width < 1:
+        return f"{spelled['width']} must be positive, got {width}"
+    if not -1 <= fault_step < steps:
+        return (
+            f"{spelled['fault_step']} {fault_step} is not a step of the run: give -1 (no fault) or 0 to "
+            f"{steps - 1} ({spelled['steps']} {steps})"
+        )
+    return None
+
+
 def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
     """Every option checked before anything runs (``parser.error``: usage and a line, exit 2); the
     device to run on."""
     if args.steps <= 0:
         parser.error(f"--steps must be positive, got {args.steps}")
     if args.scenario in ("train", "all"):
-        if args.depth < 2:
-            parser.error(f"--depth must be at least 2 (the fault goes into the third linear layer), got {args.depth}")
-        if args.width < 1:
-            parser.error(f"--width must be positive, got {args.width}")
         if args.fault_step is None:
             args.fault_step = args.steps * 2 // 3
-        if not -1 <= args.fault_step < args.steps:
-            parser.error(
-                f"--fault-step {args.fault_step} is not a step of the run: give -1 (no fault) or 0 to "
-                f"{args.steps - 1} (--steps {args.steps})"
-            )
+        problem = _training_options_problem(args.steps, args.fault_step, args.width, args.depth, _OPTION_NAMES)
+        if problem is not None:
+            parser.error(problem)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
