@@ -175,7 +175,7 @@ def ddp_hook_names_no_rank_after_a_backward_it_did_not_see(world: int) -> None:
     scanner = scanner_of(model)
     assert scanner is not None
     # The hook's own bookkeeping, asked directly (check may refuse a model whose gradients are unsynced).
-    attribution = scanner.attribution([model.module.weight, model.module.bias], torch.device("cpu"))
+    attribution = scanner.attribution((id(model.module.weight), id(model.module.bias)), torch.device("cpu"))
     rows = zip(
         attribution.count.tolist(), attribution.rank_sum.tolist(), attribution.rank_square_sum.tolist(), strict=True
     )

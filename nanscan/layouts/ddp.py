@@ -157,9 +157,9 @@ class BucketScanner:
             self._positions = None  # the parameters' places in check's list are to be found again
         return entry
 
-    def attribution(self, params: list[torch.nn.Parameter], device: torch.device) -> Attribution:
-        """Which ranks' own (unreduced) gradients held a NaN/Inf, per parameter of ``params`` (the
-        ones ``check`` scanned), reduced over DDP's process group in one SUM all-reduce.
+    def attribution(self, ids: tuple[int, ...], device: torch.device) -> Attribution:
+        """Which ranks' own (unreduced) gradients held a NaN/Inf, per parameter (``ids``: the ``id`` of
+        each one ``check`` scanned), reduced over DDP's process group in one SUM all-reduce.
 
         Each rank sends, per parameter, the rows of its MADE flag and of its UNKNOWN flag (1, its rank,
         its rank squared), a CLEAN flag, and a BLIND flag where it knows nothing (the gradients come
@@ -167,13 +167,12 @@ class BucketScanner:
         latest scan found a parameter finite proves that no all-reduced NaN/Inf was in the buffers of
         that pass, so every rank that found it non-finite then made it: UNKNOWN counts as MADE where
         any rank is CLEAN. What stays unknown adds Attribution.UNKNOWN to the count, and no rank."""
-        n, rank, world = len(params), dist.get_rank(self.state), dist.get_world_size(self.state)
+        n, rank, world = len(ids), dist.get_rank(self.state), dist.get_world_size(self.state)
         state = self._state
         if state is None or self._scanned_forward != self._forwards:
             # No synced pass, or a backward since it that the hook did not see: nothing known.
             found = torch.full((n,), -1, dtype=torch.int8, device=device)
         else:
-            ids = tuple(id(p) for p in params)
             if self._positions is None or self._positions[0] != ids:
                 places = [self._index.get(pid, -1) for pid in ids]
                 self._positions = (ids, upload(places, torch.int64, state.device))
@@ -197,11 +196,12 @@ class BucketScanner:
         any_by_rank = (rows[8 * n : 8 * n + world] + rows[8 * n + world :]).clamp(max=1.0)
         return Attribution(count, rank_sum, rank_square_sum, any_by_rank)
 
-    def checked(self, params: list[torch.nn.Parameter], stats: ScanResult) -> None:
-        """After a check of the reduced gradients: each parameter whose reduced gradient is finite is
-        FRESH again (any NaN a later pass adds to it is a rank's own); the others keep their state."""
+    def checked(self, ids: tuple[int, ...], stats: ScanResult) -> None:
+        """After a check of the reduced gradients (of the parameters ``ids`` names): each parameter whose
+        reduced gradient is finite is FRESH again (any NaN a later pass adds to it is a rank's own); the
+        others keep their state."""
         state, positions = self._state, self._positions
-        if state is None or positions is None or positions[0] != tuple(id(p) for p in params) or not params:
+        if state is None or positions is None or positions[0] != ids or not ids:
             return
         where = positions[1]
         finite = ((stats.nan_count + stats.inf_count) == 0).to(state.device) & (where >= 0)
@@ -243,6 +243,7 @@ def scanner_of(model: object) -> BucketScanner | None:
 
 def with_attribution(stats: ScanResult, scanner: BucketScanner, params: list[torch.nn.Parameter]) -> ScanResult:
     """``stats`` of the reduced gradients, with the ranks whose own gradients held each NaN/Inf."""
-    result = dataclasses.replace(stats, ranks=scanner.attribution(params, stats.norm.device))
-    scanner.checked(params, stats)
+    ids = tuple(map(id, params))  # once per check, for both
+    result = dataclasses.replace(stats, ranks=scanner.attribution(ids, stats.norm.device))
+    scanner.checked(ids, stats)
     return result
