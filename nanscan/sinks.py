@@ -6,6 +6,17 @@
 function::
 
     recorder = nanscan.Recorder(sinks=[lambda r: wandb.log({"grad_norm": r.total_norm}, step=r.step)])
+
+In a distributed run every rank runs the same script, so every rank makes the same sinks. A file
+sink (``JSONLSink``, ``CSVSink``, ``TensorBoardSink``'s log directory) then writes on rank 0 alone,
+as the frameworks' loggers do: where the checks reduce across ranks (DTensors, FSDP1,
+``process_group``) or DDP has all-reduced the gradients, every rank's records hold the model's
+figures, and one file of them is the run's record. A path holding ``{rank}`` (``"run-{rank}.jsonl"``)
+gives each rank a file of its own instead, for checks that each rank makes of its own gradients
+(pipeline stages checked without ``process_group``). Which rank a process is, is decided at its
+first record, when the checks have initialized torch.distributed (Lightning launches its ranks
+before it initializes it); so a file is opened, and a damaged last line cut off, at the first
+record, not when the sink is made.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from .records import StepRecord, layout_line
 
@@ -63,30 +74,116 @@ def _cut_incomplete_last_line(path: Path, sink: str) -> None:
     )
 
 
+RANK_FIELD = "{rank}"
+"""In a sink's path, this process's rank: one file per rank (module notes)."""
+
+
+def process_rank() -> tuple[int, int, bool]:
+    """This process's rank and world size, and whether torch.distributed says so: once it is
+    initialized, its own; before that, the launcher's (``RANK`` and ``WORLD_SIZE``, which torchrun
+    and most launchers set); else a process of its own, rank 0 of 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), True
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None and rank.isdigit() and world.isdigit():
+        return int(rank), int(world), False
+    return 0, 1, False
+
+
+def ranked_path(template: str, owner: str) -> str | None:
+    """The path that this process writes for a sink given ``template``: ``{rank}`` replaced by its
+    rank; a template without ``{rank}`` in a world of more than one rank, rank 0's alone (None on the
+    other ranks, which write nothing: module notes). A rank that learned its rank from the launcher
+    alone (torch.distributed not initialized, so its checks are its own) is warned that its records
+    are not written."""
+    rank, world, initialized = process_rank()
+    if RANK_FIELD in template:
+        return template.replace(RANK_FIELD, str(rank))
+    if world == 1 or rank == 0:
+        return template
+    if not initialized:
+        warnings.warn(
+            f"nanscan.{owner}: this process is rank {rank} of {world} by its launcher's RANK and WORLD_SIZE, but "
+            f"torch.distributed is not initialized, so its checks are its own; rank 0 alone writes {template}, "
+            f"and this rank's records are not written. Put {RANK_FIELD} in the path for a file per rank",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
+
+
+def check_writable(path: Path, owner: str, *, directory: bool = False) -> None:
+    """Refuses, when a sink is made, a path it could not write at its first record: a file where a
+    directory is wanted or the reverse, or one (or the nearest existing folder above it) it may not
+    write. Nothing is created (each rank's path is its own: ``{rank}`` is tried as 0)."""
+    path = Path(str(path).replace(RANK_FIELD, "0"))
+    if path.exists() and path.is_dir() != directory:
+        raise (NotADirectoryError if directory else IsADirectoryError)(
+            f"nanscan.{owner}: {path} is {'a file, not a directory' if directory else 'a directory, not a file'}"
+        )
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        raise NotADirectoryError(f"nanscan.{owner}: {path} lies under {existing}, a file")
+    if not os.access(existing, os.W_OK):
+        raise PermissionError(f"nanscan.{owner}: {path} cannot be written ({existing} is not writable)")
+
+
 class _FileSink:
-    """A sink that appends to a file it owns: opened at construction, flushed after each batch of
+    """A sink that appends to a file it owns: opened at its first record on the rank that writes it
+    (every rank, with ``{rank}`` in the path; else rank 0: module notes), flushed after each batch of
     records, closed with the recorder. An incomplete last line left by a killed process is cut off
-    first (with a warning)."""
+    when the file is opened (with a warning)."""
 
     def __init__(self, path: str | Path, newline: str | None = None) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _cut_incomplete_last_line(self.path, type(self).__name__)
-        self._file: IO[str] | None = self.path.open("a", newline=newline)
+        self.template = str(path)
+        check_writable(Path(path), type(self).__name__)
+        self._newline = newline
+        self._file: IO[str] | None = None
+        self._decided = False  # whether this process's path is known (at the first record)
+        self._closed = False
+        self.path: Path | None = None
+        """The file this process writes: None before the first record, and on a rank that writes none."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.path)!r})"
+        return f"{type(self).__name__}({self.template!r})"
 
-    def _open_file(self) -> IO[str]:
+    def _open_file(self) -> IO[str] | None:
+        """The file to append to, opened at the first call; None on a rank that writes none. A file
+        the sink refuses (``_opened`` raises) is closed again, and tried again at the next record, so
+        that each record's failure is said (the recorder warns of a failing sink), never skipped."""
+        if self._closed:
+            raise ValueError(f"nanscan.{type(self).__name__}: {self.template} is closed")
         if self._file is None:
-            raise ValueError(f"nanscan.{type(self).__name__}: {self.path} is closed")
+            if not self._decided:
+                chosen = ranked_path(self.template, type(self).__name__)
+                self.path, self._decided = (None if chosen is None else Path(chosen)), True
+            if self.path is None:
+                return None
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _cut_incomplete_last_line(self.path, type(self).__name__)
+            file = self.path.open("a", newline=self._newline)
+            try:
+                self._opened(file)
+            except BaseException:
+                file.close()
+                raise
+            self._file = file
         return self._file
+
+    def _opened(self, file: IO[str]) -> None:
+        """What a sink checks of, and writes first into, a file it has just opened (nothing, by
+        default); raising refuses the file."""
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
 
     def close(self) -> None:
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -106,6 +203,8 @@ class JSONLSink(_FileSink):
 
     def __call__(self, record: StepRecord) -> None:
         file = self._open_file()
+        if file is None:  # a rank that writes no file (module notes)
+            return
         # The watched modules: a record with activations names them; one without (no forward sampled
         # since the record before) is of the same recorder's layout, so its step line goes under the
         # modules last written, with "activations": null. Every record of a recorder with an update
@@ -175,23 +274,37 @@ class CSVSink(_FileSink):
     )
 
     def __init__(self, path: str | Path) -> None:
-        _cut_incomplete_last_line(Path(path), type(self).__name__)  # a header cut short goes too
-        new = not Path(path).exists() or Path(path).stat().st_size == 0
-        if not new:
-            with Path(path).open(newline="") as existing:
-                header = next(csv.reader(existing), [])
-            if tuple(header) != self.COLUMNS:
-                raise ValueError(
-                    f"nanscan.CSVSink: {path} has the columns {header}, not {list(self.COLUMNS)} (written by "
-                    "another nanscan version?); write to a new file"
-                )
         super().__init__(path, newline="")
-        self._writer = csv.writer(self._open_file())
-        if new:
+        if RANK_FIELD not in self.template:  # else each rank's file is looked at when it opens it
+            self._check_header(Path(path))
+        self._writer: Any = None
+
+    def _check_header(self, path: Path) -> bool:
+        """Whether ``path`` is new (absent or empty); a file with other columns is refused. A header
+        cut short does not count: the file is begun again (``_cut_incomplete_last_line``)."""
+        if not path.exists() or path.stat().st_size == 0:
+            return True
+        with path.open(newline="") as existing:
+            first = existing.readline()
+        if not first.endswith("\n"):
+            return True
+        header = next(csv.reader([first]), [])
+        if tuple(header) != self.COLUMNS:
+            raise ValueError(
+                f"nanscan.CSVSink: {path} has the columns {header}, not {list(self.COLUMNS)} (written by "
+                "another nanscan version?); write to a new file"
+            )
+        return False
+
+    def _opened(self, file: IO[str]) -> None:
+        assert self.path is not None
+        self._writer = csv.writer(file)
+        if self._check_header(self.path):
             self._writer.writerow(self.COLUMNS)
 
     def __call__(self, record: StepRecord) -> None:
-        self._open_file()
+        if self._open_file() is None:  # a rank that writes no file (module notes)
+            return
         totals = (
             record.total_norm,
             int(record.finite),

@@ -28,6 +28,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import nanscan
 
 CASES: dict[str, Callable[[int], None]] = {}
+SHARED: dict[str, Path] = {}
+"""``SHARED["out"]``: a directory every rank of the launch sees (its output directory; set by ``run``)."""
 
 
 def case(fn: Callable[[int], None]) -> Callable[[int], None]:
@@ -464,6 +466,7 @@ def ddp_nan_on_two_ranks_in_two_parameters(world: int) -> None:
 
 def run(rank: int, world: int, init: str, cases: list[str], out: str) -> None:
     """One process: joins the group, runs every case in order, writes '<case>\\t<error or empty>'."""
+    SHARED["out"] = Path(out)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     with Path(out, f"rank{rank}.tsv").open("w") as results:  # a line per case, as it ends
         for name in cases:
@@ -1054,6 +1057,42 @@ def recorder_names_the_pipeline_stages_of_a_nan(world: int) -> None:
     want = {f"stage{r}.bias": [r] for r in sorted({0, world - 1})}
     assert [r.nonfinite_ranks for r in records] == [{}, want, {}], [r.nonfinite_ranks for r in records]
     assert records[1].nonfinite_ranks == reports[1].nonfinite_ranks
+
+
+@case
+def file_sinks_write_the_run_once_or_once_per_rank(world: int) -> None:
+    """Every rank makes the same sinks, as a script run on every rank does: a path without ``{rank}``
+    is written by rank 0 alone (each step once, not once per rank interleaved), one with it by every
+    rank into its own file; a TensorBoard directory gets one event file."""
+    from nanscan.integrations.tensorboard import TensorBoardSink
+    from nanscan.records import read_jsonl
+    from nanscan.sinks import CSVSink, JSONLSink
+
+    rank, bad, folder = dist.get_rank(), world - 1, SHARED["out"] / "sinks"
+    model = ddp_model(attach=False)  # plain DDP: every rank's records hold the same all-reduced figures
+    poison = [False]
+    if rank == bad:
+        model.module[2].weight.register_hook(lambda g: g * math.nan if poison[0] else g)
+    shared, own = JSONLSink(folder / "run.jsonl"), JSONLSink(folder / "run-{rank}.jsonl")
+    table, board = CSVSink(folder / "run.csv"), TensorBoardSink(folder / "tb")
+    with nanscan.Recorder([shared, own, table, board], every=2, warn=False) as recorder:
+        for step in range(5):
+            model.zero_grad()
+            poison[0] = step == 3
+            backward(model, 12, seed=1 + step)
+            nanscan.check(model, recorder=recorder)
+    dist.barrier()  # every rank's files closed
+    assert (shared.path is None) == (rank != 0), f"rank {rank} of {world}: {shared.path}"
+    assert own.path == folder / f"run-{rank}.jsonl", own.path
+    for path in [folder / "run.jsonl", *(folder / f"run-{r}.jsonl" for r in range(world))]:
+        got = read_jsonl(path)
+        assert [r.step for r in got] == list(range(5)), f"{path.name}: steps {[r.step for r in got]}"
+        assert [r.finite for r in got] == [True, True, True, False, True], path.name
+    rows = (folder / "run.csv").read_text().splitlines()
+    assert rows[0].startswith("step,parameter") and len(rows) == 1 + 5 * 6, f"{len(rows)} lines: one header, 5 x 6 rows"
+    events = sorted(p.name for p in (folder / "tb").iterdir())
+    assert len(events) == 1 and events[0].startswith("events.out.tfevents"), events
+    dist.barrier()  # read everywhere before the next case
 
 
 if __name__ == "__main__":  # python tests/distributed_cases.py RANK WORLD INIT OUTDIR [CASE ...]

@@ -327,6 +327,61 @@ def test_a_sink_must_be_callable() -> None:
         nanscan.Recorder(["run.jsonl"])  # type: ignore[list-item]
 
 
+def record_two_steps(sinks: list[Any]) -> None:
+    m = model()
+    with nanscan.Recorder(sinks, every=1, warn=False) as recorder:
+        for step in range(2):
+            m.zero_grad()
+            backward(m, step)
+            nanscan.check(m, recorder=recorder)
+
+
+def test_a_file_sink_opens_its_file_at_its_first_record(tmp_path: Path) -> None:
+    """Made, a sink writes nothing (which rank writes is known only once the checks run: Lightning
+    starts torch.distributed after the script has made its sinks); its first record opens the file."""
+    jsonl, table = JSONLSink(tmp_path / "a" / "run.jsonl"), CSVSink(tmp_path / "run.csv")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "run.csv").exists() and jsonl.path is None
+    record_two_steps([jsonl, table])
+    assert [r.step for r in read_jsonl(tmp_path / "a" / "run.jsonl")] == [0, 1]
+    assert len((tmp_path / "run.csv").read_text().splitlines()) == 1 + 2 * 4
+    assert jsonl.path == tmp_path / "a" / "run.jsonl"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_launched_rank_without_torch_distributed_writes_only_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """A process that torchrun started as one of 2 but that never initialized torch.distributed (its
+    checks are its own): a shared path is rank 0's alone, and rank 1 is told its records are not
+    written there; ``{rank}`` gives it a file of its own."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shared, own, table = (
+        JSONLSink(tmp_path / "run.jsonl"),
+        JSONLSink(tmp_path / "run-{rank}.jsonl"),
+        CSVSink(tmp_path / "run.csv"),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record_two_steps([shared, own, table])
+    told = [str(w.message) for w in caught if "RANK and WORLD_SIZE" in str(w.message)]
+    assert len(told) == 2 * rank, told  # each shared-path sink, once
+    if rank:
+        assert "rank 1 of 2" in told[0] and "{rank}" in told[0]
+    assert (tmp_path / "run.jsonl").exists() == (rank == 0) == (tmp_path / "run.csv").exists()
+    assert [r.step for r in read_jsonl(tmp_path / f"run-{rank}.jsonl")] == [0, 1]
+    assert own.path == tmp_path / f"run-{rank}.jsonl"
+
+
+def test_a_sink_path_that_cannot_be_a_file_is_refused_when_the_sink_is_made(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(IsADirectoryError, match=r"JSONLSink: .* is a directory, not a file"):
+        JSONLSink(tmp_path)
+    with pytest.raises(NotADirectoryError, match=r"CSVSink: .*run.csv lies under .*a_file, a file"):
+        CSVSink(tmp_path / "a_file" / "run.csv")
+    assert (tmp_path / "a_file").read_text() == ""
+
+
 def test_a_sink_that_raises_does_not_get_a_record_twice() -> None:
     m = model()
     seen: list[int] = []

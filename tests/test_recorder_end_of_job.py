@@ -5,7 +5,6 @@ malformed is an error that names the file and line."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import math
@@ -248,15 +247,16 @@ def kill_in_the_middle_of_a_line(job: subprocess.Popen[str], path: Path, after: 
     (Linux ends a write to a regular file short when the process is killed: the line is cut where
     the kill met it). Whether the cut stayed: the write may have ended before the kill arrived."""
     deadline = time.monotonic() + timeout
-    with contextlib.suppress(FileNotFoundError):
-        while time.monotonic() < deadline and job.poll() is None:
-            with path.open("rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                if size > after:
-                    f.seek(size - 1)
-                    if f.read(1) != b"\n":
-                        job.kill()
-                        break
+    while time.monotonic() < deadline and job.poll() is None:
+        if not path.exists():  # the sink opens its file at its first record
+            continue
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size > after:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    job.kill()
+                    break
     job.kill()
     job.communicate(timeout=60)
     return not path.read_bytes().endswith(b"\n")
@@ -369,27 +369,31 @@ def test_a_sink_appending_to_a_cut_file_removes_the_cut_line_first(tmp_path: Pat
     warning naming it), so the file reads whole, with no damaged line in its middle."""
     path, lines = _two_step_file(tmp_path)
     path.write_text("".join(lines[:3]) + lines[3][:25])
+    model = torch.nn.Linear(3, 2)
+
+    def one_record(sink: JSONLSink | CSVSink) -> None:
+        with nanscan.Recorder([sink], warn=False) as recorder:
+            model(torch.randn(2, 3)).sum().backward()
+            nanscan.check(model, recorder=recorder)
+
+    sink = JSONLSink(path)
+    assert path.read_text().endswith(lines[3][:25]), "a sink opens its file at its first record, not when made"
     with pytest.warns(RuntimeWarning, match=r"JSONLSink: .*run.jsonl:4 was cut short \(25 bytes"):
-        sink = JSONLSink(path)
-    with nanscan.Recorder([sink], warn=False) as recorder:
-        model = torch.nn.Linear(3, 2)
-        model(torch.randn(2, 3)).sum().backward()
-        nanscan.check(model, recorder=recorder)
+        one_record(sink)
     assert [r.step for r in read_jsonl(path)] == [0, 1, 0]
     # CSV: a row cut short goes; so does a header cut short (the file is begun again).
     csv_path = tmp_path / "run.csv"
-    with nanscan.Recorder([CSVSink(csv_path)], warn=False) as recorder:
-        model(torch.randn(2, 3)).sum().backward()
-        nanscan.check(model, recorder=recorder)
+    one_record(CSVSink(csv_path))
     rows = csv_path.read_text().splitlines(keepends=True)
     csv_path.write_text("".join(rows[:2]) + rows[2][:9])
     with pytest.warns(RuntimeWarning, match=r"CSVSink: .*run.csv:3 was cut short \(9 bytes"):
-        CSVSink(csv_path).close()
-    assert csv_path.read_text() == "".join(rows[:2])
+        one_record(CSVSink(csv_path))
+    assert csv_path.read_text().splitlines(keepends=True)[:2] == rows[:2]
+    assert len(csv_path.read_text().splitlines()) == 2 + 2, "the cut row gone, the new step's two rows after"
     csv_path.write_text(rows[0][:30])
     with pytest.warns(RuntimeWarning, match=r"run.csv:1 was cut short"):
-        CSVSink(csv_path).close()
-    assert csv_path.read_text() == rows[0]
+        one_record(CSVSink(csv_path))
+    assert csv_path.read_text().splitlines(keepends=True)[0] == rows[0]
 
 
 def test_the_job_script_runs_to_its_end(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ written, then the event files are read back with TensorBoard's own EventAccumula
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -195,3 +196,30 @@ def test_a_single_process_rank_0_is_not_logged_as_a_rank() -> None:
     sink(dataclasses.replace(bad, nonfinite_ranks={"h.0.ln_1.weight": [0]}))  # what a single process records
     assert [tag for tag, _, _ in writer.scalars if "nonfinite_rank/" in tag] == []
     assert ("nanscan/nonfinite_parameters", 1.0, 1) in writer.scalars
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_log_directory_is_opened_at_the_first_record_on_the_rank_that_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """Made, the sink creates nothing; its first record opens the writer, on rank 0 of a launched
+    world (here torchrun's RANK/WORLD_SIZE without torch.distributed) or, with ``{rank}`` in the
+    directory, on every rank in its own."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shared, own = TensorBoardSink(tmp_path / "tb"), TensorBoardSink(tmp_path / "tb-{rank}")
+    assert not list(tmp_path.iterdir()) and shared.writer is None
+    with pytest.warns(RuntimeWarning, match="rank 1 of 2") if rank else contextlib.nullcontext():
+        for sink in (shared, own):
+            sink(record(0, names_of(1)))
+            sink.close()
+    assert (shared.writer is None) == (rank == 1) and sorted(p.name for p in tmp_path.iterdir()) == (
+        [f"tb-{rank}"] if rank else ["tb", "tb-0"]
+    )
+    assert "nanscan/total_norm" in read_back(tmp_path / f"tb-{rank}").Tags()["scalars"]
+
+
+def test_a_log_directory_that_is_a_file_is_refused_when_the_sink_is_made(tmp_path: Path) -> None:
+    (tmp_path / "tb").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"TensorBoardSink: .*tb is a file, not a directory"):
+        TensorBoardSink(tmp_path / "tb")

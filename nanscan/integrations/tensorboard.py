@@ -50,6 +50,7 @@ import numpy as np
 
 from ..layers import MAX_GROUPS, Group, group_layers, group_norms
 from ..records import StepRecord
+from ..sinks import check_writable, process_rank, ranked_path
 from ._logging import parameters_by_rank
 
 
@@ -89,13 +90,19 @@ class TensorBoardSink:
         histograms: bool = True,
         global_step: Callable[[StepRecord], int] | None = None,
     ) -> None:
+        self._writer: Writer | None = None
+        self._summary_writer: Callable[[str | None], Writer] | None = None
+        self._log_dir: str | None = None
         if log_dir_or_writer is None or isinstance(log_dir_or_writer, (str, Path)):
-            summary_writer = _summary_writer_class()
-            self.writer: Writer = summary_writer(None if log_dir_or_writer is None else str(log_dir_or_writer))
-            self._owns_writer = True
+            # Opened at the first record, on the rank that writes (nanscan.sinks' notes): rank 0 of a
+            # world, or each rank with {rank} in the directory.
+            self._summary_writer = _summary_writer_class()  # a missing TensorBoard said now, not then
+            if log_dir_or_writer is not None:
+                self._log_dir = str(log_dir_or_writer)
+                check_writable(Path(self._log_dir), "TensorBoardSink", directory=True)
         else:
-            self.writer = log_dir_or_writer
-            self._owns_writer = False
+            self._writer = log_dir_or_writer
+        self._owns_writer = self._writer is None
         self.prefix = prefix
         self.per_parameter = per_parameter
         self.histograms = histograms
@@ -103,9 +110,29 @@ class TensorBoardSink:
         self._closed = False
         self._layer_cache: dict[str, tuple[Sequence[str], list[Group]]] = {}
 
+    @property
+    def writer(self) -> Writer | None:
+        """Where the records go, the writer given or the one the sink opened at its first record; None
+        before it, and on a rank that writes none."""
+        return self._writer
+
+    def _open(self) -> Writer | None:
+        if self._writer is None and self._summary_writer is not None:
+            make, self._summary_writer = self._summary_writer, None  # decided once
+            if self._log_dir is None:
+                rank, world, _ = process_rank()
+                self._writer = make(None) if rank == 0 or world == 1 else None
+            else:
+                log_dir = ranked_path(self._log_dir, "TensorBoardSink")
+                self._writer = None if log_dir is None else make(log_dir)
+        return self._writer
+
     def __call__(self, record: StepRecord) -> None:
         if self._closed:
             raise ValueError("nanscan.TensorBoardSink: the sink is closed")
+        writer = self._open()
+        if writer is None:  # a rank that writes none
+            return
         step = record.step if self._global_step is None else self._global_step(record)
         gradients = record.subject == "gradients"
         prefix = self.prefix if gradients else f"{self.prefix}/state"
@@ -137,12 +164,12 @@ class TensorBoardSink:
             )
         ratio = None if record.updates is None else self._update_scalars(record, scalars)
         for tag, value in scalars.items():
-            self.writer.add_scalar(f"{prefix}/{tag}", value, step)
+            writer.add_scalar(f"{prefix}/{tag}", value, step)
         if self.histograms:
-            self._write_histogram(f"{prefix}/log10_{what}_norm", norm, step)
-            self.writer.add_scalar(f"{prefix}/nonfinite_norms", float(np.count_nonzero(~np.isfinite(norm))), step)
+            _write_histogram(writer, f"{prefix}/log10_{what}_norm", norm, step)
+            writer.add_scalar(f"{prefix}/nonfinite_norms", float(np.count_nonzero(~np.isfinite(norm))), step)
             if ratio is not None:
-                self._write_histogram(f"{prefix}/log10_update_ratio", ratio, step)
+                _write_histogram(writer, f"{prefix}/log10_update_ratio", ratio, step)
 
     def _update_scalars(self, record: StepRecord, scalars: dict[str, float]) -> np.ndarray[Any, np.dtype[np.float64]]:
         """Adds a record's update-ratio tags to ``scalars``; returns the per-parameter ratios."""
@@ -167,17 +194,21 @@ class TensorBoardSink:
         return self.per_parameter if self.per_parameter is not None else len(names) <= MAX_GROUPS
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         """Closes the writer the sink opened; flushes one it was given (its owner closes that)."""
         if self._closed:
             return
         self._closed = True
+        self._summary_writer = None
+        if self._writer is None:
+            return
         if self._owns_writer:
-            self.writer.close()
+            self._writer.close()
         else:
-            self.writer.flush()
+            self._writer.flush()
 
     def _layers_of(self, key: str, names: Sequence[str]) -> list[Group]:
         """The layers of a list of names (``key``: which list: the norms' or the updates'). A recorder
@@ -188,12 +219,13 @@ class TensorBoardSink:
         self._layer_cache[key] = (names, cached[1])
         return cached[1]
 
-    def _write_histogram(self, tag: str, values: np.ndarray[Any, np.dtype[np.float64]], step: int) -> None:
-        # log10 of 0 has no bin: a zero (a parameter whose gradient is all zeros, a weight that did
-        # not move) is left out, as are NaN and Inf.
-        positive = values[np.isfinite(values) & (values > 0)]
-        if positive.size:
-            self.writer.add_histogram(tag, np.log10(positive), step)
+
+def _write_histogram(writer: Writer, tag: str, values: np.ndarray[Any, np.dtype[np.float64]], step: int) -> None:
+    # log10 of 0 has no bin: a zero (a parameter whose gradient is all zeros, a weight that did not
+    # move) is left out, as are NaN and Inf.
+    positive = values[np.isfinite(values) & (values > 0)]
+    if positive.size:
+        writer.add_histogram(tag, np.log10(positive), step)
 
 
 def _summary_writer_class() -> Callable[[str | None], Writer]:
@@ -213,6 +245,5 @@ __all__ = ["TensorBoardSink", "Writer"]
 
 def _in_a_world() -> bool:
     """Whether this process is one rank of a distributed world of more than one."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    _, world, initialized = process_rank()
+    return initialized and world > 1
