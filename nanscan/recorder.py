@@ -788,6 +788,41 @@ class Recorder:
             for note in notes:
                 _warn(note)
 
+    @_guarded
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process: Lightning's ``strategy="ddp_spawn"`` pickles the Trainer, its
+        callbacks and their recorder into each process it starts. The records so far are read out
+        first, so that the copy starts with none unread (no record reaches a sink twice), and the
+        copy gets no device buffer: it makes its own at its first append, its records numbered on
+        from this one's (``torch.multiprocessing`` would otherwise share the buffer's memory among the
+        copies). Its sinks are copied too (a file sink reopens its file in the new process, which
+        decides anew which rank writes it: nanscan.sinks). A recorder with an activation or update
+        watch is refused: the watch's hooks hold the model and the optimizer, which belong to the
+        process that trains them; watch them in that process."""
+        if self.activations is not None or self.updates is not None:
+            raise TypeError(
+                "nanscan.Recorder: a recorder with an activation or update watch cannot be copied into another "
+                "process (Lightning's ddp_spawn pickles its callbacks): make the watch and its recorder in the "
+                "process that trains, or use strategy='ddp'"
+            )
+        self.flush(wait=True)
+        state = self.__dict__.copy()
+        del state["_lock"]
+        ring = state.pop("_ring")
+        state.update(_ring=None, _pending=None, _nonfinite_steps=None, _busy_in=None, _read_soon=False, _appended=0)
+        if ring is not None:
+            state["_next_step"] = ring.decoded
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        self._pid = os.getpid()  # this process's recorder now: SIGTERM and exit read it out here
+        if not self._closed:
+            _open_recorders.add(self)
+            _sigterm.install()
+            weakref.finalize(self, _restore_if_none_open)
+
     def __enter__(self) -> Recorder:
         return self
 

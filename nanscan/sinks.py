@@ -13,10 +13,11 @@ as the frameworks' loggers do: where the checks reduce across ranks (DTensors, F
 ``process_group``) or DDP has all-reduced the gradients, every rank's records hold the model's
 figures, and one file of them is the run's record. A path holding ``{rank}`` (``"run-{rank}.jsonl"``)
 gives each rank a file of its own instead, for checks that each rank makes of its own gradients
-(pipeline stages checked without ``process_group``). Which rank a process is, is decided at its
-first record, when the checks have initialized torch.distributed (Lightning launches its ranks
-before it initializes it); so a file is opened, and a damaged last line cut off, at the first
-record, not when the sink is made.
+(pipeline stages checked without ``process_group``). A sink opens its file (and cuts off a damaged
+last line) when it is made if the process's rank is known then (torch.distributed initialized, or
+torchrun's ``RANK`` and ``WORLD_SIZE``); otherwise at its first record, by when the checks have
+initialized torch.distributed (Lightning's DDP starts its ranks, and a script makes its sinks,
+before Lightning initializes it).
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def process_rank() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
+def rank_known_now() -> bool:
+    """Whether this process's rank is known already: torch.distributed initialized, or a launcher's
+    ``RANK`` and ``WORLD_SIZE`` (torchrun) set."""
+    return process_rank()[2] or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def ranked_path(template: str, owner: str) -> str | None:
     """The path that this process writes for a sink given ``template``: ``{rank}`` replaced by its
     rank; a template without ``{rank}`` in a world of more than one rank, rank 0's alone (None on the
@@ -115,7 +122,7 @@ def ranked_path(template: str, owner: str) -> str | None:
 
 
 def check_writable(path: Path, owner: str, *, directory: bool = False) -> None:
-    """Refuses, when a sink is made, a path it could not write at its first record: a file where a
+    """Refuses, when a sink is made, a path it could not write when it opens it: a file where a
     directory is wanted or the reverse, or one (or the nearest existing folder above it) it may not
     write. Nothing is created (each rank's path is its own: ``{rank}`` is tried as 0)."""
     path = Path(str(path).replace(RANK_FIELD, "0"))
@@ -133,20 +140,27 @@ def check_writable(path: Path, owner: str, *, directory: bool = False) -> None:
 
 
 class _FileSink:
-    """A sink that appends to a file it owns: opened at its first record on the rank that writes it
-    (every rank, with ``{rank}`` in the path; else rank 0: module notes), flushed after each batch of
-    records, closed with the recorder. An incomplete last line left by a killed process is cut off
-    when the file is opened (with a warning)."""
+    """A sink that appends to a file it owns, on the rank that writes it (every rank, with ``{rank}``
+    in the path; else rank 0): opened when made where the rank is known then, else at its first
+    record (module notes), flushed after each batch of records, closed with the recorder. An
+    incomplete last line left by a killed process is cut off when the file is opened (with a
+    warning)."""
 
     def __init__(self, path: str | Path, newline: str | None = None) -> None:
         self.template = str(path)
         check_writable(Path(path), type(self).__name__)
         self._newline = newline
         self._file: IO[str] | None = None
-        self._decided = False  # whether this process's path is known (at the first record)
+        self._decided = False  # whether this process's path is known
         self._closed = False
         self.path: Path | None = None
-        """The file this process writes: None before the first record, and on a rank that writes none."""
+        """The file this process writes: None before it is opened, and on a rank that writes none."""
+        # Opened now where the rank is known, as every sink was before ranks mattered. A file opened
+        # later is also what torch's gloo tolerated worst at exit: a process that leaves its group to
+        # the interpreter's end (as the Hugging Face Trainer does) aborted there in about half of the
+        # runs with the files opened at the first record, one in ten as now (pytorch/pytorch#190489).
+        if rank_known_now():
+            self._open_file()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.template!r})"
@@ -178,6 +192,15 @@ class _FileSink:
         """What a sink checks of, and writes first into, a file it has just opened (nothing, by
         default); raising refuses the file."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (Lightning's ddp_spawn pickles the callbacks, and a recorder's
+        sinks with them): flushed, then copied unopened, so that the new process decides which rank
+        writes and opens the file itself."""
+        self.flush()
+        state = self.__dict__.copy()
+        state.update(_file=None, _decided=False, path=None)
+        return state
+
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
@@ -200,6 +223,9 @@ class JSONLSink(_FileSink):
         self._update_names: Sequence[str] | None = None
         self._subject = "gradients"
         self._layout_written = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return super().__getstate__() | {"_layout_written": False}  # a new process's lines begin with one
 
     def __call__(self, record: StepRecord) -> None:
         file = self._open_file()
@@ -274,10 +300,10 @@ class CSVSink(_FileSink):
     )
 
     def __init__(self, path: str | Path) -> None:
-        super().__init__(path, newline="")
-        if RANK_FIELD not in self.template:  # else each rank's file is looked at when it opens it
+        self._writer: Any = None  # set when the file is opened (perhaps by the base's constructor)
+        if RANK_FIELD not in str(path):  # else each rank's file is looked at when it opens it
             self._check_header(Path(path))
-        self._writer: Any = None
+        super().__init__(path, newline="")
 
     def _check_header(self, path: Path) -> bool:
         """Whether ``path`` is new (absent or empty); a file with other columns is refused. A header
@@ -295,6 +321,9 @@ class CSVSink(_FileSink):
                 "another nanscan version?); write to a new file"
             )
         return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return super().__getstate__() | {"_writer": None}
 
     def _opened(self, file: IO[str]) -> None:
         assert self.path is not None

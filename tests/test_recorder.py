@@ -353,22 +353,24 @@ def test_a_launched_rank_without_torch_distributed_writes_only_its_own_file(
 ) -> None:
     """A process that torchrun started as one of 2 but that never initialized torch.distributed (its
     checks are its own): a shared path is rank 0's alone, and rank 1 is told its records are not
-    written there; ``{rank}`` gives it a file of its own."""
+    written there; ``{rank}`` gives it a file of its own. The rank is known from the start here, so
+    the files are opened when the sinks are made."""
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    shared, own, table = (
-        JSONLSink(tmp_path / "run.jsonl"),
-        JSONLSink(tmp_path / "run-{rank}.jsonl"),
-        CSVSink(tmp_path / "run.csv"),
-    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        shared, own = JSONLSink(tmp_path / "run.jsonl"), JSONLSink(tmp_path / "run-{rank}.jsonl")
+        table = CSVSink(tmp_path / "run.csv")
+        assert own.path == tmp_path / f"run-{rank}.jsonl" and own.path.exists(), "opened when made"
         record_two_steps([shared, own, table])
     told = [str(w.message) for w in caught if "RANK and WORLD_SIZE" in str(w.message)]
     assert len(told) == 2 * rank, told  # each shared-path sink, once
     if rank:
         assert "rank 1 of 2" in told[0] and "{rank}" in told[0]
     assert (tmp_path / "run.jsonl").exists() == (rank == 0) == (tmp_path / "run.csv").exists()
+    if rank == 0:  # a sink opened when made writes what a sink opened at its first record does
+        assert [r.step for r in read_jsonl(tmp_path / "run.jsonl")] == [0, 1]
+        assert len((tmp_path / "run.csv").read_text().splitlines()) == 1 + 2 * 4
     assert [r.step for r in read_jsonl(tmp_path / f"run-{rank}.jsonl")] == [0, 1]
     assert own.path == tmp_path / f"run-{rank}.jsonl"
 
@@ -380,6 +382,47 @@ def test_a_sink_path_that_cannot_be_a_file_is_refused_when_the_sink_is_made(tmp_
     with pytest.raises(NotADirectoryError, match=r"CSVSink: .*run.csv lies under .*a_file, a file"):
         CSVSink(tmp_path / "a_file" / "run.csv")
     assert (tmp_path / "a_file").read_text() == ""
+
+
+def test_a_pickled_recorder_records_on_from_its_original_into_the_same_files(tmp_path: Path) -> None:
+    """Lightning's ddp_spawn pickles the callbacks, and their recorder, into the processes it starts:
+    the copy starts with no record unread (the original's were read out first, once), its own
+    device buffer (none shared with the original's: torch.multiprocessing would share tensors'
+    memory), its records numbered on, and its sinks reopening their files in its process."""
+    import pickle
+
+    m = model()
+    jsonl, table = JSONLSink(tmp_path / "run.jsonl"), CSVSink(tmp_path / "run.csv")
+    original = nanscan.Recorder([jsonl, table], every=10, warn=False)
+    for step in range(3):
+        m.zero_grad()
+        backward(m, step)
+        nanscan.check(m, recorder=original)
+    copy = pickle.loads(pickle.dumps(original))
+    assert original.read == 3 and copy.read == 3, "read out before the copy, so no record reaches a sink twice"
+    assert copy._ring is None and copy.sinks[0] is not jsonl
+    for step in range(3, 5):
+        m.zero_grad()
+        backward(m, step)
+        nanscan.check(m, recorder=copy)
+    copy.close()
+    original.close()
+    assert [r.step for r in read_jsonl(tmp_path / "run.jsonl")] == [0, 1, 2, 3, 4]
+    rows = (tmp_path / "run.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and [row.split(",")[0] for row in rows[1:]] == [
+        str(k) for k in range(5) for _ in range(4)
+    ]
+
+
+def test_a_recorder_with_a_watch_is_not_pickled() -> None:
+    import pickle
+
+    m = model()
+    refused = pytest.raises(
+        TypeError, match=r"with an activation or update watch cannot be copied into another process"
+    )
+    with nanscan.watch_activations(m) as watch, nanscan.Recorder(activations=watch, warn=False) as recorder, refused:
+        pickle.dumps(recorder)
 
 
 def test_a_sink_that_raises_does_not_get_a_record_twice() -> None:

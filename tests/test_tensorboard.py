@@ -198,24 +198,33 @@ def test_a_single_process_rank_0_is_not_logged_as_a_rank() -> None:
     assert ("nanscan/nonfinite_parameters", 1.0, 1) in writer.scalars
 
 
+def test_a_log_directory_is_opened_at_the_first_record_where_the_rank_is_not_known_before(tmp_path: Path) -> None:
+    """Made in a process that does not know yet whether it is one rank of several (Lightning's DDP
+    starts torch.distributed after the script has made its sinks), the sink creates nothing; its
+    first record opens the writer."""
+    sink = TensorBoardSink(tmp_path / "tb")
+    assert not list(tmp_path.iterdir()) and sink.writer is None
+    sink(record(0, names_of(1)))
+    sink.close()
+    assert sink.writer is not None and "nanscan/total_norm" in read_back(tmp_path / "tb").Tags()["scalars"]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_log_directory_is_opened_at_the_first_record_on_the_rank_that_writes(
+def test_a_log_directory_is_written_by_rank_0_or_by_every_rank_with_the_rank_field(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
 ) -> None:
-    """Made, the sink creates nothing; its first record opens the writer, on rank 0 of a launched
-    world (here torchrun's RANK/WORLD_SIZE without torch.distributed) or, with ``{rank}`` in the
-    directory, on every rank in its own."""
+    """A rank of a launched world (here torchrun's RANK/WORLD_SIZE without torch.distributed, so its
+    rank is known when the sink is made, and the writer opened then): a shared directory is rank
+    0's alone (rank 1 is told), and ``{rank}`` gives each rank one of its own."""
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    shared, own = TensorBoardSink(tmp_path / "tb"), TensorBoardSink(tmp_path / "tb-{rank}")
-    assert not list(tmp_path.iterdir()) and shared.writer is None
     with pytest.warns(RuntimeWarning, match="rank 1 of 2") if rank else contextlib.nullcontext():
-        for sink in (shared, own):
-            sink(record(0, names_of(1)))
-            sink.close()
-    assert (shared.writer is None) == (rank == 1) and sorted(p.name for p in tmp_path.iterdir()) == (
-        [f"tb-{rank}"] if rank else ["tb", "tb-0"]
-    )
+        shared, own = TensorBoardSink(tmp_path / "tb"), TensorBoardSink(tmp_path / "tb-{rank}")
+    assert (shared.writer is None) == (rank == 1) and own.writer is not None
+    for sink in (shared, own):
+        sink(record(0, names_of(1)))
+        sink.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([f"tb-{rank}"] if rank else ["tb", "tb-0"])
     assert "nanscan/total_norm" in read_back(tmp_path / f"tb-{rank}").Tags()["scalars"]
 
 

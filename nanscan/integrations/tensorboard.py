@@ -50,7 +50,7 @@ import numpy as np
 
 from ..layers import MAX_GROUPS, Group, group_layers, group_norms
 from ..records import StepRecord
-from ..sinks import check_writable, process_rank, ranked_path
+from ..sinks import check_writable, process_rank, rank_known_now, ranked_path
 from ._logging import parameters_by_rank
 
 
@@ -94,8 +94,8 @@ class TensorBoardSink:
         self._summary_writer: Callable[[str | None], Writer] | None = None
         self._log_dir: str | None = None
         if log_dir_or_writer is None or isinstance(log_dir_or_writer, (str, Path)):
-            # Opened at the first record, on the rank that writes (nanscan.sinks' notes): rank 0 of a
-            # world, or each rank with {rank} in the directory.
+            # Opened on the rank that writes (nanscan.sinks' notes): rank 0 of a world, or each rank
+            # with {rank} in the directory; now if the rank is known, else at the first record.
             self._summary_writer = _summary_writer_class()  # a missing TensorBoard said now, not then
             if log_dir_or_writer is not None:
                 self._log_dir = str(log_dir_or_writer)
@@ -109,11 +109,14 @@ class TensorBoardSink:
         self._global_step = global_step
         self._closed = False
         self._layer_cache: dict[str, tuple[Sequence[str], list[Group]]] = {}
+        if self._owns_writer and rank_known_now():
+            self._open()
 
     @property
     def writer(self) -> Writer | None:
-        """Where the records go, the writer given or the one the sink opened at its first record; None
-        before it, and on a rank that writes none."""
+        """Where the records go, the writer given or the one the sink opened; None before it opens one
+        (at its first record where the rank was not known when it was made), and on a rank that
+        writes none."""
         return self._writer
 
     def _open(self) -> Writer | None:
@@ -192,6 +195,17 @@ class TensorBoardSink:
 
     def _per_parameter(self, names: Sequence[str]) -> bool:
         return self.per_parameter if self.per_parameter is not None else len(names) <= MAX_GROUPS
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (Lightning's ddp_spawn pickles the callbacks, and a recorder's
+        sinks with them): a writer the sink opened is flushed and left behind, and the copy opens its
+        own in the new process, on the rank that writes; a writer given to the sink is copied as pickle
+        copies it (a ``SummaryWriter`` cannot be)."""
+        state = self.__dict__.copy()
+        if self._owns_writer:
+            self.flush()
+            state.update(_writer=None, _summary_writer=_summary_writer_class())
+        return state
 
     def flush(self) -> None:
         if self._writer is not None:
