@@ -1,12 +1,13 @@
 """A Lightning script for tests/test_launchers.py: NanscanCallback under Lightning's own DDP launcher.
 
-    python tests/launched_lightning.py OUTDIR STRATEGY    # STRATEGY: ddp (or ddp_spawn)
+    python tests/launched_lightning.py OUTDIR STRATEGY [attach]    # STRATEGY: ddp (or ddp_spawn)
 
 It fits a tiny model with ``Trainer(accelerator="cpu", devices=2, strategy=STRATEGY)``, as a user's
 script would: with ``ddp`` Lightning's subprocess launcher runs this same command again for rank 1
 (the test starts only rank 0), and the two ranks form a gloo group. Rank ``NAN_RANK`` multiplies its
 loss by NaN at step ``NAN_STEP``; DDP's all-reduce in the backward spreads the NaN to the other rank's
-gradients, so both ranks must skip that step, and end with the same weights.
+gradients, so both ranks must skip that step, and end with the same weights. With ``attach`` the
+callback attaches nanscan's DDP hook (``attach_ddp=True``), and its records name rank ``NAN_RANK``.
 
 The callback's Recorder writes the records to OUTDIR/run.jsonl (one path for every rank, as a user
 writes it) and OUTDIR/run-{rank}.jsonl (one file per rank), and to a sink of this script that keeps
@@ -83,9 +84,12 @@ class Keep:
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, str, bool]] = []
+        self.ranks: dict[int, dict[str, list[int]]] = {}  # per non-finite step, the ranks named
 
     def __call__(self, record: StepRecord) -> None:
         self.seen.append((record.step, float(record.total_norm).hex(), record.skipped))
+        if not record.finite:
+            self.ranks[record.step] = dict(record.nonfinite_ranks or {})
 
 
 class Report(Callback):
@@ -111,19 +115,20 @@ class Report(Callback):
             "first_input": getattr(pl_module, "first_input", ""),
             "planted": getattr(pl_module, "planted", False),
             "records": self.keep.seen,
+            "nonfinite_ranks": self.keep.ranks,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
-    out, strategy = Path(sys.argv[1]), sys.argv[2]
+    out, strategy, attach = Path(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["attach"]
     torch.manual_seed(0)
     keep = Keep()
     recorder = nanscan.Recorder(
         every=4,  # one read in the middle, the rest at the end of the fit
         sinks=[nanscan.sinks.JSONLSink(out / "run.jsonl"), nanscan.sinks.JSONLSink(out / "run-{rank}.jsonl"), keep],
     )
-    callback = NanscanCallback(max_norm=1.0, recorder=recorder)
+    callback = NanscanCallback(max_norm=1.0, recorder=recorder, attach_ddp=attach)
     trainer = Trainer(
         accelerator="cpu",
         devices=WORLD,

@@ -400,3 +400,47 @@ def test_pytorch_lightning_namespace() -> None:
     assert torch.equal(steps.weights[0], steps.weights[1]), "the NaN step was taken"
     assert not torch.equal(steps.weights[1], steps.weights[2])
     assert torch.isfinite(steps.weights[2]).all()
+
+
+def test_attach_ddp_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"attach_ddp must be True or False, got 'yes'"):
+        NanscanCallback(attach_ddp="yes")  # type: ignore[arg-type]
+
+
+def test_attach_ddp_refuses_a_ddp_model_with_a_comm_hook_and_leaves_other_models(world_of_one: None) -> None:
+    """DDP takes one comm hook: one set by ``DDPStrategy(ddp_comm_hook=...)`` is refused by name; a
+    model that is not DDP (a single device) is left alone; a model attached already is not attached
+    again (a second fit)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from nanscan.integrations.lightning import _attach_ddp
+    from nanscan.layouts import ddp
+
+    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    hooked.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(ValueError, match=r"has a comm hook already \(DDPStrategy\(ddp_comm_hook=\.\.\.\)\)"):
+        _attach_ddp(hooked)
+    plain = torch.nn.Linear(4, 2)
+    _attach_ddp(plain)
+    assert ddp.wrapper_of(plain) is None
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    _attach_ddp(model)
+    scanner = ddp.scanner_of(model)
+    _attach_ddp(model)
+    assert scanner is not None and ddp.scanner_of(model) is scanner and ddp.wrapper_of(model.module) is model
+
+
+def test_the_module_inside_an_attached_ddp_model_is_checked_as_the_ddp_model(world_of_one: None) -> None:
+    """What the callback holds is the module inside DDP: once the hook is attached, a check of that
+    module is the DDP model's (its report carries the rank attribution), and inside ``no_sync()`` it
+    is refused as the DDP model's is."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    nanscan.ddp.attach(model)
+    model(torch.randn(3, 4)).sum().backward()
+    report = nanscan.check(model.module)
+    assert report.finite and report.nonfinite_ranks == {} and report.names == ["weight", "bias"]
+    assert report._values()["attribution"] is not None, "the DDP hook's attribution, as check(model) has it"
+    with model.no_sync():
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(ValueError, match=r"inside no_sync\(\)"):
+            nanscan.check(model.module)

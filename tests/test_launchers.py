@@ -97,10 +97,10 @@ def launch(command: list[str], out: Path) -> Launch:
     return Launch(out, ranks, log, seconds)
 
 
-def lightning(out: Path, strategy: str) -> Launch:
+def lightning(out: Path, strategy: str, *options: str) -> Launch:
     pytest.importorskip("lightning")
     script = str(ROOT / "tests" / "launched_lightning.py")
-    return launch([sys.executable, script, str(out), strategy], out)
+    return launch([sys.executable, script, str(out), strategy, *options], out)
 
 
 def torchrun(script: str, out: Path) -> Launch:
@@ -115,7 +115,8 @@ def torchrun(script: str, out: Path) -> Launch:
 def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launch:
     out = tmp_path_factory.mktemp(request.param)
     framework = request.param.partition("-")[0]
-    run = lightning(out, "ddp") if framework == "lightning" else torchrun(f"launched_{framework}.py", out)
+    # Lightning's DDP with the callback's DDP hook attached (attach_ddp=True); ddp_spawn, below, without.
+    run = lightning(out, "ddp", "attach") if framework == "lightning" else torchrun(f"launched_{framework}.py", out)
     print(f"{request.param}: {run.seconds:.1f} s")  # (shown with pytest -s)
     return run
 
@@ -187,6 +188,18 @@ def test_a_check_inside_no_sync_is_refused_on_every_rank(launched: Launch) -> No
             f"rank {result['rank']}: {len(refusals)} refusals, one per micro-batch in no_sync"
         )
         assert all("inside no_sync()" in text for text in refusals), refusals[0]
+
+
+def test_the_rank_that_made_the_nan_is_named_where_the_ddp_hook_is_attached(launched: Launch) -> None:
+    """Lightning's callback with ``attach_ddp=True``: every rank's records name rank 1 alone, for
+    every parameter, though the all-reduce left the NaN in every rank's gradients."""
+    if "nonfinite_ranks" not in launched.ranks[0]:
+        pytest.skip("the Trainer and the Accelerate loop hold no DDP hook")
+    for result in launched.ranks:
+        named = result["nonfinite_ranks"]
+        assert list(named) == [str(NAN_STEP)], f"rank {result['rank']}: non-finite records {list(named)}"
+        ranks = named[str(NAN_STEP)]
+        assert ranks and all(r == [1] for r in ranks.values()), f"rank {result['rank']} named {ranks}"
 
 
 def test_lightning_ddp_spawn(tmp_path: Path) -> None:

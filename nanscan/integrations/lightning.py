@@ -17,6 +17,16 @@ wraps every optimizer's step at ``on_train_start``, before the first step. Under
 shows nanscan the root (``trainer.strategy.model``) and checks the optimizer's parameters, reduced
 over the ranks that shard them (nanscan.layouts.fsdp1).
 
+Which rank made a NaN, under Lightning's DDP (``strategy="ddp"``, ``"ddp_spawn"``): DDP's all-reduce
+spreads a NaN from one rank to every rank before the check, so each rank names itself
+(``nanscan.layouts.ddp``). With ``attach_ddp=True`` the callback attaches nanscan's DDP comm hook
+(``nanscan.ddp.attach``) to the Trainer's DDP model at ``on_train_start``, before the first backward,
+and the records name the rank whose own gradients held the NaN. It costs one more read of the
+gradients per step (the hook's scan of each bucket) and one small all-reduce per check. DDP takes one
+comm hook: with ``DDPStrategy(ddp_comm_hook=...)`` it is refused. Under other strategies it does
+nothing. The rank is named where the optimizer holds every trainable parameter of the module (the
+callback then checks the module; a check of some of its parameters names no rank).
+
 Clipping twice is refused: a Trainer with ``gradient_clip_val`` and a callback with ``max_norm``
 raise ValueError at setup. A LightningModule that clips in its own ``configure_gradient_clipping``
 cannot be seen from here; it would clip after nanscan. With ``16-mixed`` and a fused optimizer,
@@ -65,7 +75,7 @@ import torch
 
 from .. import layouts
 from ..guard import SkipGuard
-from ..layouts import fsdp1
+from ..layouts import ddp, fsdp1
 from ._logging import CheckingCallback, record_metrics, worth_logging
 
 if TYPE_CHECKING:
@@ -109,6 +119,8 @@ class NanscanCallback(Callback, CheckingCallback):
             steps (module notes); None: never.
         state_recorder: a ``nanscan.Recorder`` (not ``recorder``) for the state checks' reports;
             without one a state check warns on a NaN/Inf (one sync).
+        attach_ddp: under Lightning's DDP, attach nanscan's DDP comm hook, so that the checks name
+            the rank that made a NaN (module notes); elsewhere nothing.
 
     Example:
         >>> trainer = Trainer(callbacks=[NanscanCallback(max_norm=1.0)])  # no gradient_clip_val
@@ -124,8 +136,12 @@ class NanscanCallback(Callback, CheckingCallback):
         log_every_n_steps: int | None = None,
         check_state_every: int | None = None,
         state_recorder: Recorder | None = None,
+        attach_ddp: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(attach_ddp, bool):
+            raise TypeError(f"nanscan.NanscanCallback: attach_ddp must be True or False, got {attach_ddp!r}")
+        self.attach_ddp = attach_ddp
         self._set_check(
             "NanscanCallback", max_norm, norm_type, on_nonfinite, max_consecutive_skips, recorder, log_every_n_steps
         )
@@ -157,7 +173,10 @@ class NanscanCallback(Callback, CheckingCallback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Wraps each optimizer's step before the first one: the first check runs inside that step's
-        closure, too late to wrap it then (nanscan.guard)."""
+        closure, too late to wrap it then (nanscan.guard); with ``attach_ddp``, attaches the DDP hook
+        before the first backward."""
+        if self.attach_ddp:
+            _attach_ddp(trainer.strategy.model)
         for optimizer in trainer.optimizers:
             torch_optimizer = _torch_optimizer(optimizer)
             if self.on_nonfinite == "skip":
@@ -230,6 +249,23 @@ class NanscanCallback(Callback, CheckingCallback):
             step, metrics = record.step, record_metrics(record) | self._metrics([record])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+
+def _attach_ddp(model: Any) -> None:
+    """Attaches nanscan's DDP comm hook to the Trainer's DDP model (once: a ddp_spawn process, or a
+    second fit, finds it attached); a model that is not DDP is left alone."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or ddp.scanner_of(model) is not None:
+        return
+    try:
+        ddp.attach(model)
+    except RuntimeError as error:
+        if "only be called once" not in str(error):
+            raise
+        raise ValueError(
+            "nanscan.NanscanCallback(attach_ddp=True): the Trainer's DDP model has a comm hook already "
+            "(DDPStrategy(ddp_comm_hook=...)), and DDP takes one. Drop one of the two, or attach nanscan's in "
+            "front of yours by hand: nanscan.ddp.attach(ddp_model, hook=your_hook)"
+        ) from error
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -283,11 +283,12 @@ def of_module(
     else:
         names, params = walked.names, walked.parameters
         tensors = [p.detach() for p in params]
-    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    if is_ddp:
-        _refuse_ddp_gradients_that_are_not_the_models(model, process_group, source)
-    replica_group = model.process_group if is_ddp else None
-    scanner = ddp.scanner_of(model) if source == "grad" else None
+    # A DDP model, or the module inside an attached one (the module the frameworks' callbacks hold).
+    ddp_model = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else ddp.wrapper_of(model)
+    if ddp_model is not None:
+        _refuse_ddp_gradients_that_are_not_the_models(ddp_model, process_group, source)
+    replica_group = None if ddp_model is None else ddp_model.process_group
+    scanner = ddp.scanner_of(ddp_model) if source == "grad" else None
     if scanner is not None:
         return _plain(names, tensors, replica_group=replica_group, scanner=scanner, parameters=params)
     return _routed(names, tensors, process_group, compared, replica_group=replica_group)

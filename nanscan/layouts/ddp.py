@@ -6,7 +6,8 @@ scans each bucket's flat local buffer before it is reduced (the per-parameter vi
 one fused pass), keeps a flag per parameter on the device, and then hands the bucket to the hook
 that reduces it (torch's default all-reduce, or the fp16/bf16 compression hooks, or your own).
 
-``nanscan.check(ddp_model)`` then scans the reduced gradients as usual (they are the same on every
+``nanscan.check(ddp_model)`` (or ``nanscan.check(ddp_model.module)``: the module inside an attached
+DDP model is known by it, as the frameworks' callbacks hand it) then scans the reduced gradients as usual (they are the same on every
 rank, so their statistics need no collective) and reduces the flags in one small SUM all-reduce
 (eight rows per parameter and two per rank, made into nanscan.fused.Attribution), so that
 ``Report.nonfinite_ranks`` names the rank(s) whose own gradients held each NaN/Inf. That is the one
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -232,6 +234,7 @@ def attach(ddp_model: torch.nn.Module, hook: Hook | None = None, state: Any = No
     ddp_model.register_comm_hook(state, scanner)
     ddp_model.register_forward_pre_hook(scanner.before_forward)
     ddp_model._nanscan_scanner = scanner  # type: ignore[assignment]
+    _wrappers[ddp_model.module] = weakref.ref(ddp_model)
     return scanner
 
 
@@ -239,6 +242,20 @@ def scanner_of(model: object) -> BucketScanner | None:
     """The scanner ``attach`` left on a DDP model, if any."""
     scanner = getattr(model, "_nanscan_scanner", None)
     return scanner if isinstance(scanner, BucketScanner) else None
+
+
+# The module inside each attached DDP model -> that model: a check of the module (what Lightning's
+# and the Trainer's callbacks hold) is a check of the DDP model, its no_sync() refusal included.
+_wrappers: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[torch.nn.parallel.DistributedDataParallel]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def wrapper_of(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The attached DDP model whose ``.module`` is ``module``, while it lives."""
+    ref = _wrappers.get(module)
+    wrapper = None if ref is None else ref()
+    return wrapper if wrapper is not None and wrapper.module is module else None
 
 
 def with_attribution(stats: ScanResult, scanner: BucketScanner, params: list[torch.nn.Parameter]) -> ScanResult:
