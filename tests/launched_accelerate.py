@@ -19,16 +19,15 @@ tests/launched_transformers.py writes, and the refusals its checks inside ``no_s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from launched_common import checksum, leave
 
 import nanscan
 import nanscan.sinks
@@ -39,14 +38,6 @@ ACCUMULATE = 2
 NAN_STEP = 3
 NAN_RANK = 1
 BATCH = 4
-
-
-def checksum(module: torch.nn.Module) -> str:
-    """The SHA-256 of every parameter's bytes, in order: equal exactly when the weights are."""
-    digest = hashlib.sha256()
-    for p in module.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main() -> None:
@@ -102,15 +93,7 @@ def main() -> None:
         "refusals": refusals,
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    recorder.close()  # (closed already, or read out: what it holds is on disk either way)
-    # torch's gloo can abort a process at its exit when the process group is left to the interpreter's
-    # end, as the Trainer leaves it: a worker thread destroys the last collective's Python-owned
-    # tensors while the interpreter finalizes (pytorch/pytorch#190489; here in 3 of 20 runs of this
-    # Trainer without nanscan, and destroy_process_group() hung in 2 of 6). Everything is written:
-    # leave without the interpreter's end, so that this test fails only for nanscan's reasons.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(recorder)
 
 
 if __name__ == "__main__":

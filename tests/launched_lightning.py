@@ -17,7 +17,6 @@ OUTDIR/rank{R}.json (``RankResult``): the test compares the ranks' files and rea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from launched_common import checksum
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 import nanscan
@@ -68,14 +68,6 @@ def loader() -> torch.utils.data.DataLoader[Any]:
     x = torch.randn(STEPS * WORLD * BATCH, 8, generator=g)
     y = 10 * torch.randn(STEPS * WORLD * BATCH, 1, generator=g)  # large targets: norms above max_norm
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
-
-
-def checksum(module: torch.nn.Module) -> str:
-    """The SHA-256 of every parameter's bytes, in order: equal exactly when the weights are."""
-    digest = hashlib.sha256()
-    for p in module.parameters():
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 class Keep:

@@ -17,16 +17,15 @@ OUTDIR/rank{R}.json: the test compares the ranks' files and reads the records fi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from launched_common import checksum, leave
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import nanscan
@@ -72,14 +71,6 @@ class Plant(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.on = state.global_step == NAN_STEP and dist.get_rank() == NAN_RANK
-
-
-def checksum(module: torch.nn.Module) -> str:
-    """The SHA-256 of every parameter's bytes, in order: equal exactly when the weights are."""
-    digest = hashlib.sha256()
-    for p in module.parameters():
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main() -> None:
@@ -138,15 +129,7 @@ def main() -> None:
         "records": seen,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    recorder.close()  # (closed already, or read out: what it holds is on disk either way)
-    # torch's gloo can abort a process at its exit when the process group is left to the interpreter's
-    # end, as the Trainer leaves it: a worker thread destroys the last collective's Python-owned
-    # tensors while the interpreter finalizes (pytorch/pytorch#190489; here in 3 of 20 runs of this
-    # Trainer without nanscan, and destroy_process_group() hung in 2 of 6). Everything is written:
-    # leave without the interpreter's end, so that this test fails only for nanscan's reasons.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(recorder)
 
 
 if __name__ == "__main__":
