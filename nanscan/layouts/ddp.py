@@ -7,10 +7,11 @@ one fused pass), keeps a flag per parameter on the device, and then hands the bu
 that reduces it (torch's default all-reduce, or the fp16/bf16 compression hooks, or your own).
 
 ``nanscan.check(ddp_model)`` (or ``nanscan.check(ddp_model.module)``: the module inside an attached
-DDP model is known by it, as the frameworks' callbacks hand it) then scans the reduced gradients as usual (they are the same on every
-rank, so their statistics need no collective) and reduces the flags in one small SUM all-reduce
-(eight rows per parameter and two per rank, made into nanscan.fused.Attribution), so that
-``Report.nonfinite_ranks`` names the rank(s) whose own gradients held each NaN/Inf. That is the one
+DDP model, which Lightning's callback holds, is checked as the model) then scans the reduced
+gradients as usual (they are the same on every rank, so their statistics need no collective) and
+reduces the flags in one small SUM all-reduce (eight rows per parameter and two per rank, made into
+nanscan.fused.Attribution), so that ``Report.nonfinite_ranks`` names the rank(s) whose own gradients
+held each NaN/Inf. That is the one
 collective a check adds per step; nothing syncs with the host.
 
 Where no rank can be named, none is (an empty list: "rank unknown"), never a wrong one. The flags
@@ -245,7 +246,7 @@ def scanner_of(model: object) -> BucketScanner | None:
 
 
 # The module inside each attached DDP model -> that model: a check of the module (what Lightning's
-# and the Trainer's callbacks hold) is a check of the DDP model, its no_sync() refusal included.
+# callback holds) is a check of the DDP model, its no_sync() refusal included.
 _wrappers: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[torch.nn.parallel.DistributedDataParallel]] = (
     weakref.WeakKeyDictionary()
 )
