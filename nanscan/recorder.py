@@ -104,7 +104,7 @@ from .activations import ActivationWatch
 from .layouts.reduce import Attribution
 from .records import ActivationRecord, StepRecord, UpdateRecord, spike_mask
 from .report import Report
-from .sinks import Sink
+from .sinks import Sink, note_rank
 from .updates import UpdateWatch
 
 # A record's per-parameter rows, then its per-step columns, in its float32 row of the ring buffer.
@@ -410,6 +410,9 @@ class Recorder:
                 f"nanscan.Recorder: spike_min_history must be an int in [1, spike_window], got {spike_min_history!r}"
             )
         self.sinks: list[Sink] = _sink_list(sinks)
+        # Whether a sink has yet to learn this process's rank (one opened at its first record):
+        # each append notes the rank while the checks run under torch.distributed (note_rank).
+        self._rank_pending = _ranks_pending(self.sinks)
         self.activations = activations
         self.updates = updates
         self.every = every
@@ -478,6 +481,8 @@ class Recorder:
         No host sync. ``check(..., recorder=...)`` and ``GradScaler.record`` call it."""
         if self._closed:
             raise ValueError("nanscan.Recorder: append after close()")
+        if self._rank_pending:  # a file sink not yet opened: keep the rank the checks ran under
+            self._rank_pending = note_rank()
         stats = report.stats
         device = stats.norm.device
         names = report.name_sequence
@@ -688,6 +693,7 @@ class Recorder:
         if end > first:
             for sink in self.sinks:
                 self._call_sink(sink, "flush", None, notes)
+            self._rank_pending = self._rank_pending and _ranks_pending(self.sinks)
         for note in notes:
             _warn(note)
 
@@ -764,6 +770,7 @@ class Recorder:
         """Adds a sink; it receives the records read from now on."""
         _check_sink(sink)
         self.sinks.append(sink)
+        self._rank_pending = _ranks_pending(self.sinks)
 
     @property
     def nbytes(self) -> int:
@@ -817,6 +824,7 @@ class Recorder:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._rank_pending = _ranks_pending(self.sinks)  # its sinks decide anew in this process
         self._pid = os.getpid()  # this process's recorder now: SIGTERM and exit read it out here
         if not self._closed:
             _open_recorders.add(self)
@@ -1119,6 +1127,11 @@ def _call_optional(sink: object, method: str) -> None:
 # Recorders still open (and referenced) at interpreter exit are closed, so their records are not
 # lost with the process; one dropped without close() loses its unread records.
 _open_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+def _ranks_pending(sinks: list[Sink]) -> bool:
+    """Whether a sink has yet to decide which file it writes (nanscan.sinks.note_rank)."""
+    return any(getattr(sink, "rank_pending", False) for sink in sinks)
 
 
 def _close_at_exit(recorder: Recorder) -> None:

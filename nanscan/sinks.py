@@ -17,7 +17,8 @@ gives each rank a file of its own instead, for checks that each rank makes of it
 last line) when it is made if the process's rank is known then (torch.distributed initialized, or
 torchrun's ``RANK`` and ``WORLD_SIZE``); otherwise at its first record, by when the checks have
 initialized torch.distributed (Lightning's DDP starts its ranks, and a script makes its sinks,
-before Lightning initializes it).
+before Lightning initializes it). The rank torch.distributed gave last is kept (``process_rank``),
+for a recorder read out after ``destroy_process_group()``.
 """
 
 from __future__ import annotations
@@ -79,46 +80,75 @@ RANK_FIELD = "{rank}"
 """In a sink's path, this process's rank: one file per rank (module notes)."""
 
 
+_noted: list[tuple[int, int]] = []  # the rank and world torch.distributed last gave (one entry)
+
+
 def process_rank() -> tuple[int, int, bool]:
-    """This process's rank and world size, and whether torch.distributed says so: once it is
-    initialized, its own; before that, the launcher's (``RANK`` and ``WORLD_SIZE``, which torchrun
-    and most launchers set); else a process of its own, rank 0 of 1."""
+    """This process's rank and world size, and whether torch.distributed says so: while it is
+    initialized, its own; after ``destroy_process_group()``, what it said last (a recorder read out
+    at the job's end, after the group is gone, still writes as its rank); before it, the launcher's
+    (``RANK`` and ``WORLD_SIZE``, which torchrun and most launchers set); else a process of its own,
+    rank 0 of 1."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), True
+        noted = (dist.get_rank(), dist.get_world_size())
+        _noted[:] = [noted]
+        return (*noted, True)
+    if _noted:
+        return (*_noted[0], True)
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if rank is not None and world is not None and rank.isdigit() and world.isdigit():
         return int(rank), int(world), False
     return 0, 1, False
 
 
+def note_rank() -> bool:
+    """Notes the rank torch.distributed gives, if it is initialized (``process_rank`` keeps it), for a
+    sink that decides its file later, perhaps after the group is gone; returns whether the rank is
+    still to be noted. A recorder calls it at each append while a sink is undecided."""
+    if _noted:
+        return False
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        process_rank()
+        return False
+    return True
+
+
 def rank_known_now() -> bool:
-    """Whether this process's rank is known already: torch.distributed initialized, or a launcher's
-    ``RANK`` and ``WORLD_SIZE`` (torchrun) set."""
+    """Whether this process's rank is known already: from torch.distributed, or a launcher's
+    ``RANK`` and ``WORLD_SIZE`` (torchrun)."""
     return process_rank()[2] or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def ranked_path(template: str, owner: str) -> str | None:
+def ranked_path(template: str) -> tuple[str | None, bool]:
     """The path that this process writes for a sink given ``template``: ``{rank}`` replaced by its
     rank; a template without ``{rank}`` in a world of more than one rank, rank 0's alone (None on the
-    other ranks, which write nothing: module notes). A rank that learned its rank from the launcher
-    alone (torch.distributed not initialized, so its checks are its own) is warned that its records
-    are not written."""
+    other ranks, which write nothing: module notes). And whether that rank came from the launcher
+    alone (torch.distributed not initialized yet): see ``warn_if_unwritten``."""
     rank, world, initialized = process_rank()
     if RANK_FIELD in template:
-        return template.replace(RANK_FIELD, str(rank))
+        return template.replace(RANK_FIELD, str(rank)), False
     if world == 1 or rank == 0:
-        return template
+        return template, False
+    return None, not initialized
+
+
+def warn_if_unwritten(owner: str, template: str) -> None:
+    """At the first record of a sink that writes nothing because the launcher named this process a
+    rank other than 0: if torch.distributed is still not initialized, the process checks its own
+    gradients, and its records, which rank 0's file does not hold, are lost; say so (once)."""
+    rank, world, initialized = process_rank()
     if not initialized:
         warnings.warn(
             f"nanscan.{owner}: this process is rank {rank} of {world} by its launcher's RANK and WORLD_SIZE, but "
             f"torch.distributed is not initialized, so its checks are its own; rank 0 alone writes {template}, "
             f"and this rank's records are not written. Put {RANK_FIELD} in the path for a file per rank",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=2,
         )
-    return None
 
 
 def check_writable(path: Path, owner: str, *, directory: bool = False) -> None:
@@ -148,10 +178,13 @@ class _FileSink:
 
     def __init__(self, path: str | Path, newline: str | None = None) -> None:
         self.template = str(path)
+        # Absolute now: a sink opened at its first record opens where the path pointed when it was made.
+        self._where = os.path.abspath(self.template)
         check_writable(Path(path), type(self).__name__)
         self._newline = newline
         self._file: IO[str] | None = None
         self._decided = False  # whether this process's path is known
+        self._unwritten_check = False  # at the first record: warn_if_unwritten
         self._closed = False
         self.path: Path | None = None
         """The file this process writes: None before it is opened, and on a rank that writes none."""
@@ -173,10 +206,11 @@ class _FileSink:
             raise ValueError(f"nanscan.{type(self).__name__}: {self.template} is closed")
         if self._file is None:
             if not self._decided:
-                chosen = ranked_path(self.template, type(self).__name__)
+                chosen, self._unwritten_check = ranked_path(self._where)
                 self.path, self._decided = (None if chosen is None else Path(chosen)), True
             if self.path is None:
                 return None
+            self._check_existing(self.path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _cut_incomplete_last_line(self.path, type(self).__name__)
             file = self.path.open("a", newline=self._newline)
@@ -188,9 +222,26 @@ class _FileSink:
             self._file = file
         return self._file
 
+    @property
+    def rank_pending(self) -> bool:
+        """Whether this sink has yet to decide which file it writes (``note_rank``)."""
+        return not self._decided and not self._closed
+
+    def _record_file(self) -> IO[str] | None:
+        """``_open_file`` for a record: also, at the first record of a rank that writes no file, the
+        warning ``warn_if_unwritten`` gives."""
+        file = self._open_file()
+        if self._unwritten_check:
+            self._unwritten_check = False
+            warn_if_unwritten(type(self).__name__, self.template)
+        return file
+
+    def _check_existing(self, path: Path) -> None:
+        """What a sink checks of an existing file before it touches it (nothing, by default); raising
+        refuses the file, unchanged."""
+
     def _opened(self, file: IO[str]) -> None:
-        """What a sink checks of, and writes first into, a file it has just opened (nothing, by
-        default); raising refuses the file."""
+        """What a sink writes first into a file it has just opened (nothing, by default)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy for another process (Lightning's ddp_spawn pickles the callbacks, and a recorder's
@@ -228,7 +279,7 @@ class JSONLSink(_FileSink):
         return super().__getstate__() | {"_layout_written": False}  # a new process's lines begin with one
 
     def __call__(self, record: StepRecord) -> None:
-        file = self._open_file()
+        file = self._record_file()
         if file is None:  # a rank that writes no file (module notes)
             return
         # The watched modules: a record with activations names them; one without (no forward sampled
@@ -325,6 +376,9 @@ class CSVSink(_FileSink):
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"_writer": None}
 
+    def _check_existing(self, path: Path) -> None:
+        self._check_header(path)  # before a cut line is removed: a file of other columns is left whole
+
     def _opened(self, file: IO[str]) -> None:
         assert self.path is not None
         self._writer = csv.writer(file)
@@ -332,7 +386,7 @@ class CSVSink(_FileSink):
             self._writer.writerow(self.COLUMNS)
 
     def __call__(self, record: StepRecord) -> None:
-        if self._open_file() is None:  # a rank that writes no file (module notes)
+        if self._record_file() is None:  # a rank that writes no file (module notes)
             return
         totals = (
             record.total_norm,

@@ -147,6 +147,15 @@ CALLBACK_BAD_SETTINGS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def rank_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts in a process that has not been a rank: nanscan.sinks keeps the rank
+    torch.distributed gave last (a test's world of one, or a patched rank, would leak into the next)."""
+    import nanscan.sinks
+
+    monkeypatch.setattr(nanscan.sinks, "_noted", [])
+
+
 @pytest.fixture
 def world_of_one() -> Iterator[None]:
     """A gloo process group of one rank, in this process, for DTensor gradients (FSDP2 on a mesh of

@@ -444,3 +444,28 @@ def test_the_module_inside_an_attached_ddp_model_is_checked_as_the_ddp_model(wor
         model(torch.randn(3, 4)).sum().backward()
         with pytest.raises(ValueError, match=r"inside no_sync\(\)"):
             nanscan.check(model.module)
+
+
+def test_an_attached_ddp_model_is_freed_with_its_module(world_of_one: None) -> None:
+    """The hook holds no reference back to the DDP model (DDP's reducer, in C++, holds the hook: a
+    cycle through it would never be collected), so a model attached per fit is freed after it, and
+    the registry forgets it."""
+    import gc
+    import weakref
+
+    from nanscan.layouts import ddp
+
+    module = torch.nn.Linear(4, 2)
+    model = torch.nn.parallel.DistributedDataParallel(module)
+    nanscan.ddp.attach(model)
+    model(torch.randn(3, 4)).sum().backward()
+    nanscan.check(model.module)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and ddp.wrapper_of(module) is None
+    other = torch.nn.parallel.DistributedDataParallel(module)  # the module in a new, plain DDP model
+    with other.no_sync():
+        other(torch.randn(3, 4)).sum().backward()
+        report = nanscan.check(module)  # not taken for the freed model's check (nor refused as inside it)
+    assert report._values()["attribution"] is None

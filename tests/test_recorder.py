@@ -375,6 +375,104 @@ def test_a_launched_rank_without_torch_distributed_writes_only_its_own_file(
     assert own.path == tmp_path / f"run-{rank}.jsonl"
 
 
+def test_a_launched_rank_that_initializes_torch_distributed_after_making_its_sinks_is_not_warned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun names the process rank 1 of 2 before the script initializes torch.distributed (the
+    usual order: sinks made, then the group): its shared-path sink writes nothing, and says nothing,
+    since by its first record the checks are the model's."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shared = JSONLSink(tmp_path / "run.jsonl")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the group, initialized since
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared(StepRecord(**dataclasses.asdict(first_record())))
+    assert shared.path is None and not (tmp_path / "run.jsonl").exists()
+
+
+def first_record() -> StepRecord:
+    records: list[StepRecord] = []
+    record_two_steps([records.append])
+    return records[0]
+
+
+def test_a_rank_read_out_after_its_group_is_destroyed_still_writes_as_its_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank torch.distributed gave last is kept: a recorder read out for the first time after
+    ``destroy_process_group()`` (at the job's end) on rank 1 does not take itself for a process of
+    its own and write rank 0's file."""
+    import torch.distributed as dist
+
+    from nanscan import sinks
+
+    monkeypatch.setattr(sinks, "_noted", [])
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert sinks.process_rank() == (1, 2, True)  # what a check under the group sees
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # destroyed
+    shared, own = JSONLSink(tmp_path / "run.jsonl"), JSONLSink(tmp_path / "run-{rank}.jsonl")
+    record = first_record()
+    shared(record)
+    own(record)
+    assert shared.path is None and own.path == tmp_path / "run-1.jsonl"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-1.jsonl"]
+
+
+def test_a_recorder_notes_the_rank_its_checks_ran_under_for_a_first_read_after_the_group_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mp.spawn's way: the sinks made before the group (no launcher variables), every step checked as
+    rank 1 of 2, the group destroyed, and only then the first read (close): the recorder noted the
+    rank at its appends, so the shared path stays rank 0's."""
+    import torch.distributed as dist
+
+    shared, own = JSONLSink(tmp_path / "run.jsonl"), JSONLSink(tmp_path / "run-{rank}.jsonl")
+    recorder = nanscan.Recorder([shared, own], every=100, warn=False)
+    m = model()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for step in range(3):
+        m.zero_grad()
+        backward(m, step)
+        nanscan.check(m, recorder=recorder)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # destroy_process_group()
+    recorder.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-1.jsonl"]
+    assert [r.step for r in read_jsonl(tmp_path / "run-1.jsonl")] == [0, 1, 2]
+
+
+def test_a_relative_path_is_written_where_it_pointed_when_the_sink_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    sink = JSONLSink("run.jsonl")  # opened at its first record (no rank known yet)
+    monkeypatch.chdir(tmp_path / "b")
+    sink(first_record())
+    sink.close()
+    assert (tmp_path / "a" / "run.jsonl").exists() and not (tmp_path / "b" / "run.jsonl").exists()
+
+
+def test_a_csv_of_other_columns_named_through_the_rank_field_is_refused_untouched(tmp_path: Path) -> None:
+    """With ``{rank}`` the file is known only when opened: one of other columns is refused then, before
+    anything (a cut last line included) is changed."""
+    foreign = tmp_path / "foreign-0.csv"
+    foreign.write_text("a,b\n1,2\n3,")
+    sink = CSVSink(tmp_path / "foreign-{rank}.csv")
+    with pytest.raises(ValueError, match=r"has the columns \['a', 'b'\]"):
+        sink(first_record())
+    assert foreign.read_text() == "a,b\n1,2\n3,"
+
+
 def test_a_sink_path_that_cannot_be_a_file_is_refused_when_the_sink_is_made(tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("")
     with pytest.raises(IsADirectoryError, match=r"JSONLSink: .* is a directory, not a file"):

@@ -42,6 +42,7 @@ TensorBoard is imported when a sink is made, not with nanscan (``pip install ten
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,7 +51,7 @@ import numpy as np
 
 from ..layers import MAX_GROUPS, Group, group_layers, group_norms
 from ..records import StepRecord
-from ..sinks import check_writable, process_rank, rank_known_now, ranked_path
+from ..sinks import check_writable, process_rank, rank_known_now, ranked_path, warn_if_unwritten
 from ._logging import parameters_by_rank
 
 
@@ -91,14 +92,15 @@ class TensorBoardSink:
         global_step: Callable[[StepRecord], int] | None = None,
     ) -> None:
         self._writer: Writer | None = None
+        self._unwritten_check = False  # at the first record: nanscan.sinks.warn_if_unwritten
         self._summary_writer: Callable[[str | None], Writer] | None = None
         self._log_dir: str | None = None
         if log_dir_or_writer is None or isinstance(log_dir_or_writer, (str, Path)):
             # Opened on the rank that writes (nanscan.sinks' notes): rank 0 of a world, or each rank
             # with {rank} in the directory; now if the rank is known, else at the first record.
             self._summary_writer = _summary_writer_class()  # a missing TensorBoard said now, not then
-            if log_dir_or_writer is not None:
-                self._log_dir = str(log_dir_or_writer)
+            if log_dir_or_writer is not None:  # absolute: opened where it pointed when the sink was made
+                self._log_dir = os.path.abspath(str(log_dir_or_writer))
                 check_writable(Path(self._log_dir), "TensorBoardSink", directory=True)
         else:
             self._writer = log_dir_or_writer
@@ -113,6 +115,11 @@ class TensorBoardSink:
             self._open()
 
     @property
+    def rank_pending(self) -> bool:
+        """Whether this sink has yet to decide whether it writes (nanscan.sinks.note_rank)."""
+        return self._summary_writer is not None and not self._closed
+
+    @property
     def writer(self) -> Writer | None:
         """Where the records go, the writer given or the one the sink opened; None before it opens one
         (at its first record where the rank was not known when it was made), and on a rank that
@@ -123,10 +130,11 @@ class TensorBoardSink:
         if self._writer is None and self._summary_writer is not None:
             make, self._summary_writer = self._summary_writer, None  # decided once
             if self._log_dir is None:
-                rank, world, _ = process_rank()
-                self._writer = make(None) if rank == 0 or world == 1 else None
+                rank, world, initialized = process_rank()
+                written = rank == 0 or world == 1
+                self._writer, self._unwritten_check = (make(None) if written else None), not (written or initialized)
             else:
-                log_dir = ranked_path(self._log_dir, "TensorBoardSink")
+                log_dir, self._unwritten_check = ranked_path(self._log_dir)
                 self._writer = None if log_dir is None else make(log_dir)
         return self._writer
 
@@ -134,6 +142,9 @@ class TensorBoardSink:
         if self._closed:
             raise ValueError("nanscan.TensorBoardSink: the sink is closed")
         writer = self._open()
+        if self._unwritten_check:
+            self._unwritten_check = False
+            warn_if_unwritten("TensorBoardSink", self._log_dir or "the default log directory")
         if writer is None:  # a rank that writes none
             return
         step = record.step if self._global_step is None else self._global_step(record)

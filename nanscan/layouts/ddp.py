@@ -87,10 +87,12 @@ class BucketScanner:
     whose backward has not run), no rank is named.
     """
 
-    def __init__(self, module: torch.nn.Module, hook: Hook | None, state: Any) -> None:
+    def __init__(self, hook: Hook | None, state: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self.module = module
+        # No reference to the DDP model: DDP's reducer (C++) holds this hook, and a reference back
+        # would make a cycle through C++ that Python's collector cannot see, keeping every attached
+        # model (and the module inside, and nanscan's registry entry) alive for good.
         self.hook: Hook = hook if hook is not None else allreduce_hook
         self.state = state
         self._buckets: dict[int, _Bucket] = {}
@@ -231,7 +233,7 @@ def attach(ddp_model: torch.nn.Module, hook: Hook | None = None, state: Any = No
         raise TypeError(f"nanscan.ddp.attach: expected a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if state is None:
         state = ddp_model.process_group
-    scanner = BucketScanner(ddp_model, hook, state)
+    scanner = BucketScanner(hook, state)
     ddp_model.register_comm_hook(state, scanner)
     ddp_model.register_forward_pre_hook(scanner.before_forward)
     ddp_model._nanscan_scanner = scanner  # type: ignore[assignment]
