@@ -123,17 +123,23 @@ def rank_known_now() -> bool:
     return process_rank()[2] or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def writes_shared() -> tuple[bool, bool]:
+    """Whether this process writes a target every rank names alike (rank 0 alone does, in a world
+    of more than one rank: module notes); and, where it does not, whether its rank came from the
+    launcher alone (torch.distributed not initialized yet): see ``warn_if_unwritten``."""
+    rank, world, initialized = process_rank()
+    written = world == 1 or rank == 0
+    return written, not (written or initialized)
+
+
 def ranked_path(template: str) -> tuple[str | None, bool]:
     """The path that this process writes for a sink given ``template``: ``{rank}`` replaced by its
-    rank; a template without ``{rank}`` in a world of more than one rank, rank 0's alone (None on the
-    other ranks, which write nothing: module notes). And whether that rank came from the launcher
-    alone (torch.distributed not initialized yet): see ``warn_if_unwritten``."""
-    rank, world, initialized = process_rank()
+    rank; a template without ``{rank}``, where ``writes_shared`` says (None on the ranks that write
+    nothing). And whether the rank came from the launcher alone (``writes_shared``)."""
     if RANK_FIELD in template:
-        return template.replace(RANK_FIELD, str(rank)), False
-    if world == 1 or rank == 0:
-        return template, False
-    return None, not initialized
+        return template.replace(RANK_FIELD, str(process_rank()[0])), False
+    written, launcher_only = writes_shared()
+    return (template if written else None), launcher_only
 
 
 def warn_if_unwritten(owner: str, template: str) -> None:

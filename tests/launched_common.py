@@ -1,5 +1,5 @@
 """What the scripts that tests/test_launchers.py launches share (imported from the tests folder, the
-folder of the script a launcher runs)."""
+folder of the script a launcher runs), and the Trainer's data with tests/test_integrations_transformers.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ import sys
 import torch
 
 import nanscan
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """``samples`` random sequences of 16 tokens below 64 (a tiny GPT-2's vocabulary), the same each
+    run, each its own labels (the model shifts them itself)."""
+
+    def __init__(self, samples: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (samples, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def checksum(module: torch.nn.Module) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from launched_common import checksum, leave
+from launched_common import Tokens, checksum, leave
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import nanscan
@@ -38,20 +38,6 @@ NAN_STEP = 3
 NAN_RANK = 1
 WORLD = 2
 BATCH = 2
-
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """``STEPS`` batches for each rank (the Trainer's DistributedSampler gives each rank its own half)."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (STEPS * WORLD * BATCH, 16), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class Plant(TrainerCallback):
@@ -109,7 +95,7 @@ def main() -> None:
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=Tokens(),
+        train_dataset=Tokens(STEPS * WORLD * BATCH),  # STEPS batches a rank: DistributedSampler halves it
         callbacks=[plant, NanscanTrainerCallback(max_norm=0.5, recorder=recorder)],
     )
     trainer.train()

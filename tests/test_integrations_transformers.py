@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from launched_common import Tokens
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -30,18 +31,6 @@ NAN_STEP = 2
 STEPS = 6
 LR = 0.05
 MAX_NORM = 0.5
-
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (STEPS * 2, 16), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -102,7 +91,9 @@ def test_callback_clips_and_skips_the_nan_step(tmp_path: Path, optim: str) -> No
     model = tiny_gpt2()
     raw, clipped = Snapshot(), Snapshot(params=True)
     callbacks = [Poison(), raw, NanscanTrainerCallback(max_norm=MAX_NORM), clipped]
-    trainer = Trainer(model=model, args=arguments(tmp_path, optim), train_dataset=Tokens(), callbacks=callbacks)
+    trainer = Trainer(
+        model=model, args=arguments(tmp_path, optim), train_dataset=Tokens(STEPS * 2), callbacks=callbacks
+    )
     trainer.train()
 
     assert len(raw.grads) == len(clipped.after) == STEPS
@@ -133,7 +124,10 @@ def test_callback_clips_and_skips_the_nan_step(tmp_path: Path, optim: str) -> No
 def test_trainer_clipping_with_the_callback_is_refused(tmp_path: Path) -> None:
     callbacks = [NanscanTrainerCallback(max_norm=MAX_NORM)]
     trainer = Trainer(
-        model=tiny_gpt2(), args=arguments(tmp_path, max_grad_norm=1.0), train_dataset=Tokens(), callbacks=callbacks
+        model=tiny_gpt2(),
+        args=arguments(tmp_path, max_grad_norm=1.0),
+        train_dataset=Tokens(STEPS * 2),
+        callbacks=callbacks,
     )
     with pytest.raises(ValueError, match=r"clipping twice.*max_grad_norm=0"):
         trainer.train()
@@ -165,7 +159,7 @@ def test_recorder_gets_one_record_per_step_and_feeds_the_logs(tmp_path: Path) ->
     recorder = nanscan.Recorder(sinks=[records.append], every=1, warn=False)
     callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
     trainer = Trainer(
-        model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[Poison(), callback]
+        model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=Tokens(STEPS * 2), callbacks=[Poison(), callback]
     )
     trainer.train()
 
@@ -192,7 +186,9 @@ def test_the_last_records_reach_the_last_logs(tmp_path: Path) -> None:
     training ends; they are read out at the last step, so the Trainer's last log carries them."""
     recorder = nanscan.Recorder(every=4, warn=False)
     callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
-    trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[callback])
+    trainer = Trainer(
+        model=tiny_gpt2(), args=arguments(tmp_path), train_dataset=Tokens(STEPS * 2), callbacks=[callback]
+    )
     trainer.train()
 
     logged = [entry for entry in trainer.state.log_history if "nanscan/total_norm" in entry]
@@ -211,7 +207,9 @@ def test_an_fsdp2_run_logs_the_ranks_that_held_the_nan(tmp_path: Path, world_of_
     # after records 1, 2 (the NaN step's own), 4 and 5.
     recorder = nanscan.Recorder(sinks=[records.append], every=2, warn=False)
     callback = NanscanTrainerCallback(max_norm=MAX_NORM, recorder=recorder)
-    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[Poison(), callback])
+    trainer = Trainer(
+        model=model, args=arguments(tmp_path), train_dataset=Tokens(STEPS * 2), callbacks=[Poison(), callback]
+    )
     trainer.train()
 
     assert records[NAN_STEP].nonfinite_ranks == {"transformer.h.1.mlp.c_fc.weight": [0]}
@@ -244,7 +242,7 @@ def test_state_checks_every_n_steps_are_merged_into_the_logs(tmp_path: Path) -> 
     trainer = Trainer(
         model=tiny_gpt2(),
         args=arguments(tmp_path, optim="adamw_torch"),
-        train_dataset=Tokens(),
+        train_dataset=Tokens(STEPS * 2),
         callbacks=[Poison(), callback, CorruptMoment(3)],
     )
     trainer.train()
@@ -263,7 +261,7 @@ def test_state_checks_without_a_recorder_warn(tmp_path: Path) -> None:
     trainer = Trainer(
         model=tiny_gpt2(),
         args=arguments(tmp_path, optim="adamw_torch"),
-        train_dataset=Tokens(),
+        train_dataset=Tokens(STEPS * 2),
         callbacks=[callback, CorruptMoment(1)],
     )
     with pytest.warns(RuntimeWarning, match=r"after optimizer step 4, NaN/Inf in the weights or the optimizer state"):

@@ -51,7 +51,7 @@ import numpy as np
 
 from ..layers import MAX_GROUPS, Group, group_layers, group_norms
 from ..records import StepRecord
-from ..sinks import check_writable, process_rank, rank_known_now, ranked_path, warn_if_unwritten
+from ..sinks import check_writable, process_rank, rank_known_now, ranked_path, warn_if_unwritten, writes_shared
 from ._logging import parameters_by_rank
 
 
@@ -129,10 +129,9 @@ class TensorBoardSink:
     def _open(self) -> Writer | None:
         if self._writer is None and self._summary_writer is not None:
             make, self._summary_writer = self._summary_writer, None  # decided once
-            if self._log_dir is None:
-                rank, world, initialized = process_rank()
-                written = rank == 0 or world == 1
-                self._writer, self._unwritten_check = (make(None) if written else None), not (written or initialized)
+            if self._log_dir is None:  # SummaryWriter's default directory, alike on every rank
+                written, self._unwritten_check = writes_shared()
+                self._writer = make(None) if written else None
             else:
                 log_dir, self._unwritten_check = ranked_path(self._log_dir)
                 self._writer = None if log_dir is None else make(log_dir)

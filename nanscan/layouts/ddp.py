@@ -11,8 +11,7 @@ DDP model, which Lightning's callback holds, is checked as the model) then scans
 gradients as usual (they are the same on every rank, so their statistics need no collective) and
 reduces the flags in one small SUM all-reduce (eight rows per parameter and two per rank, made into
 nanscan.fused.Attribution), so that ``Report.nonfinite_ranks`` names the rank(s) whose own gradients
-held each NaN/Inf. That is the one
-collective a check adds per step; nothing syncs with the host.
+held each NaN/Inf. That is the one collective a check adds per step; nothing syncs with the host.
 
 Where no rank can be named, none is (an empty list: "rank unknown"), never a wrong one. The flags
 are a state per parameter (BucketScanner), because a bucket does not always hold only this rank's
