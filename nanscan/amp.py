@@ -293,7 +293,7 @@ class GradScaler(torch.amp.GradScaler):
         # Made even where this rank holds no gradient: an FSDP1 rank whose shard holds none of these
         # parameters' elements still joins the reduction that gives every rank the same found_inf
         # (as torch's ShardedGradScaler all-reduces it), or the others wait for it.
-        layout = layouts.of_parameter_list(all_params, grads)
+        layout = layouts.of_parameter_list(all_params, grads, deepspeed=False)
         if layout.cut:  # named after the parameters FSDP1 flattened
             return layout
         if not grads:

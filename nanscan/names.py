@@ -27,7 +27,7 @@ _WRAPPERS: dict[tuple[str, str], str] = {
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"): "_checkpoint_wrapped_module",
     ("torch.nn.parallel.distributed", "DistributedDataParallel"): "module",
     ("torch.nn.parallel.data_parallel", "DataParallel"): "module",
-    ("deepspeed.runtime.engine", "DeepSpeedEngine"): "module",  # at ZeRO stage 0 (nanscan.layouts.refused)
+    ("deepspeed.runtime.engine", "DeepSpeedEngine"): "module",  # at ZeRO stages 0-2 (nanscan.layouts.refused)
 }
 _wrapped_attribute: dict[type, str | None] = {}
 

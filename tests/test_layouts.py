@@ -146,7 +146,6 @@ def test_engines_that_shard_gradients_are_refused_before_anything_is_read(module
 
 MARKS = [
     ("deepspeed", "ds_id", 7, "partitioned by DeepSpeed ZeRO stage 3"),
-    ("deepspeed", "_hp_mapping", None, "DeepSpeed's ZeRO-1/2 or bf16 optimizer"),  # None on ranks without a fragment
     ("megatron", "main_grad", torch.zeros(4), r"\.main_grad"),
     ("transformer_engine", "main_grad", torch.zeros(4), r"\.main_grad"),
     ("fairscale", "_is_sharded", True, "fairscale flat parameter"),
@@ -181,6 +180,34 @@ def test_parameters_an_engine_marked_are_refused(
     scaler = nanscan.amp.GradScaler("cpu")
     scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match=what):
+        scaler.unscale_(torch.optim.SGD(params, lr=0.1))
+
+
+def test_a_zero_mark_beside_parameters_no_optimizer_trains_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's ZeRO-1/2 mark (None on a rank that holds no piece of the parameter): the entry
+    points that read gradients read ZeRO's pieces (tests/test_deepspeed.py), and refuse, by name, the
+    parameters beside it that require a gradient which nothing reduces; the others refuse the mark."""
+    m = with_gradients(model())
+    params = list(m.parameters())
+    params[3]._hp_mapping = None
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    untrained = "require a gradient, but DeepSpeed's ZeRO optimizer does not train them"
+    for call in (
+        lambda: nanscan.check(m, max_norm=1.0),
+        lambda: nanscan.clip_grad_norm_(m, 1.0),
+        lambda: nanscan.check(params),
+        lambda: nanscan.clip_grad_norm_(params, 1.0),
+        lambda: nanscan.amp.Advisor().observe(m),
+    ):
+        with pytest.raises(ValueError, match=untrained):
+            call()
+    marked = "entry 3 is a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer"
+    for call in (lambda: nanscan.verify_replicas(m), lambda: nanscan.scan(params)):
+        with pytest.raises(ValueError, match=marked):
+            call()
+    scaler = nanscan.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match=marked):
         scaler.unscale_(torch.optim.SGD(params, lr=0.1))
 
 

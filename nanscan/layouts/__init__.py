@@ -16,8 +16,9 @@ The layouts, one module each:
   is one too, with its hook's rank attribution where attached (ddp.py);
 * DTensors (dtensor.py): FSDP2, tensor parallel, HSDP, any placement on any mesh;
 * FSDP1 flat parameters (fsdp1.py), every sharding strategy;
+* DeepSpeed ZeRO stages 1 and 2 (zero.py): each rank's partition of the averaged gradients;
 * ``process_group``: ranks that each hold different tensors (pipeline stages), on top of any other;
-* refused (refused.py): gradient sharding nanscan cannot reduce (DeepSpeed ZeRO, Megatron's
+* refused (refused.py): gradient sharding nanscan cannot reduce (DeepSpeed ZeRO-3, Megatron's
   distributed optimizer, ...) is refused with an error that names the wrapper, before anything is
   read: a rank-local answer presented as the model's is the one outcome that must never happen.
 """
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from .. import walk
 from ..fused import ScanResult, empty_result, scan_local, upload
-from . import ddp, dtensor, fsdp1, refused, single
+from . import ddp, dtensor, fsdp1, refused, single, zero
 from .reduce import (
     Plan,
     group_device,
@@ -180,6 +181,12 @@ def _fsdp1(
     )
 
 
+def _zero(names: Sequence[str] | None, params: Sequence[Any], process_group: Any) -> Layout:
+    """DeepSpeed ZeRO-1/2's pieces of the gradients of ``params`` (nanscan.layouts.zero)."""
+    found = zero.parts(names, params, process_group)
+    return Layout(found.names, found.parts, found.parts, found.scaled, found.plan, cut=True, numels=found.numels)
+
+
 def of_tensors(
     tensors: list[torch.Tensor],
     names: Sequence[str] | None = None,
@@ -223,6 +230,9 @@ def of_parameters(
         _refuse_what_compile_cannot_reduce([item[1] if type(item) is tuple else item for item in items])
     elif items and _marks_possible() and not dtensor.is_dtensor(items[0]):
         params = [item[1] if type(item) is tuple else item for item in items]
+        if not compared and zero.holds(params):
+            pairs = type(items[0]) is tuple
+            return _zero([str(item[0]) for item in items] if pairs else None, params, process_group)
         refused.check_tensors(params)
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
@@ -232,13 +242,20 @@ def of_parameters(
 
 
 def of_parameter_list(
-    params: list[Any], grads: list[torch.Tensor], process_group: Any = None, per_tensor: bool = True
+    params: list[Any],
+    grads: list[torch.Tensor],
+    process_group: Any = None,
+    per_tensor: bool = True,
+    deepspeed: bool = True,
 ) -> Layout:
     """The layout of ``grads``, the gradients of ``params`` (a list of parameters whose entries the
-    caller has checked: ``clip_grad_norm_``), those without a gradient left out."""
+    caller has checked: ``clip_grad_norm_``), those without a gradient left out. ``deepspeed``: where
+    False, DeepSpeed ZeRO's pieces are refused (the GradScaler: DeepSpeed scales its own loss)."""
     if torch.compiler.is_compiling():
         _refuse_what_compile_cannot_reduce(params)
     elif params and _marks_possible() and not dtensor.is_dtensor(params[0]):
+        if deepspeed and zero.holds(params):
+            return _zero(None, params, process_group)
         refused.check_tensors(params)
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
@@ -274,6 +291,8 @@ def of_module(
     # a refused engine's, or FSDP1's on the parameters of a model inside an FSDP1 unit (its root's,
     # which holds them: a root nanscan has seen reduces them, else they are refused).
     if walked.parameter_attributes:
+        if source == "grad" and not compared and zero.MARK in walked.parameter_attributes:
+            return _zero(walked.names, walked.parameters, process_group)
         refused.check_tensors(walked.parameters)
         if fsdp1.FLATTENED in walked.parameter_attributes:
             model_layout, positions = fsdp1.of_parameters(walked.parameters)

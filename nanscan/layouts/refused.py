@@ -1,6 +1,6 @@
 """Gradient sharding that nanscan cannot reduce, refused before anything is read or written.
 
-A wrapper that keeps each rank's gradients as a shard of its own (DeepSpeed's ZeRO, Megatron's
+A wrapper that keeps each rank's gradients as a shard of its own (DeepSpeed's ZeRO-3, Megatron's
 distributed optimizer) leaves in each process only that rank's part, often not in ``.grad`` at all.
 Scanning what is there would give one rank's statistics, or none, under the model's name: the one
 outcome nanscan must never produce. So each is recognised, without importing its package, by what
@@ -36,9 +36,9 @@ _ENGINES = (
     _Engine(
         "deepspeed",
         ("DeepSpeedEngine", "PipelineEngine", "DeepSpeedHybridEngine", "DualPipeVEngine"),
-        "a DeepSpeed engine whose ZeRO stage (1-3) partitions the gradients over the ranks, or whose pipeline "
-        "gives each rank its own stage (after engine.backward() a parameter's .grad is None, or this rank's "
-        "unreduced one)",
+        "a DeepSpeed engine whose ZeRO stage 3 partitions the parameters and gradients over the ranks, or whose "
+        "pipeline gives each rank its own stage (after engine.backward() a parameter's .grad is None, or this "
+        "rank's unreduced one)",
         "use the engine's own norm (engine.get_global_grad_norm() after engine.step(); gradient_clipping in "
         "its config; deepspeed.utils.safe_get_full_grad(p) for one parameter)",
     ),
@@ -85,7 +85,9 @@ MARKS = (
     (
         "_hp_mapping",
         ("deepspeed",),
-        "a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer (its .grad is None, or this rank's unreduced one)",
+        "a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer, which partitions its gradients and optimizer state "
+        "over the ranks (nanscan reads ZeRO-1/2's gradients in check and clip_grad_norm_ alone: "
+        "nanscan.layouts.zero)",
     ),
     (
         "main_grad",
@@ -119,14 +121,15 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _deepspeed_without_sharding(model: object, cls: type) -> bool:
-    """Whether a DeepSpeed engine keeps DDP's layout: ZeRO stage 0 and no pipeline, so that every rank
-    holds its gradients whole and all-reduced, in ``.grad`` (nanscan then reads its ``.module`` as a
-    DDP model's; a bf16 optimizer that keeps them otherwise marks its parameters: ``MARKS``)."""
+def _deepspeed_read_by_parameters(model: object, cls: type) -> bool:
+    """Whether what a DeepSpeed engine holds is decided by its parameters: ZeRO stage 0 (DDP's layout:
+    every rank holds its gradients whole and all-reduced, in ``.grad``; nanscan reads its ``.module``
+    as a DDP model's) or 1-2 (the parameters' marks lead to the pieces: nanscan.layouts.zero), and no
+    pipeline. Its optimizers' marks on the parameters then decide (``MARKS``)."""
     if cls.__name__ != "DeepSpeedEngine":
         return False  # a pipeline (each rank its own stage) or another engine
     try:
-        return bool(model.zero_optimization_stage() == 0)  # type: ignore[attr-defined]
+        return bool(model.zero_optimization_stage() in (0, 1, 2))  # type: ignore[attr-defined]
     except Exception:
         return False
 
@@ -136,7 +139,7 @@ def check_module(model: object) -> None:
     found = _engine_of(type(model))
     if found is not None:
         engine, cls = found
-        if engine.package == "deepspeed" and _deepspeed_without_sharding(model, cls):
+        if engine.package == "deepspeed" and _deepspeed_read_by_parameters(model, cls):
             return
         named = _qualified(cls) if cls is type(model) else f"{_qualified(type(model))} (a {_qualified(cls)})"
         raise ValueError(
