@@ -1,13 +1,15 @@
 """A transformers script for tests/test_launchers.py: NanscanTrainerCallback under torchrun.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/launched_transformers.py OUTDIR
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/launched_transformers.py OUTDIR [zero2]
 
 It trains a tiny GPT-2 with ``TrainingArguments(use_cpu=True)``, as a user's script would; under
 torchrun the Trainer joins the launcher's two ranks in a gloo group and wraps the model in
 DistributedDataParallel (checked here: the run must not pass as two single processes). On rank
 ``NAN_RANK`` a forward hook multiplies one MLP's output by NaN at step ``NAN_STEP``; DDP's all-reduce
 in the backward spreads the NaN to the other rank's gradients, so both ranks must skip that step, and
-end with the same weights.
+end with the same weights. With ``zero2`` the Trainer runs DeepSpeed ZeRO stage 2 instead of DDP
+(``TrainingArguments(deepspeed=...)``): DeepSpeed's average carries the NaN into the partitions,
+and the callback checks inside DeepSpeed's step (nanscan.integrations.transformers).
 
 The callback's Recorder writes the records to OUTDIR/run.jsonl (one path for every rank, as a user
 writes it) and OUTDIR/run-{rank}.jsonl (one file per rank), and to a sink of this script that keeps
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,9 @@ class Plant(TrainerCallback):
 
 def main() -> None:
     out = Path(sys.argv[1])
+    zero = sys.argv[2:] == ["zero2"]
+    if zero:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     seen: list[tuple[int, str, bool]] = []  # (step, total_norm as float.hex, skipped): exact, NaN included
 
     def keep(record: StepRecord) -> None:
@@ -91,6 +97,19 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
+        deepspeed=(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
+                "zero_optimization": {"stage": 2},
+                "zero_allow_untested_optimizer": True,
+            }
+            if zero
+            else None
+        ),
     )
     trainer = Trainer(
         model=model,
@@ -100,6 +119,8 @@ def main() -> None:
     )
     trainer.train()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # the torch optimizer under accelerate's
+    if zero:
+        optimizer = optimizer.optimizer  # the one DeepSpeed's ZeRO optimizer steps on its fp32 partition
     assert isinstance(optimizer, torch.optim.Optimizer)
     rank = dist.get_rank()  # (no flush here: the callback's on_train_end flushed the recorder)
     result = {

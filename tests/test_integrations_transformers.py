@@ -301,3 +301,51 @@ def test_fp16_scaler_path_keeps_the_guard() -> None:
             changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
             assert changed == (not poison)
     assert nanscan.SkipGuard.of(inner).total_skips == 1
+
+
+class StandInZeroOptimizer:
+    """What the callback reads of DeepSpeed's ZeRO-1/2 optimizer (the real one runs under the Trainer in
+    tests/test_launchers.py): its module path, its pieces' dict, the torch optimizer it steps."""
+
+    __module__ = "deepspeed.runtime.zero.stage_1_and_2"
+
+    def __init__(self, inner: Any) -> None:
+        self.averaged_gradients: dict[int, Any] = {}
+        self.optimizer = inner
+        self.steps = 0
+
+    def step(self, closure: Any = None) -> None:
+        self.steps += 1
+
+
+def test_under_deepspeed_zero_the_check_runs_inside_its_step_and_leaves_with_the_training() -> None:
+    """Accelerate's DeepSpeedOptimizerWrapper holds the ZeRO optimizer: the callback wraps its step at
+    on_train_begin (the check first, then DeepSpeed's own step), leaves the hook before the optimizer
+    step alone, and puts DeepSpeed's step back at on_train_end."""
+    model = torch.nn.Linear(3, 2)
+    zero = StandInZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapper = SimpleNamespace(optimizer=zero)
+    callback = NanscanTrainerCallback(max_norm=1.0, on_nonfinite="raise")
+    args = SimpleNamespace(max_grad_norm=0.0)
+    checked: list[Any] = []
+    callback._run_check = lambda target, optimizer: checked.append((target, optimizer))  # type: ignore[method-assign]
+    callback.on_train_begin(args, None, None, model=model, optimizer=wrapper)  # type: ignore[arg-type]
+    zero.step()
+    assert checked == [(model, None)] and zero.steps == 1  # checked, then DeepSpeed's step ran
+    callback.on_pre_optimizer_step(args, None, None, model=model, optimizer=wrapper)  # type: ignore[arg-type]
+    assert len(checked) == 1  # the gradients are gone by then: nothing checked twice
+    callback.on_train_end(args, None, None)  # type: ignore[arg-type]
+    assert "step" not in vars(zero)  # the class's step again
+    zero.step()
+    assert len(checked) == 1 and zero.steps == 2
+
+
+def test_under_deepspeed_zero_what_the_callback_cannot_do_is_refused_at_the_start() -> None:
+    model = torch.nn.Linear(3, 2)
+    args = SimpleNamespace(max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="check_state_every under DeepSpeed ZeRO"):
+        wrapper = SimpleNamespace(optimizer=StandInZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+        NanscanTrainerCallback(check_state_every=2).on_train_begin(args, None, None, model=model, optimizer=wrapper)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="on_nonfinite='skip' under DeepSpeed ZeRO guards the torch optimizer"):
+        wrapper = SimpleNamespace(optimizer=StandInZeroOptimizer(object()))
+        NanscanTrainerCallback().on_train_begin(args, None, None, model=model, optimizer=wrapper)  # type: ignore[arg-type]

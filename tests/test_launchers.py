@@ -4,7 +4,8 @@ tests/launched_lightning.py runs ``Trainer(accelerator="cpu", devices=2, strateg
 here as a user starts it (``python script.py``), Lightning's subprocess launcher runs it again for
 rank 1 (``strategy="ddp_spawn"`` too: Lightning pickles the callbacks, and their recorder, into the
 processes it spawns). tests/launched_transformers.py runs a ``transformers.Trainer`` with
-``TrainingArguments(use_cpu=True)``, and tests/launched_accelerate.py a user's own loop with
+``TrainingArguments(use_cpu=True)`` (DDP; and DeepSpeed ZeRO-2, whose step accelerate runs inside
+the backward: the callback checks inside it), and tests/launched_accelerate.py a user's own loop with
 ``Accelerator(cpu=True, gradient_accumulation_steps=2)``, under ``python -m torch.distributed.run
 --nproc_per_node 2``. In each, one rank alone makes a NaN at one step, before DDP all-reduces the gradients, and every rank
 writes what it saw (rank{R}.json) and its recorder's records (run.jsonl, one path for every rank,
@@ -103,20 +104,30 @@ def lightning(out: Path, strategy: str, *options: str) -> Launch:
     return launch([sys.executable, script, str(out), strategy, *options], out)
 
 
-def torchrun(script: str, out: Path) -> Launch:
+def torchrun(script: str, out: Path, *options: str) -> Launch:
     pytest.importorskip("accelerate")  # the Trainer needs it too
     if script == "launched_transformers.py":
         pytest.importorskip("transformers")
+    if "zero2" in options:
+        pytest.importorskip("deepspeed")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    return launch([*command, str(ROOT / "tests" / script), str(out)], out)
+    return launch([*command, str(ROOT / "tests" / script), str(out), *options], out)
 
 
-@pytest.fixture(scope="module", params=["lightning-ddp", "transformers-torchrun", "accelerate-torchrun"])
+@pytest.fixture(
+    scope="module", params=["lightning-ddp", "transformers-torchrun", "transformers-zero2", "accelerate-torchrun"]
+)
 def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launch:
     out = tmp_path_factory.mktemp(request.param)
-    framework = request.param.partition("-")[0]
+    framework, _, how = request.param.partition("-")
     # Lightning's DDP with the callback's DDP hook attached (attach_ddp=True); ddp_spawn, below, without.
-    run = lightning(out, "ddp", "attach") if framework == "lightning" else torchrun(f"launched_{framework}.py", out)
+    # The Trainer with DeepSpeed ZeRO-2 in place of DDP (the callback checks inside DeepSpeed's step).
+    options = ["zero2"] if how == "zero2" else []
+    run = (
+        lightning(out, "ddp", "attach")
+        if framework == "lightning"
+        else torchrun(f"launched_{framework}.py", out, *options)
+    )
     print(f"{request.param}: {run.seconds:.1f} s")  # (shown with pytest -s)
     return run
 
@@ -126,11 +137,13 @@ def norms(records: list[tuple[int, str, bool]]) -> list[float]:
 
 
 def assert_ranks_agree(run: Launch) -> None:
-    """Both ranks in one DDP world skipped the NaN step, and hold the same weights and records."""
+    """Both ranks in one DDP (or DeepSpeed) world skipped the NaN step, and hold the same weights and
+    records."""
     for result in run.ranks:
         rank = result["rank"]
         assert result["world"] == WORLD, f"rank {rank} ran in a world of {result['world']}, not {WORLD}"
-        assert result["wrapper"] == "DistributedDataParallel", f"rank {rank}'s model: {result['wrapper']}"
+        wrapper = "DeepSpeedEngine" if run.out.name.startswith("transformers-zero2") else "DistributedDataParallel"
+        assert result["wrapper"] == wrapper, f"rank {rank}'s model: {result['wrapper']}"
         assert result["skips"] == 1, f"rank {rank} skipped {result['skips']} steps, not 1"
         assert result["recorder_skipped"] == 1, f"rank {rank}'s recorder counted {result['recorder_skipped']} skips"
         assert result["weights_finite"], f"rank {rank}'s weights hold a NaN/Inf: the NaN step was not skipped"

@@ -36,6 +36,15 @@ into ``state.log_history`` and to the callbacks after this one; reporting integr
 (``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(NanscanTrainerCallback))``).
 Without a recorder the callback logs nothing.
 
+Under DeepSpeed ZeRO stages 1 and 2 (``TrainingArguments(deepspeed=...)``) accelerate runs
+``engine.step()`` inside ``accelerator.backward()``, and the averaged gradients exist only inside
+that step (nanscan.layouts.zero): no callback hook sees them. So the callback runs its check first
+in the ZeRO optimizer's step (its ``step`` wrapped at ``on_train_begin``, put back at
+``on_train_end``), where it clips the pieces DeepSpeed is about to apply, and ``"skip"`` holds back
+the torch optimizer DeepSpeed steps on its fp32 partition: a skipped step changes no weight (the
+LR scheduler still advances), on every rank alike. ZeRO-3, fp16 and the rest DeepSpeed keeps
+otherwise are refused at the first check; ``check_state_every`` is refused under ZeRO.
+
 The training state: with ``check_state_every=N``, after every N-th step of the optimizer (a step the
 callback skipped on the host is not one; a fused optimizer's, skipped on the device, is), ``nanscan.check_state`` of the model and the optimizer's state
 (nanscan.integrations._logging). With a ``state_recorder`` (a recorder of its own) the latest state
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,6 +135,8 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         self._pending: list[StepRecord] = []  # records read from the recorder, not yet logged
         self._pending_state: list[StepRecord] = []  # and from the state recorder
         self._trainer_state: TrainerState | None = None  # the Trainer's, while training
+        # DeepSpeed's ZeRO optimizer whose step is wrapped, and the step set on it before (None: its class's).
+        self._zero_step: tuple[Any, Any] | None = None
         if recorder is not None:
             recorder.add_sink(self._receive)
         if state_recorder is not None:
@@ -141,10 +153,14 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
                 "TrainingArguments(max_grad_norm=0)"
             )
         optimizer = kwargs.get("optimizer")
-        if self.on_nonfinite == "skip" and optimizer is not None:
-            _guard(optimizer, self.max_consecutive_skips)
         model = kwargs.get("model")
         self._trainer_state = state
+        zero = _zero_optimizer(optimizer)
+        if zero is not None and model is not None:
+            self._check_inside_zero_step(zero, model)
+            return
+        if self.on_nonfinite == "skip" and optimizer is not None:
+            _guard(optimizer, self.max_consecutive_skips)
         if optimizer is not None and model is not None:
             self._watch_steps(_inner(optimizer), lambda: model, self._global_step)
 
@@ -153,6 +169,17 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
     ) -> None:
         """Checks (and clips) the gradients and arms the skip of the step that follows."""
         model, optimizer = kwargs["model"], kwargs["optimizer"]
+        zero = _zero_optimizer(optimizer)
+        if zero is not None:  # checked inside DeepSpeed's step, which accelerate ran in the backward
+            self._trainer_state = state
+            if self._zero_step is None:  # on_train_begin had no optimizer: from the next step on
+                self._check_inside_zero_step(zero, model)
+                warnings.warn(
+                    "nanscan.NanscanTrainerCallback: DeepSpeed's optimizer was not known before this step, whose "
+                    "gradients went unchecked; the steps after it are checked",
+                    stacklevel=2,
+                )
+            return
         inner = _guard(optimizer, self.max_consecutive_skips) if self.on_nonfinite == "skip" else None
         self._trainer_state = state
         self._watch_steps(_inner(optimizer), lambda: model, self._global_step)  # on_train_begin had none
@@ -206,6 +233,41 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         """Hands the recorder's last records to its sinks."""
         self._flush_recorders()
         self._unwatch_steps()
+        if self._zero_step is not None:
+            zero, original = self._zero_step
+            if original is None:
+                del zero.step  # the class's step again
+            else:
+                zero.step = original  # a step set on the optimizer itself, before ours
+            self._zero_step = None
+
+    def _check_inside_zero_step(self, zero: Any, model: Any) -> None:
+        """Under DeepSpeed ZeRO-1/2 (module notes): the check runs first in the ZeRO optimizer's step,
+        the one moment its averaged gradients exist, and a skip holds back the torch optimizer that
+        DeepSpeed steps on its fp32 partition, so that a skipped step changes no weight."""
+        if self.check_state_every is not None:
+            raise ValueError(
+                "nanscan.NanscanTrainerCallback: check_state_every under DeepSpeed ZeRO: its optimizer state and "
+                "master weights are partitioned over the ranks, which nanscan.check_state does not read"
+            )
+        inner = zero.optimizer
+        guarded = None
+        if self.on_nonfinite == "skip":
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise TypeError(
+                    f"nanscan.NanscanTrainerCallback: on_nonfinite='skip' under DeepSpeed ZeRO guards the torch optimizer "
+                    f"it steps, and this one is a {type(inner).__name__}; use on_nonfinite='raise' or 'warn'"
+                )
+            SkipGuard.of(inner, self.max_consecutive_skips)
+            guarded = inner
+        original = zero.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._run_check(model, guarded)
+            return original(*args, **kwargs)
+
+        self._zero_step = (zero, vars(zero).get("step"))
+        zero.step = step
 
     def _flush_recorders(self) -> None:
         for recorder in (self.recorder, self.state_recorder):
@@ -219,6 +281,14 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
     def _receive(self, record: StepRecord) -> None:
         """The recorder's sink: keeps a record for the next log."""
         self._pending.append(record)
+
+
+def _zero_optimizer(optimizer: Any) -> Any:
+    """DeepSpeed's ZeRO-1/2 optimizer under accelerate's ``DeepSpeedOptimizerWrapper``, or None."""
+    zero = getattr(optimizer, "optimizer", None)
+    if zero is not None and type(zero).__module__.startswith("deepspeed.") and hasattr(zero, "averaged_gradients"):
+        return zero
+    return None
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:

@@ -140,9 +140,10 @@ def _refuse_unreadable(names: Sequence[str], params: Sequence[Any], mappings: li
     if any(m.gradient_dict.get(m.param_group_index) is None for m in mappings):
         raise ValueError(
             f"nanscan: these DeepSpeed ZeRO gradients are not the model's now: {_WINDOW}. Check after that "
-            "backward (not between the micro-batches of a window, and not after engine.step()). Accelerate and the "
-            "Hugging Face Trainer run engine.step() inside accelerator.backward(), which leaves no such window: there, "
-            "use the engine's own norm (engine.get_global_grad_norm())"
+            "backward (not between the micro-batches of a window, and not after engine.step()). Accelerate runs "
+            "engine.step() inside accelerator.backward(), which leaves no such window: under the Hugging Face Trainer, "
+            "NanscanTrainerCallback checks inside DeepSpeed's step; in a loop of your own, use the engine's own norm "
+            "(engine.get_global_grad_norm())"
         )
 
 
