@@ -164,9 +164,8 @@ def read(rank: int, world: int, stage: int, precision: str, accumulation: int) -
     advisor = nanscan.amp.Advisor()
     entry["Advisor.observe"] = attempt(lambda: advisor.observe(engine.module))
     entry["full"] = full_statistics(engine)
-    entry["reference"] = {
-        name: [float(g.norm()), float(g.min()), float(g.max())] for name, g in reference(world, accumulation).items()
-    }
+    ref = reference(world, accumulation)
+    entry["reference"] = {name: [float(g.norm()), float(g.min()), float(g.max())] for name, g in ref.items()}
     # Refused still: what reads values or compares copies, and the GradScaler (DeepSpeed scales its own).
     entry["scan(params)"] = attempt(lambda: nanscan.scan(params))
     entry["verify_replicas"] = attempt(lambda: nanscan.verify_replicas(engine.module, gradients=True))
@@ -178,7 +177,6 @@ def read(rank: int, world: int, stage: int, precision: str, accumulation: int) -
         clipped = nanscan.clip_grad_norm_(params, max_norm)
         entry["clip total"] = float(clipped)
         engine.step()
-        ref = reference(world, accumulation)
         coefficient = max_norm / (float(clipped) + 1e-6)
         errors = []
         for i, (name, p) in enumerate(engine.module.named_parameters()):

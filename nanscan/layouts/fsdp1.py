@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..names import clean_module_names
-from .reduce import Copies, Group, Plan, ReplicaLines, fingerprint
+from .reduce import Copies, Group, Plan, ReplicaLines, empty_part, fingerprint
 
 _FSDP1 = ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel")
 _FLAT_PARAMETER_MODULE = "torch.distributed.fsdp._flat_param"
@@ -550,7 +550,7 @@ def whole_parts(layout: ModelLayout, source: str = "grad", positions: Sequence[i
             tensors.append(_unmanaged_tensor(layout.unmanaged(i), source))
             continue
         grad = grads[u][i]
-        tensors.append(grad if grad is not None else _empty(locals_[u]))  # type: ignore[arg-type]
+        tensors.append(grad if grad is not None else empty_part(locals_[u].dtype, locals_[u].device))  # type: ignore[union-attr]
     return Parts([], tensors, tensors, selection.whole_plan, [])
 
 
@@ -604,7 +604,7 @@ def state_parts(
             else:
                 unit_parts = of_unit(u, key)
                 part = None if unit_parts is None else unit_parts[i]
-            tensors.append(part if part is not None else _empty(value))
+            tensors.append(part if part is not None else empty_part(value.dtype, value.device))
             names.append(f"{name}:{key}")
             numels.append(numel)
     # Each state tensor is reduced as its parameter's part is (the same group, counted on the same
@@ -628,19 +628,6 @@ def _state_tensor(
             "so it cannot be cut into FSDP1's parameters; check the weights alone (optimizer=None)"
         )
     return kept
-
-
-_empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    """A zero-size tensor of ``like``'s dtype and device, made once (a slice costs 3 us a call): the
-    part of a parameter that has no element on this rank, wherever it is needed."""
-    key = (like.dtype, like.device)
-    empty = _empties.get(key)
-    if empty is None:
-        empty = _empties[key] = torch.empty(0, dtype=like.dtype, device=like.device)
-    return empty
 
 
 def _unmanaged_tensor(p: torch.nn.Parameter, source: str) -> torch.Tensor:

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .zero import MARK as ZERO_MARK
+
 _ADVICE_PROCESS_GROUP = (
     "If each rank holds whole gradients of its own parameters, pass process_group= (the ranks that hold "
     "different ones); nanscan reduces plain gradients no other way"
@@ -83,7 +85,7 @@ _ENGINES = (
 MARKS = (
     ("ds_id", ("deepspeed",), "a parameter partitioned by DeepSpeed ZeRO stage 3 (its .data is a placeholder)"),
     (
-        "_hp_mapping",
+        ZERO_MARK,  # read where ZeRO-1/2's gradients are (nanscan.layouts.zero), refused elsewhere
         ("deepspeed",),
         "a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer, which partitions its gradients and optimizer state "
         "over the ranks (nanscan reads ZeRO-1/2's gradients in check and clip_grad_norm_ alone: "

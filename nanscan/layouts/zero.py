@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .reduce import Group, Plan, fingerprint, require_initialized
+from .reduce import Group, Plan, empty_part, fingerprint, require_initialized
 
 MARK = "_hp_mapping"  # DeepSpeed's mark on each parameter its ZeRO-1/2 or bf16 optimizer trains
 
@@ -98,9 +98,12 @@ def _mappings(trained: Sequence[Any]) -> list[Any]:
     return mappings
 
 
-def _refuse_unreadable(names: Sequence[str], params: Sequence[Any], mappings: list[Any], process_group: Any) -> None:
-    """Raises where the pieces are not the model's averaged gradient (module notes); the same outcome on
-    every rank, decided by what every rank holds alike."""
+def _refuse_unreadable(
+    names: Sequence[str], params: Sequence[Any], trained: list[Any], mappings: list[Any], process_group: Any
+) -> None:
+    """Raises where the pieces of ``trained`` (those of ``params`` the optimizer trains) are not the
+    model's averaged gradient (module notes); the same outcome on every rank, decided by what every
+    rank holds alike."""
     if process_group is not None:
         raise ValueError(
             "nanscan: process_group= with DeepSpeed ZeRO: its data-parallel group already spans every rank, whose "
@@ -115,7 +118,6 @@ def _refuse_unreadable(names: Sequence[str], params: Sequence[Any], mappings: li
             "optimizer, or freeze them (requires_grad=False)"
         )
     require_initialized()
-    trained = [p for p in params if hasattr(p, MARK)]
     if any(m.use_offload for m in mappings):
         raise _refuse(
             "DeepSpeed ZeRO with CPU offload (ZeRO-Offload) keeps its pieces on the host; nanscan does not read them"
@@ -147,30 +149,21 @@ def _refuse_unreadable(names: Sequence[str], params: Sequence[Any], mappings: li
         )
 
 
-_empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (dtype, device)
-    empty = _empties.get(key)
-    if empty is None:
-        empty = _empties[key] = torch.empty(0, dtype=dtype, device=device)
-    return empty
-
-
 def parts(names: Sequence[str] | None, params: Sequence[Any], process_group: Any = None) -> Parts:
     """This rank's pieces of the averaged gradients of ``params`` (named ``names``, or by position
     where None; parameters with no mark and no need of a gradient left out), and their reduction
     plan. Raises where they are not the model's (module notes)."""
-    trained = [p for p in params if hasattr(p, MARK)]
-    mappings = _mappings(trained)
     if names is None:
         names = [f"[{i}]" for i in range(len(params))]  # by position, as any list of parameters
-    _refuse_unreadable(names, params, mappings, process_group)
+    # The parameters the optimizer trains (the others are frozen: refused below where they require a
+    # gradient), with their names.
+    marked = [(name, p) for name, p in zip(names, params, strict=True) if hasattr(p, MARK)]
+    kept_names = [name for name, _ in marked]
+    trained = [p for _, p in marked]
+    mappings = _mappings(trained)
+    _refuse_unreadable(names, params, trained, mappings, process_group)
     found: list[torch.Tensor | None] = []
-    for name, p in zip(names, params, strict=True):
-        if not hasattr(p, MARK):
-            continue  # frozen (refused above where it requires a gradient)
+    for name, p in marked:
         mapping = p._hp_mapping
         if mapping is None:
             found.append(None)  # made below, of the pieces' dtype
@@ -184,8 +177,7 @@ def parts(names: Sequence[str] | None, params: Sequence[Any], process_group: Any
         found.append(piece)
     # A parameter with no element here: an empty piece of the accumulation dtype (every piece's).
     dtype: torch.dtype = next((t.dtype for t in found if t is not None), trained[0].dtype if trained else torch.float32)
-    pieces = [t if t is not None else _empty(dtype, p.device) for t, p in zip(found, trained, strict=True)]
-    kept_names = [name for name, p in zip(names, params, strict=True) if hasattr(p, MARK)]
+    pieces = [t if t is not None else empty_part(dtype, p.device) for t, p in zip(found, trained, strict=True)]
     made = _plan(kept_names, trained)
     return Parts(kept_names, pieces, [piece for piece in pieces if piece.numel() > 0], made.plan, made.numels)
 
