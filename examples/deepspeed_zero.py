@@ -1,7 +1,8 @@
-"""DeepSpeed ZeRO-2: check, clip and skip between `engine.backward()` and `engine.step()`.
+"""DeepSpeed ZeRO (stage 2, or `--stage 1` or `3`): check, clip and skip between `engine.backward()`
+and `engine.step()`.
 
-ZeRO stages 1 and 2 leave each rank only its partition of the averaged gradients (every `.grad` is
-None). `nanscan.check(engine)` reads every rank's pieces, one fused pass each, and reduces them over
+ZeRO leaves each rank only its partition of the averaged gradients (every `.grad` is None; stage 3
+partitions the weights too). `nanscan.check(engine)` reads every rank's pieces, one fused pass each, and reduces them over
 DeepSpeed's data-parallel group: every rank gets every parameter's NaN/Inf counts, min, max and norm,
 under the names you wrote. `max_norm` clips the pieces that `engine.step()` then applies; with
 `on_nonfinite="skip"`, guarding the torch optimizer DeepSpeed steps on its fp32 partition
@@ -24,6 +25,7 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage (default 2)")
     parser.add_argument(
         "--fault-step", type=int, default=None, help="step whose batch is corrupt on the last rank (default: half way)"
     )
@@ -47,7 +49,7 @@ def main() -> None:
     config = {
         "train_micro_batch_size_per_gpu": 64,
         "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": args.stage},
         "zero_allow_untested_optimizer": True,
     }
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
@@ -78,11 +80,14 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.4f} (rank 0)  grad norm {report.total_norm:.3f}")
 
     skips = nanscan.SkipGuard.of(inner).total_skips
-    weights = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    # Every rank's copy of the whole weights (ZeRO-3 holds a partition of each: gathered for the copy).
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=args.stage == 3):
+        weights = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
     gathered = [torch.empty_like(weights) for _ in range(world)]
-    dist.all_gather(gathered, weights)  # every rank holds the whole weights at ZeRO-2: they must agree
+    dist.all_gather(gathered, weights)  # they must agree
     if rank == 0:
-        print(f"done on {world} ranks: {skips} step(s) skipped; weights finite: {bool(weights.isfinite().all())}")
+        finite = bool(weights.isfinite().all())
+        print(f"done on {world} ranks, ZeRO-{args.stage}: {skips} step(s) skipped; weights finite: {finite}")
     assert skips == (1 if 0 <= fault_step < args.steps else 0) and bool(weights.isfinite().all())
     assert all(torch.equal(weights, other) for other in gathered)
     dist.destroy_process_group()

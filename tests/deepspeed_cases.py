@@ -3,15 +3,15 @@
 ``python tests/deepspeed_cases.py RANK WORLD PORT OUTDIR``. Each rank makes a DeepSpeed engine per
 configuration, runs backwards on inputs of its own, and writes what nanscan did with it, as JSON.
 
-* ZeRO stages 1 and 2 (fp32, and bf16 through the ZeRO optimizer): each rank holds its partition of
-  the averaged gradients (``.grad`` None). nanscan reads the pieces (nanscan.layouts.zero): every
+* ZeRO stages 1, 2 and 3 (fp32, and bf16 through the ZeRO optimizer): each rank holds its partition
+  of the averaged gradients (``.grad`` None; under stage 3 the parameters are partitioned too). nanscan reads the pieces (nanscan.layouts.zero): every
   entry point that reads gradients (check of the engine, of its module, of a list of parameters or
   of pairs; clip_grad_norm_; the Advisor) must give every parameter's statistics as
   ``deepspeed.utils.safe_get_full_grad`` assembles them, and as an independent reference (a plain
   copy of the model run on every rank's inputs) has them; a NaN and an Inf planted on one rank,
   before DeepSpeed's reduction, named on both; a clip that the step then applies; the window
   (between a boundary's backward and the step) kept: refused between micro-batches and after a step.
-* ZeRO 3 and DeepSpeed's BF16_Optimizer: refused by every entry point, before anything is read.
+* DeepSpeed's BF16_Optimizer: refused by every entry point, before anything is read.
 * Stage 0 keeps DDP's layout (whole, all-reduced gradients): read as a DDP model is.
 """
 
@@ -31,8 +31,11 @@ READ = [
     ("stage 2 bf16", 2, "bf16", 1),
     ("stage 2 fp32, 2 micro-batches", 2, "fp32", 2),
     ("stage 1 fp32, 2 micro-batches", 1, "fp32", 2),
+    ("stage 3 fp32", 3, "fp32", 1),
+    ("stage 3 bf16", 3, "bf16", 1),
+    ("stage 3 fp32, 2 micro-batches", 3, "fp32", 2),
 ]
-REFUSED = [("stage 3 fp32", 3, "fp32"), ("stage 1 bf16, fp32 accumulation", 1, "bf16 fp32-accum")]
+REFUSED = [("stage 1 bf16, fp32 accumulation", 1, "bf16 fp32-accum")]
 LR = (0.1, 0.05)  # the two parameter groups' learning rates
 
 
@@ -144,6 +147,17 @@ def full_statistics(engine: Any) -> dict[str, Any]:
     return out
 
 
+def weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The model's whole weights, in fp64 (ZeRO-3's parameters gathered for the copy: each rank holds a
+    partition of each, its .data a placeholder)."""
+    import deepspeed
+
+    named = list(engine.module.named_parameters())
+    partitioned = hasattr(named[0][1], "ds_id")
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=partitioned):
+        return {name: p.detach().clone().double() for name, p in named}
+
+
 def read(rank: int, world: int, stage: int, precision: str, accumulation: int) -> dict[str, Any]:
     import nanscan
 
@@ -172,20 +186,20 @@ def read(rank: int, world: int, stage: int, precision: str, accumulation: int) -
     entry["process_group="] = attempt(lambda: nanscan.check(engine, process_group=torch.distributed.group.WORLD))
     if precision == "fp32":
         # A clip to a quarter of the norm, then DeepSpeed's step: the step applies the clipped pieces.
-        before = {name: p.detach().clone().double() for name, p in engine.module.named_parameters()}
+        before = weights(engine)
         max_norm = report.total_norm / 4
         clipped = nanscan.clip_grad_norm_(params, max_norm)
         entry["clip total"] = float(clipped)
         engine.step()
         coefficient = max_norm / (float(clipped) + 1e-6)
         errors = []
-        for i, (name, p) in enumerate(engine.module.named_parameters()):
+        for i, (name, after) in enumerate(weights(engine).items()):
             if name not in ref:
-                errors.append(float((p.detach().double() - before[name]).abs().max()))  # frozen: unchanged
+                errors.append(float((after - before[name]).abs().max()))  # frozen: unchanged
                 continue
             lr = LR[0] if i < 2 else LR[1]
             want = before[name] - lr * coefficient * ref[name]
-            errors.append(float((p.detach().double() - want).abs().max() / want.abs().max()))
+            errors.append(float((after - want).abs().max() / want.abs().max()))
         entry["step error"] = max(errors)
         entry["after step"] = attempt(lambda: nanscan.check(engine))
     # A NaN and an Inf planted on rank 1 before the reduction: the next window's gradients.

@@ -1,15 +1,16 @@
 """A transformers script for tests/test_launchers.py: NanscanTrainerCallback under torchrun.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/launched_transformers.py OUTDIR [zero2]
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/launched_transformers.py OUTDIR [zero2|zero3]
 
 It trains a tiny GPT-2 with ``TrainingArguments(use_cpu=True)``, as a user's script would; under
 torchrun the Trainer joins the launcher's two ranks in a gloo group and wraps the model in
 DistributedDataParallel (checked here: the run must not pass as two single processes). On rank
 ``NAN_RANK`` a forward hook multiplies one MLP's output by NaN at step ``NAN_STEP``; DDP's all-reduce
 in the backward spreads the NaN to the other rank's gradients, so both ranks must skip that step, and
-end with the same weights. With ``zero2`` the Trainer runs DeepSpeed ZeRO stage 2 instead of DDP
-(``TrainingArguments(deepspeed=...)``): DeepSpeed's average carries the NaN into the partitions,
-and the callback checks inside DeepSpeed's step (nanscan.integrations.transformers).
+end with the same weights. With ``zero2`` (``zero3``) the Trainer runs DeepSpeed ZeRO stage 2 (3)
+instead of DDP (``TrainingArguments(deepspeed=...)``): DeepSpeed's average carries the NaN into the
+partitions, and the callback checks inside DeepSpeed's step (nanscan.integrations.transformers).
+Under ZeRO-3 the weights compared at the end are gathered (each rank holds a partition of each).
 
 The callback's Recorder writes the records to OUTDIR/run.jsonl (one path for every rank, as a user
 writes it) and OUTDIR/run-{rank}.jsonl (one file per rank), and to a sink of this script that keeps
@@ -19,6 +20,7 @@ OUTDIR/rank{R}.json: the test compares the ranks' files and reads the records fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,9 +64,19 @@ class Plant(TrainerCallback):
         self.on = state.global_step == NAN_STEP and dist.get_rank() == NAN_RANK
 
 
+def gathered(model: torch.nn.Module, partitioned: bool) -> Any:
+    """The whole weights while inside (ZeRO-3 partitions each parameter; a placeholder otherwise)."""
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    zero = sys.argv[2:] == ["zero2"]
+    stage = {"zero2": 2, "zero3": 3}[sys.argv[2]] if sys.argv[2:] else None
+    zero = stage is not None
     if zero:
         os.environ["DS_ACCELERATOR"] = "cpu"
     seen: list[tuple[int, str, bool]] = []  # (step, total_norm as float.hex, skipped): exact, NaN included
@@ -104,7 +116,7 @@ def main() -> None:
                 "gradient_accumulation_steps": "auto",
                 "gradient_clipping": "auto",
                 "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
-                "zero_optimization": {"stage": 2},
+                "zero_optimization": {"stage": stage},
                 "zero_allow_untested_optimizer": True,
             }
             if zero
@@ -123,14 +135,16 @@ def main() -> None:
         optimizer = optimizer.optimizer  # the one DeepSpeed's ZeRO optimizer steps on its fp32 partition
     assert isinstance(optimizer, torch.optim.Optimizer)
     rank = dist.get_rank()  # (no flush here: the callback's on_train_end flushed the recorder)
+    with gathered(model, stage == 3):
+        weights, weights_finite = checksum(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
     result = {
         "rank": rank,
         "world": dist.get_world_size(),
         "wrapper": type(trainer.model_wrapped).__name__,
         "skips": nanscan.SkipGuard.of(optimizer).total_skips,
         "recorder_skipped": recorder.skipped,
-        "weights": checksum(model),
-        "weights_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "weights": weights,
+        "weights_finite": weights_finite,
         "first_input": plant.first_input,
         "planted": plant.planted,
         "records": seen,

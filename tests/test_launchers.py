@@ -108,21 +108,28 @@ def torchrun(script: str, out: Path, *options: str) -> Launch:
     pytest.importorskip("accelerate")  # the Trainer needs it too
     if script == "launched_transformers.py":
         pytest.importorskip("transformers")
-    if "zero2" in options:
+    if any(option.startswith("zero") for option in options):
         pytest.importorskip("deepspeed")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
     return launch([*command, str(ROOT / "tests" / script), str(out), *options], out)
 
 
 @pytest.fixture(
-    scope="module", params=["lightning-ddp", "transformers-torchrun", "transformers-zero2", "accelerate-torchrun"]
+    scope="module",
+    params=[
+        "lightning-ddp",
+        "transformers-torchrun",
+        "transformers-zero2",
+        "transformers-zero3",
+        "accelerate-torchrun",
+    ],
 )
 def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launch:
     out = tmp_path_factory.mktemp(request.param)
     framework, _, how = request.param.partition("-")
     # Lightning's DDP with the callback's DDP hook attached (attach_ddp=True); ddp_spawn, below, without.
-    # The Trainer with DeepSpeed ZeRO-2 in place of DDP (the callback checks inside DeepSpeed's step).
-    options = ["zero2"] if how == "zero2" else []
+    # The Trainer with DeepSpeed ZeRO-2 or ZeRO-3 in place of DDP (the callback checks inside DeepSpeed's step).
+    options = [how] if how.startswith("zero") else []
     run = (
         lightning(out, "ddp", "attach")
         if framework == "lightning"
@@ -142,7 +149,7 @@ def assert_ranks_agree(run: Launch) -> None:
     for result in run.ranks:
         rank = result["rank"]
         assert result["world"] == WORLD, f"rank {rank} ran in a world of {result['world']}, not {WORLD}"
-        wrapper = "DeepSpeedEngine" if run.out.name.startswith("transformers-zero2") else "DistributedDataParallel"
+        wrapper = "DeepSpeedEngine" if run.out.name.startswith("transformers-zero") else "DistributedDataParallel"
         assert result["wrapper"] == wrapper, f"rank {rank}'s model: {result['wrapper']}"
         assert result["skips"] == 1, f"rank {rank} skipped {result['skips']} steps, not 1"
         assert result["recorder_skipped"] == 1, f"rank {rank}'s recorder counted {result['recorder_skipped']} skips"

@@ -4,6 +4,7 @@ layouts across real processes are in tests/distributed_cases.py and distributed_
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from typing import Any
@@ -16,6 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 import nanscan
+from nanscan import layouts
 from nanscan.records import StepRecord
 
 
@@ -145,7 +147,6 @@ def test_engines_that_shard_gradients_are_refused_before_anything_is_read(module
 
 
 MARKS = [
-    ("deepspeed", "ds_id", 7, "partitioned by DeepSpeed ZeRO stage 3"),
     ("megatron", "main_grad", torch.zeros(4), r"\.main_grad"),
     ("transformer_engine", "main_grad", torch.zeros(4), r"\.main_grad"),
     ("fairscale", "_is_sharded", True, "fairscale flat parameter"),
@@ -157,7 +158,7 @@ MARKS = [
 def test_parameters_an_engine_marked_are_refused(
     package: str, attribute: str, value: Any, what: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Parameters the engine marks (ZeRO-3's partitioned ones, gradients kept in .main_grad): refused
+    """Parameters the engine marks (gradients kept in .main_grad, a flat parameter's shard): refused
     wherever they are passed, once the engine's package is loaded (never otherwise: no cost)."""
     m = with_gradients(model())
     params = list(m.parameters())
@@ -183,13 +184,22 @@ def test_parameters_an_engine_marked_are_refused(
         scaler.unscale_(torch.optim.SGD(params, lr=0.1))
 
 
-def test_a_zero_mark_beside_parameters_no_optimizer_trains_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DeepSpeed's ZeRO-1/2 mark (None on a rank that holds no piece of the parameter): the entry
-    points that read gradients read ZeRO's pieces (tests/test_deepspeed.py), and refuse, by name, the
-    parameters beside it that require a gradient which nothing reduces; the others refuse the mark."""
+ZERO_MARKS = [
+    ("_hp_mapping", None, "of DeepSpeed's ZeRO-1/2 or bf16 optimizer"),  # None: a rank that holds no piece
+    ("ds_id", 7, "partitioned by DeepSpeed ZeRO stage 3"),
+]
+
+
+@pytest.mark.parametrize(("attribute", "value", "what"), ZERO_MARKS, ids=[a for a, _, _ in ZERO_MARKS])
+def test_a_zero_mark_beside_parameters_no_optimizer_trains_is_refused(
+    attribute: str, value: Any, what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed's ZeRO-1/2 and ZeRO-3 marks: the entry points that read gradients read ZeRO's pieces
+    (tests/test_deepspeed.py), and refuse, by name, the parameters beside them that require a
+    gradient which nothing reduces; the others refuse the mark."""
     m = with_gradients(model())
     params = list(m.parameters())
-    params[3]._hp_mapping = None
+    setattr(params[3], attribute, value)
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     untrained = "require a gradient, but DeepSpeed's ZeRO optimizer does not train them"
     for call in (
@@ -201,7 +211,7 @@ def test_a_zero_mark_beside_parameters_no_optimizer_trains_is_refused(monkeypatc
     ):
         with pytest.raises(ValueError, match=untrained):
             call()
-    marked = "entry 3 is a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer"
+    marked = f"entry 3 is a parameter {what}"
     for call in (lambda: nanscan.verify_replicas(m), lambda: nanscan.scan(params)):
         with pytest.raises(ValueError, match=marked):
             call()
@@ -209,6 +219,94 @@ def test_a_zero_mark_beside_parameters_no_optimizer_trains_is_refused(monkeypatc
     scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match=marked):
         scaler.unscale_(torch.optim.SGD(params, lr=0.1))
+
+
+class _Stage3Optimizer:
+    """DeepSpeed's ZeRO-3 optimizer as nanscan reads it (tests/test_deepspeed.py runs the real one):
+    its parameter groups, its flags, its table of gradient partitions by ds_id (a name-mangled private
+    attribute) and the list of them its step reads."""
+
+    def __init__(self, params: list[torch.nn.Parameter], partitions: list[torch.Tensor]) -> None:
+        self.fp16_groups = [params]
+        self.offload_optimizer = self.offload_param = self.zenflow = False
+        self.zero_hpz_partition_size = 1
+        self.boundary = True
+        self.averaged_gradients: dict[int, list[torch.Tensor] | None] = {0: partitions}
+        # DeepSpeed's ``self.__param_id_to_grad_partition``, as its class mangles it (one leading _: not mangled here).
+        self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition = dict(enumerate(partitions))
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.boundary
+
+
+def zero3_model() -> tuple[torch.nn.Module, _Stage3Optimizer, dict[str, torch.Tensor]]:
+    """A model partitioned as ZeRO-3 partitions it over one rank: each parameter a placeholder, its
+    gradient in the optimizer's table, one element longer than the parameter (the padding a last rank
+    holds, a NaN here that nanscan must not read). Returns the model, its optimizer and the gradients."""
+    import torch.distributed as dist
+
+    m = with_gradients(model())
+    grads = {name: p.grad.clone() for name, p in m.named_parameters()}
+    params = list(m.parameters())
+    partitions = [torch.cat([p.grad.reshape(-1), torch.tensor([float("nan")])]) for p in params]
+    optimizer = _Stage3Optimizer(params, partitions)
+    for i, p in enumerate(params):
+        p.ds_id, p.ds_numel, p.ds_shape = i, p.numel(), p.shape
+        p.partition_numel = functools.partial(int, p.numel() + 1)  # type: ignore[attr-defined]
+        p.ds_process_group = dist.group.WORLD
+        p._z3_optimizer = optimizer
+        p.grad = None
+        p.data = torch.empty(0)  # the placeholder ZeRO-3 leaves between forwards
+    return m, optimizer, grads
+
+
+def test_zero_3_partitions_are_read_without_their_padding_and_refused_where_they_are_not_the_models(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    m, optimizer, grads = zero3_model()
+    report = nanscan.check(m, max_norm=1e9)
+    assert report.finite and list(report.names) == WANT  # the padding's NaN left out
+    want = torch.stack([g.double().norm() for g in grads.values()])
+    assert torch.allclose(report.stats.norm, want, rtol=1e-6)
+    whole = [g.numel() for g in grads.values()]  # the parameters' sizes, not their placeholders'
+    assert layouts.numels(layouts.of_module(m)) == whole
+    # A clip scales the partitions in place, which the step reads.
+    total = float(nanscan.clip_grad_norm_(m, 0.5))
+    assert total == pytest.approx(float(want.norm()), rel=1e-6)
+    table = vars(optimizer)["_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"]
+    assert torch.allclose(table[0][:-1], grads["0.fc.weight"].reshape(-1) * (0.5 / (total + 1e-6)))
+
+    window = "not the model's now"
+    refusals: list[tuple[str, Any, str]] = [
+        ("boundary", False, window),  # between the micro-batches of a window
+        ("averaged_gradients", {0: None}, window),  # after the step
+        ("averaged_gradients", {}, window),  # before any backward
+        ("offload_optimizer", True, "offload"),
+        ("offload_param", True, "offload"),
+        ("zenflow", True, "ZenFlow"),
+        ("zero_hpz_partition_size", 2, "hierarchical partitioning"),
+        (
+            "fp16_groups",
+            [list(m.parameters())[1:]],
+            "0.fc.weight require a gradient, but DeepSpeed's ZeRO optimizer does not train them",
+        ),
+        ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", None, "no table of gradient partitions"),
+    ]
+    for attribute, value, message in refusals:
+        kept = vars(optimizer)[attribute]
+        setattr(optimizer, attribute, value)
+        for call in (lambda: nanscan.check(m), lambda: nanscan.clip_grad_norm_(m, 1.0)):
+            with pytest.raises(ValueError, match=message):
+                call()
+        setattr(optimizer, attribute, kept)
+    table[2] = table[2][:-1]  # a partition of another size than the parameter says
+    with pytest.raises(ValueError, match="a layout this version of nanscan does not know"):
+        nanscan.check(m)
+    for p in m.parameters():
+        p._z3_optimizer = None  # zero.Init alone: partitioned, with no optimizer
+    with pytest.raises(ValueError, match="without one ZeRO-3 optimizer"):
+        nanscan.check(m)
 
 
 # ---- FSDP1 in a world of one rank -----------------------------------------------------------------

@@ -36,13 +36,13 @@ into ``state.log_history`` and to the callbacks after this one; reporting integr
 (``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(NanscanTrainerCallback))``).
 Without a recorder the callback logs nothing.
 
-Under DeepSpeed ZeRO stages 1 and 2 (``TrainingArguments(deepspeed=...)``) accelerate runs
+Under DeepSpeed ZeRO stages 1, 2 and 3 (``TrainingArguments(deepspeed=...)``) accelerate runs
 ``engine.step()`` inside ``accelerator.backward()``, and the averaged gradients exist only inside
 that step (nanscan.layouts.zero): no callback hook sees them. So the callback runs its check first
 in the ZeRO optimizer's step (its ``step`` wrapped at ``on_train_begin``, put back at
 ``on_train_end``), where it clips the pieces DeepSpeed is about to apply, and ``"skip"`` holds back
 the torch optimizer DeepSpeed steps on its fp32 partition: a skipped step changes no weight (the
-LR scheduler still advances), on every rank alike. ZeRO-3, fp16 and the rest DeepSpeed keeps
+LR scheduler still advances), on every rank alike. fp16, offload and the rest DeepSpeed keeps
 otherwise are refused at the first check; ``check_state_every`` is refused under ZeRO.
 
 The training state: with ``check_state_every=N``, after every N-th step of the optimizer (a step the
@@ -242,7 +242,7 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
             self._zero_step = None
 
     def _check_inside_zero_step(self, zero: Any, model: Any) -> None:
-        """Under DeepSpeed ZeRO-1/2 (module notes): the check runs first in the ZeRO optimizer's step,
+        """Under DeepSpeed ZeRO (module notes): the check runs first in the ZeRO optimizer's step,
         the one moment its averaged gradients exist, and a skip holds back the torch optimizer that
         DeepSpeed steps on its fp32 partition, so that a skipped step changes no weight."""
         if self.check_state_every is not None:
@@ -284,7 +284,7 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
 
 
 def _zero_optimizer(optimizer: Any) -> Any:
-    """DeepSpeed's ZeRO-1/2 optimizer under accelerate's ``DeepSpeedOptimizerWrapper``, or None."""
+    """DeepSpeed's ZeRO optimizer (any stage) under accelerate's ``DeepSpeedOptimizerWrapper``, or None."""
     zero = getattr(optimizer, "optimizer", None)
     if zero is not None and type(zero).__module__.startswith("deepspeed.") and hasattr(zero, "averaged_gradients"):
         return zero

@@ -16,9 +16,9 @@ The layouts, one module each:
   is one too, with its hook's rank attribution where attached (ddp.py);
 * DTensors (dtensor.py): FSDP2, tensor parallel, HSDP, any placement on any mesh;
 * FSDP1 flat parameters (fsdp1.py), every sharding strategy;
-* DeepSpeed ZeRO stages 1 and 2 (zero.py): each rank's partition of the averaged gradients;
+* DeepSpeed ZeRO stages 1, 2 and 3 (zero.py): each rank's partition of the averaged gradients;
 * ``process_group``: ranks that each hold different tensors (pipeline stages), on top of any other;
-* refused (refused.py): gradient sharding nanscan cannot reduce (DeepSpeed ZeRO-3, Megatron's
+* refused (refused.py): gradient sharding nanscan cannot reduce (DeepSpeed's pipelines, Megatron's
   distributed optimizer, ...) is refused with an error that names the wrapper, before anything is
   read: a rank-local answer presented as the model's is the one outcome that must never happen.
 """
@@ -182,7 +182,7 @@ def _fsdp1(
 
 
 def _zero(names: Sequence[str] | None, params: Sequence[Any], process_group: Any) -> Layout:
-    """DeepSpeed ZeRO-1/2's pieces of the gradients of ``params`` (nanscan.layouts.zero)."""
+    """DeepSpeed ZeRO's pieces of the gradients of ``params`` (nanscan.layouts.zero)."""
     found = zero.parts(names, params, process_group)
     return Layout(found.names, found.parts, found.parts, found.scaled, found.plan, cut=True, numels=found.numels)
 
@@ -291,7 +291,7 @@ def of_module(
     # a refused engine's, or FSDP1's on the parameters of a model inside an FSDP1 unit (its root's,
     # which holds them: a root nanscan has seen reduces them, else they are refused).
     if walked.parameter_attributes:
-        if source == "grad" and not compared and zero.MARK in walked.parameter_attributes:
+        if source == "grad" and not compared and not walked.parameter_attributes.isdisjoint(zero.MARKS):
             return _zero(walked.names, walked.parameters, process_group)
         refused.check_tensors(walked.parameters)
         if fsdp1.FLATTENED in walked.parameter_attributes:

@@ -1,6 +1,6 @@
 """Gradient sharding that nanscan cannot reduce, refused before anything is read or written.
 
-A wrapper that keeps each rank's gradients as a shard of its own (DeepSpeed's ZeRO-3, Megatron's
+A wrapper that keeps each rank's gradients as a shard of its own (DeepSpeed's pipelines, Megatron's
 distributed optimizer) leaves in each process only that rank's part, often not in ``.grad`` at all.
 Scanning what is there would give one rank's statistics, or none, under the model's name: the one
 outcome nanscan must never produce. So each is recognised, without importing its package, by what
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .zero import MARK as ZERO_MARK
+from .zero import MARK_STAGE3 as ZERO3_MARK
 
 _ADVICE_PROCESS_GROUP = (
     "If each rank holds whole gradients of its own parameters, pass process_group= (the ranks that hold "
@@ -38,9 +39,8 @@ _ENGINES = (
     _Engine(
         "deepspeed",
         ("DeepSpeedEngine", "PipelineEngine", "DeepSpeedHybridEngine", "DualPipeVEngine"),
-        "a DeepSpeed engine whose ZeRO stage 3 partitions the parameters and gradients over the ranks, or whose "
-        "pipeline gives each rank its own stage (after engine.backward() a parameter's .grad is None, or this "
-        "rank's unreduced one)",
+        "a DeepSpeed engine nanscan does not read: a pipeline, which gives each rank its own stage, or the hybrid "
+        "engine (after engine.backward() a parameter's .grad is None, or this rank's unreduced one)",
         "use the engine's own norm (engine.get_global_grad_norm() after engine.step(); gradient_clipping in "
         "its config; deepspeed.utils.safe_get_full_grad(p) for one parameter)",
     ),
@@ -83,12 +83,18 @@ _ENGINES = (
 # Marks an engine sets on every parameter it manages: (attribute, the packages that set it, what it
 # means). Looked for only where one of the packages is imported: none can have set it otherwise.
 MARKS = (
-    ("ds_id", ("deepspeed",), "a parameter partitioned by DeepSpeed ZeRO stage 3 (its .data is a placeholder)"),
+    (
+        ZERO3_MARK,  # read where ZeRO-3's gradients are (nanscan.layouts.zero), refused elsewhere
+        ("deepspeed",),
+        "a parameter partitioned by DeepSpeed ZeRO stage 3, whose .data is a placeholder and whose gradient lives "
+        "in its optimizer's partitions (nanscan reads ZeRO's gradients in check and clip_grad_norm_ alone: "
+        "nanscan.layouts.zero)",
+    ),
     (
         ZERO_MARK,  # read where ZeRO-1/2's gradients are (nanscan.layouts.zero), refused elsewhere
         ("deepspeed",),
         "a parameter of DeepSpeed's ZeRO-1/2 or bf16 optimizer, which partitions its gradients and optimizer state "
-        "over the ranks (nanscan reads ZeRO-1/2's gradients in check and clip_grad_norm_ alone: "
+        "over the ranks (nanscan reads ZeRO's gradients in check and clip_grad_norm_ alone: "
         "nanscan.layouts.zero)",
     ),
     (
@@ -126,12 +132,12 @@ def _qualified(cls: type) -> str:
 def _deepspeed_read_by_parameters(model: object, cls: type) -> bool:
     """Whether what a DeepSpeed engine holds is decided by its parameters: ZeRO stage 0 (DDP's layout:
     every rank holds its gradients whole and all-reduced, in ``.grad``; nanscan reads its ``.module``
-    as a DDP model's) or 1-2 (the parameters' marks lead to the pieces: nanscan.layouts.zero), and no
+    as a DDP model's) or 1-3 (the parameters' marks lead to the pieces: nanscan.layouts.zero), and no
     pipeline. Its optimizers' marks on the parameters then decide (``MARKS``)."""
     if cls.__name__ != "DeepSpeedEngine":
         return False  # a pipeline (each rank its own stage) or another engine
     try:
-        return bool(model.zero_optimization_stage() in (0, 1, 2))  # type: ignore[attr-defined]
+        return bool(model.zero_optimization_stage() in (0, 1, 2, 3))  # type: ignore[attr-defined]
     except Exception:
         return False
 
