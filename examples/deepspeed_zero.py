@@ -2,9 +2,9 @@
 and `engine.step()`.
 
 ZeRO leaves each rank only its partition of the averaged gradients (every `.grad` is None; stage 3
-partitions the weights too). `nanscan.check(engine)` reads every rank's pieces, one fused pass each, and reduces them over
-DeepSpeed's data-parallel group: every rank gets every parameter's NaN/Inf counts, min, max and norm,
-under the names you wrote. `max_norm` clips the pieces that `engine.step()` then applies; with
+partitions the weights too). `nanscan.check(engine)` reads every rank's pieces, one fused pass each,
+and reduces them over DeepSpeed's data-parallel group: every rank gets every parameter's NaN/Inf
+counts, min, max and norm, under the names you wrote. `max_norm` clips the pieces that `engine.step()` then applies; with
 `on_nonfinite="skip"`, guarding the torch optimizer DeepSpeed steps on its fp32 partition
 (`engine.optimizer.optimizer`), a step whose gradients hold a NaN changes no weight on any rank.
 At `--fault-step` the last rank gets a corrupt sample (a NaN in its input).

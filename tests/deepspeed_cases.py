@@ -4,13 +4,14 @@
 configuration, runs backwards on inputs of its own, and writes what nanscan did with it, as JSON.
 
 * ZeRO stages 1, 2 and 3 (fp32, and bf16 through the ZeRO optimizer): each rank holds its partition
-  of the averaged gradients (``.grad`` None; under stage 3 the parameters are partitioned too). nanscan reads the pieces (nanscan.layouts.zero): every
-  entry point that reads gradients (check of the engine, of its module, of a list of parameters or
-  of pairs; clip_grad_norm_; the Advisor) must give every parameter's statistics as
-  ``deepspeed.utils.safe_get_full_grad`` assembles them, and as an independent reference (a plain
-  copy of the model run on every rank's inputs) has them; a NaN and an Inf planted on one rank,
-  before DeepSpeed's reduction, named on both; a clip that the step then applies; the window
-  (between a boundary's backward and the step) kept: refused between micro-batches and after a step.
+  of the averaged gradients (``.grad`` None; under stage 3 the parameters are partitioned too).
+  nanscan reads the pieces (nanscan.layouts.zero): every entry point that reads gradients (check of
+  the engine, of its module, of a list of parameters or of pairs; clip_grad_norm_; the Advisor) must
+  give every parameter's statistics as ``deepspeed.utils.safe_get_full_grad`` assembles them, and
+  as an independent reference (a plain copy of the model run on every rank's inputs) has them; a
+  NaN and an Inf planted on one rank, before DeepSpeed's reduction, named on both; a clip that the
+  step then applies; the window (between a boundary's backward and the step) kept: refused between
+  micro-batches and after a step.
 * DeepSpeed's BF16_Optimizer: refused by every entry point, before anything is read.
 * Stage 0 keeps DDP's layout (whole, all-reduced gradients): read as a DDP model is.
 """
