@@ -263,6 +263,9 @@ def zero3_model() -> tuple[torch.nn.Module, _Stage3Optimizer, dict[str, torch.Te
 def test_zero_3_partitions_are_read_without_their_padding_and_refused_where_they_are_not_the_models(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """ZeRO-3's partitions, each ending in padding: read without it (the figures are the gradients'),
+    clipped in place; and every state in which they are not the model's gradient, or that nanscan
+    does not read, refused by check and clip alike."""
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     m, optimizer, grads = zero3_model()
     report = nanscan.check(m, max_norm=1e9)
