@@ -358,6 +358,18 @@ def test_rank_metrics_count_each_ranks_parameters_in_its_worst_record() -> None:
     assert rank_metrics([finite]) == {}
 
 
+def test_deepspeeds_optimizer_is_refused_by_name() -> None:
+    """Lightning's DeepSpeed strategy (CUDA only, never run here) hands the callback DeepSpeed's ZeRO
+    optimizer: refused before any step, saying where nanscan reads ZeRO instead."""
+    from nanscan.integrations.lightning import _torch_optimizer
+
+    zero = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})()
+    with pytest.raises(ValueError, match="DeepSpeed strategy hands the callback DeepSpeed's DeepSpeedZeroOptimizer"):
+        _torch_optimizer(zero)
+    with pytest.raises(TypeError, match="expected a torch optimizer, got object"):
+        _torch_optimizer(object())
+
+
 def test_importing_nanscan_imports_no_framework() -> None:
     code = "import sys, nanscan; assert not {'lightning', 'pytorch_lightning', 'transformers'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -277,6 +277,15 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         if module is not None and isinstance(optimizer, module.LightningOptimizer):
             optimizer = optimizer.optimizer
             break
+    if type(optimizer).__module__.startswith("deepspeed."):
+        # Lightning's DeepSpeedStrategy: it runs on CUDA alone, so the callback has never run under it.
+        raise ValueError(
+            f"nanscan.NanscanCallback: Lightning's DeepSpeed strategy hands the callback DeepSpeed's "
+            f"{type(optimizer).__name__}, not a torch optimizer; the callback does not run under that strategy. "
+            "Check in a DeepSpeed loop of your own, between engine.backward() and engine.step() "
+            "(nanscan.check(engine): examples/deepspeed_zero.py), or under the Hugging Face Trainer "
+            "(NanscanTrainerCallback)"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"nanscan.NanscanCallback: expected a torch optimizer, got {type(optimizer).__name__}")
     return optimizer
