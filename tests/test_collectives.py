@@ -10,12 +10,9 @@ running one again only after torch's own exit abort, which nanscan cannot preven
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import sys
 import threading
 import time
-from types import ModuleType
 
 import pytest
 import torch
@@ -24,6 +21,9 @@ import torch.distributed as dist
 from nanscan.layouts import collectives
 
 from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))  # tools/ is not a package
+import run_examples
 
 
 @pytest.fixture
@@ -87,17 +87,6 @@ def test_the_exit_hook_does_not_hang_on_a_collective_that_never_ends(
     assert handed == [alias], "one still held is kept, never freed under the backend"
 
 
-@functools.cache
-def _run_examples() -> ModuleType:
-    """tools/run_examples.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("run_examples", ROOT / "tools" / "run_examples.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_examples"] = module  # where its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 # The end of what torchrun printed when torch's gloo aborted the FSDP2 example's rank 0 at exit in CI
 # (2026-11-28), every step done; the rank it aborted, then the one torchrun ended.
 _ABORTED = """\
@@ -133,7 +122,7 @@ def test_the_example_runner_runs_again_only_after_torchs_exit_abort(
 ) -> None:
     """tools/run_examples.py runs an example a second time only when its one failure is torch's gloo
     exit abort (pytorch/pytorch#190489), never after a failing assertion, another signal or a hang."""
-    assert _run_examples().aborted_at_exit(status, output) is again
+    assert run_examples.aborted_at_exit(status, output) is again
 
 
 @pytest.mark.parametrize(
@@ -143,7 +132,6 @@ def test_the_example_runner_runs_again_only_after_torchs_exit_abort(
 def test_the_example_runner_decides_by_the_second_run_after_an_exit_abort(
     first: tuple[int, str], runs: int, verdict: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    runner = _run_examples()
     outcomes = [first, (0, "done on 2 ranks (cpu): 1 step(s) skipped\n")]
     commands: list[list[str]] = []
 
@@ -151,8 +139,8 @@ def test_the_example_runner_decides_by_the_second_run_after_an_exit_abort(
         commands.append(argv)
         return outcomes[len(commands) - 1]
 
-    monkeypatch.setattr(runner, "run", run)
-    status = runner.main(["--only", "fsdp2"])
+    monkeypatch.setattr(run_examples, "run", run)
+    status = run_examples.main(["--only", "fsdp2"])
     shown = capsys.readouterr().out
     assert len(commands) == runs and commands[0] == commands[-1]
     assert status == (0 if verdict == "PASS" else 1)
