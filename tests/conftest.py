@@ -102,10 +102,9 @@ def assert_close_float(got: float, want: float, rtol: float, what: str) -> None:
         assert abs(got - want) <= rtol * abs(want) + 1e-300, f"{what}: {got} != {want} (rtol {rtol})"
 
 
-def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], timeout: float, hang_hint: str) -> str:
-    """Compiles C++ ``sources`` (a .cu among them is compiled as C++) with the system compiler and
-    runs the program; fails the test on a compile error, a non-zero exit or a timeout (``hang_hint``
-    says what a hang would mean). Returns the program's stdout."""
+def build_cpp(tmp_path: Path, sources: list[Path], flags: list[str]) -> Path:
+    """Compiles C++ ``sources`` (a .cu among them is compiled as C++) with the system compiler into a
+    program in ``tmp_path``; fails the test on a compile error. Returns the program's path."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         pytest.skip("no C++ compiler on PATH")
@@ -115,6 +114,14 @@ def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], tim
         command += ["-x", "c++", str(source)]
     build = subprocess.run(command, capture_output=True, text=True, check=False)  # its stderr is the message
     assert build.returncode == 0, build.stderr[-6000:]
+    return binary
+
+
+def build_and_run_cpp(tmp_path: Path, sources: list[Path], flags: list[str], timeout: float, hang_hint: str) -> str:
+    """Compiles C++ ``sources`` (``build_cpp``) and runs the program; fails the test on a compile
+    error, a non-zero exit or a timeout (``hang_hint`` says what a hang would mean). Returns the
+    program's stdout."""
+    binary = build_cpp(tmp_path, sources, flags)
     try:
         run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:

@@ -1,23 +1,38 @@
-// Stand-in for <cuda_runtime.h> that lets g++ compile csrc/cuda/*.cu and run their kernels on CPU
-// threads (tests/cuda_emulator/test_kernels.cpp, test_sketch_kernel.cpp). A launch runs the grid's
-// blocks one after another, in index order or, when block_order_seed is set, in a shuffled order (a
-// GPU promises none); a block's threads run concurrently, one std::thread each. A warp's lanes meet
-// at a barrier in every shuffle, ballot and __syncwarp, so a warp-divergent shuffle deadlocks here as
-// it would misbehave on a GPU (the test runner's timeout reports it); __syncthreads is a block-wide
-// barrier; atomics and fences are C++ atomics. __shared__ variables become function statics, which is
-// sound because blocks never overlap. __CUDA_ARCH__ stays undefined, so the decode is the CPU's (same
+// Stand-in for <cuda_runtime.h> that lets g++ compile csrc/cuda/*.cu and run their kernels on the CPU
+// (tests/cuda_emulator/test_kernels.cpp, test_sketch_kernel.cpp). A launch runs the grid's blocks one
+// after another, in index order or, when block_order_seed is set, in a shuffled order (a GPU promises
+// none).
+//
+// A block's threads are fibers (ucontext) on one OS thread, switched at every barrier: a warp's lanes
+// meet at a barrier in every shuffle, ballot and __syncwarp; __syncthreads is a block-wide one. A
+// fiber runs until it waits at a barrier, and the one that opens it goes on at once. The scheduler
+// then resumes those whose barrier has opened, in an order drawn afresh for each pass (seeded: every
+// run the same), so a read of another thread's shared-memory write that no barrier orders finds the
+// write missing in some block, and lanes that read shared state at different moments diverge into a
+// deadlock. Where no fiber can go on (a warp-divergent shuffle, a __syncthreads some threads skip),
+// the program stops and says which barrier. This is deterministic where OS threads (this emulator's
+// first design: 256 threads a block on two cores, 3.5 minutes of futex waits for test_kernels against
+// under one now) met in one order almost always, and a hang could only time out. What fibers cannot
+// show: two threads' plain read-modify-writes racing with no barrier between them (each runs whole
+// between switches), and a missing fence (memory is the one thread's).
+//
+// Atomics and fences are C++ atomics. __shared__ variables become function statics, which is sound
+// because blocks never overlap. __CUDA_ARCH__ stays undefined, so the decode is the CPU's (same
 // values).
 #pragma once
 
+#include <sys/mman.h>
+#include <ucontext.h>
+
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
+#include <functional>
 #include <numeric>
 #include <random>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -42,19 +57,54 @@ struct dim3 {
 
 namespace cuda_emulator {
 
+// A barrier of `expected` fibers: the last to arrive opens it (a new phase) and goes on; the others
+// wait in the scheduler until their phase has passed.
+struct Barrier {
+  explicit Barrier(int expected, const char* what) : expected(expected), what(what) {}
+  int expected;
+  int arrived = 0;
+  uint64_t phase = 0;
+  const char* what;
+};
+
 struct Warp {
-  explicit Warp() : barrier(32) {}
-  std::barrier<> barrier;
+  Barrier barrier{32, "a warp's shuffle, ballot or __syncwarp"};
   uint64_t slots[32] = {};
 };
 
 struct Block {
-  explicit Block(int threads) : barrier(threads), warps(threads / 32) {
-    for (auto& w : warps) w = std::make_unique<Warp>();
+  explicit Block(int threads) : barrier(threads, "__syncthreads") {
+    warps.reserve(threads / 32);
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back();
   }
-  std::barrier<> barrier;
-  std::vector<std::unique_ptr<Warp>> warps;
+  Barrier barrier;
+  std::vector<Warp> warps;
 };
+
+struct Fiber {
+  ucontext_t context;
+  char* stack = nullptr;
+  bool done = false;
+  const Barrier* waiting = nullptr;  // and the phase it waits to see pass
+  uint64_t waiting_phase = 0;
+};
+
+// Each fiber's stack, with an inaccessible page below it so that an overflow faults instead of
+// writing over its neighbour. Mapped once and kept for every later launch.
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kGuardBytes = 4096;
+inline char* stack(int index) {
+  static std::vector<char*> stacks;
+  while (static_cast<int>(stacks.size()) <= index) {
+    void* mapped = mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped == MAP_FAILED || mprotect(mapped, kGuardBytes, PROT_NONE) != 0) {
+      std::fprintf(stderr, "cuda_emulator: cannot map a fiber stack\n");
+      std::abort();
+    }
+    stacks.push_back(static_cast<char*>(mapped) + kGuardBytes);
+  }
+  return stacks[index];
+}
 
 // Tensors scanned by the small-tensor path (scan_cuda.cu's NANSCAN_ON_SUB_WARP_RUN), over all launches.
 inline std::atomic<uint64_t> sub_warp_tensors{0};
@@ -64,10 +114,27 @@ inline int blocks_per_sm = 1;
 // Nonzero: launches run their blocks in an order shuffled with this seed.
 inline unsigned block_order_seed = 0;
 
-inline thread_local Block* block = nullptr;
-inline thread_local int lane = 0;
-inline thread_local dim3 thread_idx, block_idx, grid_dim, block_dim;
-inline Warp& warp() { return *block->warps[thread_idx.x / 32]; }
+// The running fiber's view of the launch (set by the scheduler before each resume).
+inline Block* block = nullptr;
+inline Fiber* current = nullptr;
+inline int lane = 0;
+inline dim3 thread_idx, block_idx, grid_dim, block_dim;
+inline ucontext_t scheduler;
+inline const std::function<void()>* body = nullptr;  // the kernel with its arguments
+
+inline Warp& warp() { return block->warps[thread_idx.x / 32]; }
+
+inline void arrive_and_wait(Barrier& barrier) {
+  const uint64_t phase = barrier.phase;
+  if (++barrier.arrived == barrier.expected) {
+    barrier.arrived = 0;
+    ++barrier.phase;
+    return;
+  }
+  current->waiting = &barrier;
+  current->waiting_phase = phase;
+  swapcontext(&current->context, &scheduler);
+}
 
 // Every lane posts a value, then reads the one `pick(lane)` names.
 template <class T, class Pick>
@@ -77,12 +144,67 @@ T exchange(T value, Pick pick) {
   uint64_t bits = 0;
   memcpy(&bits, &value, sizeof(T));
   w.slots[lane] = bits;
-  w.barrier.arrive_and_wait();
+  arrive_and_wait(w.barrier);
   const uint64_t got = w.slots[pick(lane) & 31];
-  w.barrier.arrive_and_wait();
+  arrive_and_wait(w.barrier);
   T out;
   memcpy(&out, &got, sizeof(T));
   return out;
+}
+
+inline void fiber_main() {
+  (*body)();
+  current->done = true;  // uc_link returns to the scheduler
+}
+
+// Runs one block: every thread from its start to its end, switching at barriers.
+inline void run_block(Block& blk, std::vector<Fiber>& fibers, unsigned b) {
+  const int threads = static_cast<int>(fibers.size());
+  block = &blk;
+  block_idx = dim3{b, 0, 0};
+  for (int t = 0; t < threads; ++t) {
+    Fiber& fiber = fibers[t];
+    fiber = Fiber{};
+    fiber.stack = stack(t);
+    getcontext(&fiber.context);
+    fiber.context.uc_stack.ss_sp = fiber.stack;
+    fiber.context.uc_stack.ss_size = kStackBytes;
+    fiber.context.uc_link = &scheduler;
+    makecontext(&fiber.context, fiber_main, 0);
+  }
+  // Each pass resumes the threads in a fresh order, drawn from a seed of the block's: the same in every
+  // run, and different between passes, so that which thread opens each barrier (and goes on first)
+  // varies.
+  std::vector<int> order(threads);
+  std::iota(order.begin(), order.end(), 0);
+  std::minstd_rand draw(1 + b);
+  for (int finished = 0; finished < threads;) {
+    bool progressed = false;
+    std::shuffle(order.begin(), order.end(), draw);
+    for (const int t : order) {
+      Fiber& fiber = fibers[t];
+      if (fiber.done || (fiber.waiting != nullptr && fiber.waiting->phase == fiber.waiting_phase)) continue;
+      fiber.waiting = nullptr;
+      current = &fiber;
+      lane = t % 32;
+      thread_idx = dim3{static_cast<unsigned>(t), 0, 0};
+      swapcontext(&scheduler, &fiber.context);
+      progressed = true;
+      if (fiber.done) ++finished;
+    }
+    if (!progressed && finished < threads) {
+      for (int t = 0; t < threads; ++t) {
+        if (!fibers[t].done) {
+          std::fprintf(stderr,
+                       "cuda_emulator: deadlock in block %u: thread %d waits at %s that not every thread it "
+                       "waits for reaches (%d of %d threads have returned)\n",
+                       b, t, fibers[t].waiting->what, finished, threads);
+          break;
+        }
+      }
+      std::abort();
+    }
+  }
 }
 
 template <class... Params, class... Args>
@@ -90,23 +212,18 @@ void launch(void (*kernel)(Params...), int grid, int threads, Args&... args) {
   std::vector<int> order(grid);
   std::iota(order.begin(), order.end(), 0);
   if (block_order_seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937(block_order_seed));
+  const std::function<void()> run = [&] { kernel(args...); };
+  body = &run;
+  grid_dim = dim3{static_cast<unsigned>(grid), 1, 1};
+  block_dim = dim3{static_cast<unsigned>(threads), 1, 1};
+  std::vector<Fiber> fibers(threads);
   for (int b : order) {
     Block blk(threads);
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        block = &blk;
-        lane = t % 32;
-        thread_idx = dim3{static_cast<unsigned>(t), 0, 0};
-        block_idx = dim3{static_cast<unsigned>(b), 0, 0};
-        grid_dim = dim3{static_cast<unsigned>(grid), 1, 1};
-        block_dim = dim3{static_cast<unsigned>(threads), 1, 1};
-        kernel(args...);
-      });
-    }
-    for (auto& th : pool) th.join();
+    run_block(blk, fibers, static_cast<unsigned>(b));
   }
+  block = nullptr;
+  current = nullptr;
+  body = nullptr;
 }
 
 }  // namespace cuda_emulator
@@ -119,8 +236,8 @@ void launch(void (*kernel)(Params...), int grid, int threads, Args&... args) {
 #define NANSCAN_LAUNCH(kernel, grid, block, stream, ...) cuda_emulator::launch(kernel, (grid), (block), __VA_ARGS__)
 #define NANSCAN_ON_SUB_WARP_RUN(count) (cuda_emulator::sub_warp_tensors += static_cast<uint64_t>(count))
 
-inline void __syncthreads() { cuda_emulator::block->barrier.arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulator::warp().barrier.arrive_and_wait(); }
+inline void __syncthreads() { cuda_emulator::arrive_and_wait(cuda_emulator::block->barrier); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulator::arrive_and_wait(cuda_emulator::warp().barrier); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 template <class T>
@@ -139,10 +256,10 @@ T __shfl_sync(unsigned, T value, int source) {
 inline unsigned __ballot_sync(unsigned, bool predicate) {
   cuda_emulator::Warp& w = cuda_emulator::warp();
   w.slots[cuda_emulator::lane] = predicate ? 1 : 0;
-  w.barrier.arrive_and_wait();
+  cuda_emulator::arrive_and_wait(w.barrier);
   unsigned mask = 0;
   for (int i = 0; i < 32; ++i) mask |= static_cast<unsigned>(w.slots[i] != 0) << i;
-  w.barrier.arrive_and_wait();
+  cuda_emulator::arrive_and_wait(w.barrier);
   return mask;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
