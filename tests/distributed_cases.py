@@ -8,6 +8,7 @@ assertions come after its collectives, so that a failing rank does not leave the
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import math
 import os
@@ -572,6 +573,7 @@ def gradients_that_are_not_the_models_are_refused(world: int) -> None:
     assert report.finite and report.total_norm > 0
     message = _value_error(lambda: nanscan.check(model, process_group=dist.group.WORLD))
     assert "shares ranks" in message, message
+    assert nanscan.check(list(model.parameters())).total_norm == report.total_norm
 
     mesh = init_device_mesh("cpu", (world,))
     sharded = mlp([16, 24, 6])
@@ -591,6 +593,69 @@ def gradients_that_are_not_the_models_are_refused(world: int) -> None:
         assert "plain tensors beside DTensors" in _value_error(call), (what, _value_error(call))
     after = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in sharded.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(after, grads, strict=True)), "a refused call wrote a gradient"
+
+
+@case
+def ddp_gradients_inside_no_sync_are_refused_however_they_are_passed(world: int) -> None:
+    """A DDP model's parameters, the module inside it and its gradients carry no mark of the model nor
+    of no_sync(): passed instead of the model, inside no_sync(), each is refused as the model is, by
+    check, clip, get_total_norm and the GradScaler, on every rank, before anything is written. The
+    model is one nanscan was never handed (not attached): found among the process's live objects."""
+    rank = dist.get_rank()
+    model = ddp_model(attach=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0)
+    torch.manual_seed(40 + rank)  # every rank its own data
+    x = torch.randn(8, 12)
+    with model.no_sync():
+        scaler.scale(model(x).square().sum()).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        calls = {
+            "check(list of parameters)": (lambda: nanscan.check(list(model.parameters())), "parameters'"),
+            "check(named_parameters())": (lambda: nanscan.check(model.named_parameters()), "parameters'"),
+            "check(a parameter)": (lambda: nanscan.check(next(model.parameters())), "parameters'"),
+            "clip_grad_norm_(parameters())": (
+                lambda: nanscan.clip_grad_norm_(model.parameters(), 1e-3),
+                "parameters'",
+            ),
+            "check(model.module)": (lambda: nanscan.check(model.module, max_norm=1e-3), "around this module"),
+            "get_total_norm(gradients)": (
+                lambda: nanscan.get_total_norm([p.grad for p in model.parameters()]),
+                "gradients'",
+            ),
+            "GradScaler.unscale_": (lambda: scaler.unscale_(optimizer), "parameters'"),
+        }
+        for what, (call, subject) in calls.items():
+            message = _value_error(call)
+            assert "inside no_sync()" in message and subject in message, (what, message)
+        assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True)), (
+            "a grad was written"
+        )
+    model(x).square().sum().backward()  # synchronised: every way of passing them is accepted, and agrees
+    total = nanscan.check(model).total_norm
+    params = list(model.parameters())
+    with looks_through_live_objects() as looks:
+        assert nanscan.check(params).total_norm == total
+        assert nanscan.check(model.module).total_norm == total
+        assert nanscan.get_total_norm([p.grad for p in params]) == total
+    assert looks == [], f"{len(looks)} looks for DDP models by lists and modules already looked for"
+
+
+@contextlib.contextmanager
+def looks_through_live_objects() -> Iterator[list[None]]:
+    """Counts the looks through the process's live objects (``gc.get_objects``) made inside."""
+    looks: list[None] = []
+    real = gc.get_objects
+
+    def counted(*args: Any, **kwargs: Any) -> list[Any]:
+        looks.append(None)
+        return real(*args, **kwargs)
+
+    gc.get_objects = counted
+    try:
+        yield looks
+    finally:
+        gc.get_objects = real
 
 
 @case

@@ -6,8 +6,9 @@
 and wraps the model in DistributedDataParallel (checked here: the run must not pass as two single
 processes). Each optimizer step accumulates two micro-batches: the first backward runs inside DDP's
 ``no_sync()``, where each rank's gradients are its own, so a check there must be refused (it would
-give one rank's answer as the model's); the second synchronises them, and there the loop checks,
-clips and skips as ``nanscan.check(model, max_norm, on_nonfinite="skip", optimizer=...)`` does. On
+give one rank's answer as the model's), whether it is handed the model, its parameters or the module
+inside it; the second synchronises them, and there the loop checks, clips and skips as
+``nanscan.check(model, max_norm, on_nonfinite="skip", optimizer=...)`` does. On
 rank ``NAN_RANK`` the loss of one micro-batch of optimizer step ``NAN_STEP`` is NaN; DDP's all-reduce
 spreads it, so both ranks must skip that step and end with the same weights.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,11 +74,11 @@ def main() -> None:
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     nanscan.check(model, max_norm=1.0, on_nonfinite="skip", optimizer=optimizer, recorder=recorder)
-                else:
-                    try:  # inside no_sync: each rank's own gradients, never presented as the model's
-                        nanscan.check(model)
-                    except ValueError as refused:
-                        refusals.append(str(refused))
+                else:  # inside no_sync: each rank's own gradients, never presented as the model's,
+                    # however they are passed: the model, its parameters (as a user hands torch's
+                    # clip_grad_norm_ them), the module inside it
+                    passed = (model, model.parameters(), accelerator.unwrap_model(model))
+                    refusals += [refusal(lambda each=each: nanscan.check(each)) for each in passed]
                 optimizer.step()
                 optimizer.zero_grad()
     result = {
@@ -94,6 +96,15 @@ def main() -> None:
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     leave(recorder)
+
+
+def refusal(call: Callable[[], object]) -> str:
+    """The message of the ValueError ``call`` raises; '' when it raises none."""
+    try:
+        call()
+    except ValueError as refused:
+        return str(refused)
+    return ""
 
 
 if __name__ == "__main__":

@@ -206,6 +206,8 @@ def of_tensors(
             return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
     elif (gradients_of := fsdp1.of_gradients(tensors)) is not None:  # gradients of an FSDP1 model seen
         return _fsdp1(*gradients_of, "grad", process_group, per_tensor)
+    if not torch.compiler.is_compiling():
+        _refuse_unsynced_ddp(tensors, "these gradients' DDP model is", look=False)
     return _routed(names, tensors, process_group, compared)
 
 
@@ -237,6 +239,8 @@ def of_parameters(
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group)
+    if not torch.compiler.is_compiling():
+        _refuse_unsynced_ddp(items, "these parameters' DDP model is")
     names, grads, _ = single.listed_gradients(items)
     return _routed(names, grads, process_group, compared)
 
@@ -260,6 +264,8 @@ def of_parameter_list(
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group, per_tensor)
+    if not torch.compiler.is_compiling():
+        _refuse_unsynced_ddp(params, "these parameters' DDP model is")
     return _routed(None, grads, process_group)
 
 
@@ -302,10 +308,16 @@ def of_module(
     else:
         names, params = walked.names, walked.parameters
         tensors = [p.detach() for p in params]
-    # A DDP model, or the module inside an attached one (the module the frameworks' callbacks hold).
-    ddp_model = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else ddp.wrapper_of(model)
+    # A DDP model, or the module inside one (the module the frameworks' callbacks hold): attached, or
+    # found among the process's DDP models (ddp.wrapper_of).
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ddp_model: torch.nn.parallel.DistributedDataParallel | None = model
+        ddp.known(model)
+    else:
+        ddp_model = ddp.wrapper_of(model)
     if ddp_model is not None:
-        _refuse_ddp_gradients_that_are_not_the_models(ddp_model, process_group, source)
+        what = "this DDP model is" if ddp_model is model else "the DDP model around this module is"
+        _refuse_ddp_gradients_that_are_not_the_models(ddp_model, process_group, source, what)
     replica_group = None if ddp_model is None else ddp_model.process_group
     scanner = ddp.scanner_of(ddp_model) if source == "grad" else None
     if scanner is not None:
@@ -313,19 +325,17 @@ def of_module(
     return _routed(names, tensors, process_group, compared, replica_group=replica_group)
 
 
-def _refuse_ddp_gradients_that_are_not_the_models(model: torch.nn.Module, process_group: Any, source: str) -> None:
+def _refuse_ddp_gradients_that_are_not_the_models(
+    model: torch.nn.Module, process_group: Any, source: str, what: str = "this DDP model is"
+) -> None:
     """A DDP model's gradients are the model's once DDP has all-reduced them. Refused: inside
     ``no_sync()`` (gradient accumulation: each rank's gradients are its own until the backward that
     synchronises them), and with a ``process_group`` that shares ranks with DDP's own group (their
-    copies would be counted once per rank)."""
+    copies would be counted once per rank). ``what`` names the model in the refusal."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return
     if source == "grad" and not model.require_backward_grad_sync:
-        raise ValueError(
-            "nanscan: this DDP model is inside no_sync() (gradient accumulation): its gradients are each "
-            "rank's own until the backward that synchronises them, so their statistics would be one "
-            "rank's, not the model's. Check them after the last micro-batch's backward, outside no_sync()"
-        )
+        raise ddp.no_sync_error(what)
     if process_group is not None and not torch.compiler.is_compiling():
         shared = set(dist.get_process_group_ranks(process_group)) & set(
             dist.get_process_group_ranks(model.process_group)
@@ -336,6 +346,15 @@ def _refuse_ddp_gradients_that_are_not_the_models(model: torch.nn.Module, proces
                 "leaves each of them the same gradients, which the group would count once per rank. Leave "
                 "process_group out for a DDP model (or pass only the ranks that hold other pipeline stages)"
             )
+
+
+def _refuse_unsynced_ddp(items: Sequence[Any], what: str, look: bool = True) -> None:
+    """Refuses the gradients of a DDP model inside ``no_sync()`` reached through its parameters (or,
+    ``look=False``, its gradients) rather than the model: they carry no mark of it, so the model is
+    found among the process's DDP models (nanscan.layouts.ddp.unsynced_model_of). ``what`` names the
+    model in the refusal."""
+    if items and not dtensor.is_dtensor(items[0]) and ddp.unsynced_model_of(items, look) is not None:
+        raise ddp.no_sync_error(what)
 
 
 def fsdp1_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[fsdp1.ModelLayout, Any] | None:
