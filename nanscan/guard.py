@@ -80,6 +80,7 @@ class SkipGuard:
         )
         self._in_step = False  # inside the wrapped step: a step that the guard decides
         self._stepped = False  # whether any step has passed through the guard yet
+        self._held_back = False  # whether the guard's last step was held back on the host
         # LBFGS: as before (module notes). A wrapper that skips Optimizer.__init__ (accelerate's
         # AcceleratedOptimizer) has no hooks, and its step is no torch step that would call them.
         if not isinstance(optimizer, torch.optim.LBFGS) and hasattr(optimizer, "_optimizer_step_post_hooks"):
@@ -171,6 +172,7 @@ class SkipGuard:
     def _decide(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs or skips the wrapped step on the flag the last check handed the guard."""
         finite, self._finite = self._finite, None
+        self._held_back = False
         if finite is None:  # not armed by a check this step: an ordinary step
             return original(*args, **kwargs)
         if self._device_side:
@@ -196,6 +198,7 @@ class SkipGuard:
                         setattr(self.optimizer, name, value)
         if bool(finite):
             return original(*args, **kwargs)
+        self._held_back = True
         self._raise_past_limit()
         return None
 
@@ -237,6 +240,13 @@ class SkipGuard:
     def consecutive_skips(self) -> int:
         """Steps skipped in a row up to the last check (reading it syncs)."""
         return 0 if self._consecutive is None else int(self._consecutive)
+
+    @property
+    def held_back(self) -> bool:
+        """Whether the last step that passed through the guard was held back on the host (no sync: the
+        guard read the flag to decide it). A step skipped on the device (a fused optimizer's) is not:
+        the host does not know it without a sync (``last_skipped``)."""
+        return self._held_back
 
     @property
     def last_skipped(self) -> bool:

@@ -69,9 +69,11 @@ def test_skip_and_counters(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None
                 m.setattr(torch.Tensor, "item", lambda self: (_ for _ in ()).throw(AssertionError("host sync")))
                 nanscan.check(model, on_nonfinite="skip", optimizer=opt)
                 opt.step()
+                assert not SkipGuard.of(opt).held_back  # skipped on the device: the host cannot know
         else:
             nanscan.check(model, on_nonfinite="skip", optimizer=opt)
             opt.step()
+            assert SkipGuard.of(opt).held_back == poison  # known on the host, where it was decided
         after = params(model)
         changed = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert changed == (not poison), f"poison={poison}: parameters {'changed' if changed else 'unchanged'}"
@@ -98,10 +100,15 @@ def test_unarmed_step_is_an_ordinary_step() -> None:
     backward(model, False)
     nanscan.check(model, on_nonfinite="skip", optimizer=opt)
     opt.step()
+    backward(model, True)
+    nanscan.check(model, on_nonfinite="skip", optimizer=opt)
+    opt.step()
+    assert SkipGuard.of(opt).held_back
     backward(model, False)
     before = params(model)
     opt.step()  # no check this step: runs normally
     assert any(not torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
+    assert not SkipGuard.of(opt).held_back
 
 
 @pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, nanscan.amp.GradScaler])

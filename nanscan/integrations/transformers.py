@@ -19,8 +19,12 @@ The optimizer the Trainer steps is accelerate's ``AcceleratedOptimizer``, which 
 optimizer's ``step``; nanscan guards that inner optimizer, so fused optimizers keep the device-side
 skip. Under fp16 mixed precision accelerate swaps the inner ``step`` for its own wrapper around the
 step it saw at ``prepare``; the callback points that wrapper at the guarded step, so a step the
-GradScaler lets through is still decided by the check. Accelerate's ``optimizer_step_was_skipped``
-only knows the GradScaler's skips: the LR scheduler also advances on a step nanscan skipped.
+GradScaler lets through is still decided by the check. The Trainer steps its LR scheduler unless
+accelerate's ``optimizer_step_was_skipped`` says the step was skipped, which only knows the
+GradScaler's skips: after a step the guard held back on the host, the callback sets the flag it reads
+(``AcceleratedOptimizer._is_overflow``), so the schedule holds still as on a GradScaler's skip. A
+fused optimizer's skip happens on the device, unknown to the host without a sync: there the schedule
+advances, as it does on a GradScaler's device-side skip of a fused optimizer.
 
 With a ``nanscan.Recorder``, the records that have reached the host (once per
 ``Recorder(every=...)`` steps, and at the last step, so that the last records reach the last logs)
@@ -184,6 +188,20 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         self._trainer_state = state
         self._watch_steps(_inner(optimizer), lambda: model, self._global_step)  # on_train_begin had none
         self._run_check(model, inner)
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """After a step the guard held back on the host, tells accelerate that it was skipped, so that
+        the Trainer leaves its LR scheduler where it is (module notes)."""
+        optimizer = kwargs.get("optimizer")
+        if optimizer is None or not hasattr(optimizer, "_is_overflow") or _zero_optimizer(optimizer) is not None:
+            return  # not accelerate's AcceleratedOptimizer (DeepSpeed's wrapper answers from its engine)
+        guard = getattr(_inner(optimizer), "_nanscan_guard", None)
+        if guard is not None and guard.held_back:
+            optimizer._is_overflow = True
+        elif getattr(optimizer, "scaler", None) is None:
+            optimizer._is_overflow = False  # accelerate sets it at every step only with a GradScaler
 
     def on_log(
         self,
