@@ -7,7 +7,8 @@ torchrun the Trainer joins the launcher's two ranks in a gloo group and wraps th
 DistributedDataParallel (checked here: the run must not pass as two single processes). On rank
 ``NAN_RANK`` a forward hook multiplies one MLP's output by NaN at step ``NAN_STEP``; DDP's all-reduce
 in the backward spreads the NaN to the other rank's gradients, so both ranks must skip that step, and
-end with the same weights. With ``zero2`` (``zero3``) the Trainer runs DeepSpeed ZeRO stage 2 (3)
+end with the same weights. Under DDP the callback attaches nanscan's DDP hook (``attach_ddp=True``),
+so its records name rank ``NAN_RANK`` alone. With ``zero2`` (``zero3``) the Trainer runs DeepSpeed ZeRO stage 2 (3)
 instead of DDP (``TrainingArguments(deepspeed=...)``): DeepSpeed's average carries the NaN into the
 partitions, and the callback checks inside DeepSpeed's step (nanscan.integrations.transformers).
 Under ZeRO-3 the weights compared at the end are gathered (each rank holds a partition of each).
@@ -81,8 +82,12 @@ def main() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
     seen: list[tuple[int, str, bool]] = []  # (step, total_norm as float.hex, skipped): exact, NaN included
 
+    ranks: dict[int, dict[str, list[int]]] = {}  # per non-finite record: the ranks named per parameter
+
     def keep(record: StepRecord) -> None:
         seen.append((record.step, float(record.total_norm).hex(), record.skipped))
+        if not record.finite:
+            ranks[record.step] = dict(record.nonfinite_ranks or {})
 
     recorder = nanscan.Recorder(
         every=4,  # one read in the middle, the rest at the end of the training
@@ -127,7 +132,7 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=Tokens(STEPS * WORLD * BATCH),  # STEPS batches a rank: DistributedSampler halves it
-        callbacks=[plant, NanscanTrainerCallback(max_norm=0.5, recorder=recorder)],
+        callbacks=[plant, NanscanTrainerCallback(max_norm=0.5, recorder=recorder, attach_ddp=not zero)],
     )
     trainer.train()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # the torch optimizer under accelerate's
@@ -148,6 +153,7 @@ def main() -> None:
         "first_input": plant.first_input,
         "planted": plant.planted,
         "records": seen,
+        **({} if zero else {"nonfinite_ranks": ranks}),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     leave(recorder)

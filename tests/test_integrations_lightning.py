@@ -425,8 +425,11 @@ def test_attach_ddp_refuses_a_ddp_model_with_a_comm_hook_and_leaves_other_models
     again (a second fit)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from nanscan.integrations.lightning import _attach_ddp
+    from nanscan.integrations._logging import attach_ddp_hook
     from nanscan.layouts import ddp
+
+    def _attach_ddp(model: torch.nn.Module) -> None:  # as the callback calls it
+        attach_ddp_hook("NanscanCallback", model, "DDPStrategy(ddp_comm_hook=...)")
 
     hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     hooked.register_comm_hook(None, allreduce_hook)

@@ -143,6 +143,11 @@ def test_bad_settings_are_refused_when_the_callback_is_made(settings: dict[str, 
         NanscanTrainerCallback(**settings)
 
 
+def test_attach_ddp_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"NanscanTrainerCallback: attach_ddp must be True or False, got 1"):
+        NanscanTrainerCallback(attach_ddp=1)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("every", [1.5, "10", True])
 def test_a_log_every_n_steps_that_is_not_an_int_is_refused(every: Any) -> None:
     with pytest.raises(ValueError, match=r"log_every_n_steps must be >= 1 \(an int\) or None, got "):

@@ -212,10 +212,11 @@ def test_a_check_inside_no_sync_is_refused_on_every_rank(launched: Launch) -> No
 
 
 def test_the_rank_that_made_the_nan_is_named_where_the_ddp_hook_is_attached(launched: Launch) -> None:
-    """Lightning's callback with ``attach_ddp=True``: every rank's records name rank 1 alone, for
-    every parameter, though the all-reduce left the NaN in every rank's gradients."""
+    """Lightning's and the Trainer's callbacks with ``attach_ddp=True`` (the Trainer's found the DDP
+    model around the module it is handed): every rank's records name rank 1 alone, for every
+    parameter, though the all-reduce left the NaN in every rank's gradients."""
     if "nonfinite_ranks" not in launched.ranks[0]:
-        pytest.skip("the Trainer and the Accelerate loop hold no DDP hook")
+        pytest.skip("the Accelerate loop and DeepSpeed hold no DDP hook")
     for result in launched.ranks:
         named = result["nonfinite_ranks"]
         assert list(named) == [str(NAN_STEP)], f"rank {result['rank']}: non-finite records {list(named)}"

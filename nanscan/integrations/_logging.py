@@ -29,6 +29,7 @@ import torch
 from ..check import check
 from ..clip import as_max_norm, as_norm_type
 from ..guard import ON_NONFINITE, check_max_consecutive_skips
+from ..layouts import ddp
 from ..recorder import Recorder
 from ..records import StepRecord
 from ..state import check_state
@@ -164,6 +165,32 @@ class CheckingCallback:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def check_attach_ddp(owner: str, attach_ddp: object) -> None:
+    if not isinstance(attach_ddp, bool):
+        raise TypeError(f"nanscan.{owner}: attach_ddp must be True or False, got {attach_ddp!r}")
+
+
+def attach_ddp_hook(owner: str, model: Any, how_hooks_are_set: str) -> None:
+    """Attaches nanscan's DDP comm hook (``nanscan.ddp.attach``) to the framework's DDP model, given
+    the DDP model or the module inside it (found among the process's DDP models), once: a second fit,
+    or a ``ddp_spawn`` process, finds it attached. Anything not under DDP is left alone. DDP takes one
+    comm hook: where the framework set one (``how_hooks_are_set`` says how), the error says so."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = ddp.wrapper_of(model) if isinstance(model, torch.nn.Module) else None
+    if model is None or ddp.scanner_of(model) is not None:
+        return
+    try:
+        ddp.attach(model)
+    except RuntimeError as error:
+        if "only be called once" not in str(error):
+            raise
+        raise ValueError(
+            f"nanscan.{owner}(attach_ddp=True): the Trainer's DDP model has a comm hook already "
+            f"({how_hooks_are_set}), and DDP takes one. Drop one of the two, or attach nanscan's in front of "
+            "yours by hand: nanscan.ddp.attach(ddp_model, hook=your_hook)"
+        ) from error
 
 
 def check_log_every(owner: str, log_every_n_steps: int | None) -> None:

@@ -75,8 +75,8 @@ import torch
 
 from .. import layouts
 from ..guard import SkipGuard
-from ..layouts import ddp, fsdp1
-from ._logging import CheckingCallback, record_metrics, worth_logging
+from ..layouts import fsdp1
+from ._logging import CheckingCallback, attach_ddp_hook, check_attach_ddp, record_metrics, worth_logging
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -139,8 +139,7 @@ class NanscanCallback(Callback, CheckingCallback):
         attach_ddp: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(attach_ddp, bool):
-            raise TypeError(f"nanscan.NanscanCallback: attach_ddp must be True or False, got {attach_ddp!r}")
+        check_attach_ddp("NanscanCallback", attach_ddp)
         self.attach_ddp = attach_ddp
         self._set_check(
             "NanscanCallback", max_norm, norm_type, on_nonfinite, max_consecutive_skips, recorder, log_every_n_steps
@@ -176,7 +175,7 @@ class NanscanCallback(Callback, CheckingCallback):
         closure, too late to wrap it then (nanscan.guard); with ``attach_ddp``, attaches the DDP hook
         before the first backward."""
         if self.attach_ddp:
-            _attach_ddp(trainer.strategy.model)
+            attach_ddp_hook("NanscanCallback", trainer.strategy.model, "DDPStrategy(ddp_comm_hook=...)")
         for optimizer in trainer.optimizers:
             torch_optimizer = _torch_optimizer(optimizer)
             if self.on_nonfinite == "skip":
@@ -249,23 +248,6 @@ class NanscanCallback(Callback, CheckingCallback):
             step, metrics = record.step, record_metrics(record) | self._metrics([record])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-
-
-def _attach_ddp(model: Any) -> None:
-    """Attaches nanscan's DDP comm hook to the Trainer's DDP model (once: a ddp_spawn process, or a
-    second fit, finds it attached); a model that is not DDP is left alone."""
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or ddp.scanner_of(model) is not None:
-        return
-    try:
-        ddp.attach(model)
-    except RuntimeError as error:
-        if "only be called once" not in str(error):
-            raise
-        raise ValueError(
-            "nanscan.NanscanCallback(attach_ddp=True): the Trainer's DDP model has a comm hook already "
-            "(DDPStrategy(ddp_comm_hook=...)), and DDP takes one. Drop one of the two, or attach nanscan's in "
-            "front of yours by hand: nanscan.ddp.attach(ddp_model, hook=your_hook)"
-        ) from error
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

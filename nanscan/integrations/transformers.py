@@ -26,6 +26,14 @@ GradScaler's skips: after a step the guard held back on the host, the callback s
 fused optimizer's skip happens on the device, unknown to the host without a sync: there the schedule
 advances, as it does on a GradScaler's device-side skip of a fused optimizer.
 
+Which rank made a NaN, under DDP (the Trainer under torchrun): DDP's all-reduce spreads a NaN from
+one rank to every rank before the check, so each rank names itself. With ``attach_ddp=True`` the
+callback attaches nanscan's DDP comm hook (``nanscan.ddp.attach``) at ``on_train_begin``, before the
+first backward, to the DDP model around the module the Trainer hands it (found among the process's
+DDP models, nanscan.layouts.ddp), and the records name the rank whose own gradients held the NaN. It
+costs one more read of the gradients per step and one small all-reduce per check. DDP takes one comm
+hook: one set through accelerate is refused. Elsewhere (one process, DeepSpeed) it does nothing.
+
 With a ``nanscan.Recorder``, the records that have reached the host (once per
 ``Recorder(every=...)`` steps, and at the last step, so that the last records reach the last logs)
 are merged into the Trainer's next log: ``nanscan/total_norm``,
@@ -69,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..guard import SkipGuard
-from ._logging import CheckingCallback, record_metrics, worth_logging
+from ._logging import CheckingCallback, attach_ddp_hook, check_attach_ddp, record_metrics, worth_logging
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -104,6 +112,8 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
             steps (module notes); None: never.
         state_recorder: a ``nanscan.Recorder`` (not ``recorder``) for the state checks' reports;
             without one a state check warns on a NaN/Inf (one sync).
+        attach_ddp: under DDP (the Trainer under torchrun), attach nanscan's DDP comm hook, so that
+            the checks name the rank that made a NaN (module notes); elsewhere nothing.
 
     Example:
         >>> args = TrainingArguments(..., max_grad_norm=0)  # nanscan clips instead
@@ -120,7 +130,10 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         log_every_n_steps: int | None = None,
         check_state_every: int | None = None,
         state_recorder: Recorder | None = None,
+        attach_ddp: bool = False,
     ) -> None:
+        check_attach_ddp("NanscanTrainerCallback", attach_ddp)
+        self.attach_ddp = attach_ddp
         self._set_check(
             "NanscanTrainerCallback",
             max_norm,
@@ -149,7 +162,8 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Refuses a Trainer that clips too; wraps the optimizer's step before the first one."""
+        """Refuses a Trainer that clips too; wraps the optimizer's step before the first one; with
+        ``attach_ddp``, attaches the DDP hook before the first backward."""
         if self.max_norm is not None and args.max_grad_norm is not None and args.max_grad_norm > 0:
             raise ValueError(
                 f"nanscan.NanscanTrainerCallback(max_norm={self.max_norm}) clips the gradients, and so does the "
@@ -163,6 +177,11 @@ class NanscanTrainerCallback(TrainerCallback, CheckingCallback):
         if zero is not None and model is not None:
             self._check_inside_zero_step(zero, model)
             return
+        if self.attach_ddp and model is not None:
+            # The Trainer hands its callbacks the module inside DDP, which nanscan finds the model of.
+            attach_ddp_hook(
+                "NanscanTrainerCallback", model, "accelerate's DistributedDataParallelKwargs(comm_hook=...)"
+            )
         if self.on_nonfinite == "skip" and optimizer is not None:
             _guard(optimizer, self.max_consecutive_skips)
         if optimizer is not None and model is not None:
