@@ -243,9 +243,10 @@ class SkipGuard:
 
     @property
     def held_back(self) -> bool:
-        """Whether the last step that passed through the guard was held back on the host (no sync: the
-        guard read the flag to decide it). A step skipped on the device (a fused optimizer's) is not:
-        the host does not know it without a sync (``last_skipped``)."""
+        """Whether the last step that passed through the guard was held back on the host, which the
+        guard knows without a sync, having read the flag to decide it. A step skipped on the device (a
+        fused optimizer's) is not held back: the host does not know of it without a sync
+        (``last_skipped``)."""
         return self._held_back
 
     @property
