@@ -206,8 +206,7 @@ def of_tensors(
             return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
     elif (gradients_of := fsdp1.of_gradients(tensors)) is not None:  # gradients of an FSDP1 model seen
         return _fsdp1(*gradients_of, "grad", process_group, per_tensor)
-    if not torch.compiler.is_compiling():
-        _refuse_unsynced_ddp(tensors, "these gradients' DDP model is", look=False)
+    _refuse_unsynced_ddp(tensors, "these gradients' DDP model is", look=False)
     return _routed(names, tensors, process_group, compared)
 
 
@@ -239,8 +238,7 @@ def of_parameters(
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group)
-    if not torch.compiler.is_compiling():
-        _refuse_unsynced_ddp(items, "these parameters' DDP model is")
+    _refuse_unsynced_ddp(items, "these parameters' DDP model is")
     names, grads, _ = single.listed_gradients(items)
     return _routed(names, grads, process_group, compared)
 
@@ -264,8 +262,7 @@ def of_parameter_list(
         if fsdp1.flattened(params):
             model_layout, positions = fsdp1.of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group, per_tensor)
-    if not torch.compiler.is_compiling():
-        _refuse_unsynced_ddp(params, "these parameters' DDP model is")
+    _refuse_unsynced_ddp(params, "these parameters' DDP model is")
     return _routed(None, grads, process_group)
 
 
@@ -352,7 +349,9 @@ def _refuse_unsynced_ddp(items: Sequence[Any], what: str, look: bool = True) -> 
     """Refuses the gradients of a DDP model inside ``no_sync()`` reached through its parameters (or,
     ``look=False``, its gradients) rather than the model: they carry no mark of it, so the model is
     found among the process's DDP models (nanscan.layouts.ddp.unsynced_model_of). ``what`` names the
-    model in the refusal."""
+    model in the refusal. Not inside torch.compile, whose trace cannot look through live objects."""
+    if torch.compiler.is_compiling():
+        return
     if items and not dtensor.is_dtensor(items[0]) and ddp.unsynced_model_of(items, look) is not None:
         raise ddp.no_sync_error(what)
 
