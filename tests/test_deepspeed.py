@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, rank_environment
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 WORLD = 2
@@ -54,6 +54,7 @@ def results() -> list[dict[str, Any]]:
         procs = [
             subprocess.Popen(
                 [sys.executable, script, str(rank), str(WORLD), str(port), out],
+                env=rank_environment(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -20,7 +20,7 @@ import pytest
 import torch
 from distributed_norm_cases import CASES
 
-from conftest import ROOT, needs_cuda
+from conftest import ROOT, needs_cuda, rank_environment
 
 WORLDS = [2, 4]
 LAUNCH_TIMEOUT_S = 400  # every case of a world size, on 2 shared cores
@@ -36,6 +36,7 @@ def results(world: int) -> tuple[dict[str, list[str]], list[tuple[int, str]]]:
         procs = [
             subprocess.Popen(
                 [sys.executable, script, str(rank), str(world), init, out],
+                env=rank_environment(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -31,7 +31,7 @@ import pytest
 
 from nanscan.records import read_jsonl
 
-from conftest import ROOT
+from conftest import ROOT, rank_environment
 
 LAUNCH_TIMEOUT_S = 180  # a launch takes about 10 s on 2 shared cores
 STEPS = 6  # as the scripts have them
@@ -73,8 +73,9 @@ def end(proc: subprocess.Popen[str]) -> str:
 def launch(command: list[str], out: Path) -> Launch:
     """Runs ``command`` (a launcher that starts ``WORLD`` ranks), which must exit with status 0 within
     ``LAUNCH_TIMEOUT_S`` and leave every rank's rank{R}.json in ``out``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores (torchrun sets it so too)
+    env = rank_environment(
+        {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    )
     start = time.perf_counter()
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
