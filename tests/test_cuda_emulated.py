@@ -99,12 +99,15 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def emulator_probes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["own switch", "ucontext"])
+def emulator_probes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The probes built with each of the emulator's fiber switches: its own on x86-64, and ucontext's,
+    which other machines use (built here so that it stays compiling and keeps the same promises)."""
     directory = tmp_path_factory.mktemp("probes")
     source = directory / "probes.cpp"
     source.write_text(EMULATOR_PROBES)
-    return build_cpp(directory, [source], FLAGS)
+    switch = ["-DCUDA_EMULATOR_UCONTEXT"] if request.param == "ucontext" else []
+    return build_cpp(directory, [source], FLAGS + switch)
 
 
 @pytest.mark.parametrize(
