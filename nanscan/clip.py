@@ -285,7 +285,7 @@ def clip_grad_norm_(
     ``parameters`` may also be a model (an ``nn.Module``, where torch takes only parameters): its
     parameters' gradients, wherever they live, as ``nanscan.check(model, max_norm=...)`` finds them.
     That is how an FSDP1 model is clipped by its global norm, as FSDP's own ``model.clip_grad_norm_``
-    does; a list of its parameters works too once nanscan has seen the model.
+    does; a list of its parameters works too (nanscan knows the FSDP1 models the process makes).
     """
     max_norm = as_max_norm(max_norm)
     norm_type = as_norm_type(norm_type)

@@ -42,9 +42,9 @@ def scan(
     scanned on each rank's local shard, and the statistics reduced over their mesh in two
     collectives, so every rank gets each tensor's global statistics, as plain tensors. Parameters
     that FSDP1 flattened are scanned (their values) by their original parameters' parts, reduced
-    over FSDP's groups, once nanscan has seen their model (refused otherwise). Other plain tensors
-    are scanned as they are: FSDP1's gradients are plain shards, scanned through the model
-    (``nanscan.check(model)``) or its parameters.
+    over FSDP's groups, and so are FSDP1's flat gradients (nanscan knows the FSDP1 models the process
+    makes; a model it cannot know is refused). Other plain tensors are scanned as they are, but a
+    DDP model's gradients inside ``no_sync()`` are refused.
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if names is not None and len(names) != len(tensors):

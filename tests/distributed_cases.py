@@ -641,6 +641,30 @@ def ddp_gradients_inside_no_sync_are_refused_however_they_are_passed(world: int)
     assert looks == [], f"{len(looks)} looks for DDP models by lists and modules already looked for"
 
 
+@case
+def ddp_gradients_are_refused_inside_no_sync_when_they_are_all_nanscan_is_handed(world: int) -> None:
+    """The usual decomposed clip, ``get_total_norm([p.grad ...])`` and torch's own
+    ``clip_grads_with_norm_``, as the first and only thing nanscan is handed of a DDP model made
+    after nanscan's import (so after its one look through the live objects): its gradients carry no
+    mark of the model, which nanscan knows from its construction (nanscan.layouts.live). Inside
+    no_sync() refused on every rank; after the synchronising backward, the model's norm."""
+    rank = dist.get_rank()
+    with looks_through_live_objects() as looks:
+        nanscan.get_total_norm([torch.ones(2)])  # any first check that may look, done before the model exists
+        model = torch.nn.parallel.DistributedDataParallel(mlp([12, 9, 4], seed=71))
+        torch.manual_seed(70 + rank)  # every rank its own data
+        x = torch.randn(8, 12)
+        with model.no_sync():
+            model(x).square().sum().backward()
+            message = _value_error(lambda: nanscan.get_total_norm([p.grad for p in model.parameters()]))
+        model(x).square().sum().backward()
+        total = nanscan.get_total_norm([p.grad for p in model.parameters()])
+    assert "inside no_sync()" in message and "gradients' DDP model" in message, message
+    assert len(looks) <= 1, f"{len(looks)} looks through the live objects: one per process at most"
+    want = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
+    assert_close(total, want.item(), "the synchronised gradients' norm", 1e-6)
+
+
 @contextlib.contextmanager
 def looks_through_live_objects() -> Iterator[list[None]]:
     """Counts the looks through the process's live objects (``gc.get_objects``) made inside."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 import nanscan
 from nanscan import layouts
+from nanscan.layouts import live
 from nanscan.records import StepRecord
 
 
@@ -328,50 +330,108 @@ def fsdp1(m: torch.nn.Module, use_orig_params: bool) -> torch.nn.Module:
         )
 
 
+def forget_the_models_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes nanscan unaware of the DDP and FSDP1 models made so far, as it is of a model made without
+    its constructor (copied): nanscan.layouts.live."""
+    monkeypatch.setattr(live, "_ddp_models", weakref.WeakSet())
+    monkeypatch.setattr(live, "_fsdp1_undecided", weakref.WeakSet())
+    monkeypatch.setattr(live, "_looked", [True])
+
+
 @pytest.mark.parametrize("use_orig_params", [False, True])
-def test_fsdp1_parameters_are_refused_until_nanscan_knows_their_model(
-    world_of_one: None, use_orig_params: bool
+def test_fsdp1_parameters_are_the_models_and_refused_only_where_their_model_is_unknown(
+    world_of_one: None, use_orig_params: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A list of FSDP1's parameters is a rank's shards: refused (naming the way out) until nanscan has
-    seen their model, then reduced like the model; the model itself always works."""
+    """A list of FSDP1's parameters is a rank's shards: reduced as the model is, without the model ever
+    being passed (nanscan knows the FSDP1 models the process makes, nanscan.layouts.live); where
+    nanscan cannot know the model, refused before anything is written, naming the way out."""
     wrapped = with_gradients(fsdp1(model(), use_orig_params))
     reference = with_gradients(model())
     params = list(wrapped.parameters())
     before = [p.grad.clone() for p in params if p.grad is not None]
-    for call in (
-        lambda: nanscan.clip_grad_norm_(params, 1e-3),
-        lambda: nanscan.check(params),
-        lambda: nanscan.scan(params),
-        lambda: nanscan.amp.Advisor().observe(params),
-    ):
-        with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel\) has flattened and sharded"):
-            call()
+    with monkeypatch.context() as unknown:
+        forget_the_models_made(unknown)
+        for call in (
+            lambda: nanscan.clip_grad_norm_(params, 1e-3),
+            lambda: nanscan.check(params),
+            lambda: nanscan.scan(params),
+            lambda: nanscan.amp.Advisor().observe(params),
+        ):
+            with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel\) has flattened and sharded"):
+                call()
     assert all(torch.equal(a, p.grad) for a, p in zip(before, (p for p in params if p.grad is not None), strict=True))
+    assert nanscan.check(params).names == WANT  # the model never passed: found among those made
+    total = nanscan.clip_grad_norm_(params, 1e9)
     report = nanscan.check(wrapped)
     assert report.names == WANT
     for values, p in zip(report.to_dict()["parameters"].values(), reference.parameters(), strict=True):
         assert values["norm"] == pytest.approx(p.grad.norm().item(), rel=1e-6)
-    total = nanscan.clip_grad_norm_(params, 1e9)  # now known
     assert total.item() == pytest.approx(report.total_norm, rel=1e-6)
-    assert nanscan.check(params).names == WANT
     assert nanscan.scan(params).names == tuple(WANT)  # the parameters' values, named
     weights = nanscan.verify_replicas(wrapped)  # the parameters' values, by their parts
     assert weights.consistent and list(weights.names) == WANT
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
-def test_a_model_inside_one_fsdp1_unit(world_of_one: None, use_orig_params: bool) -> None:
+def test_a_model_inside_one_fsdp1_unit(
+    world_of_one: None, use_orig_params: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The model inside a root-only FSDP1 (no auto-wrap: one unit, outside the model) holds the unit's
-    flat parameter, or its original parameters marked flattened, and no unit: refused until nanscan
-    has seen the root, then the root's report of those parameters."""
+    flat parameter, or its original parameters marked flattened, and no unit: the root's report of
+    those parameters, the root found among the models made; refused where nanscan cannot know it."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
         root = FullyShardedDataParallel(model(), use_orig_params=use_orig_params, device_id=torch.device("cpu"))
     with_gradients(root)
     inner = root.module
-    with pytest.raises(ValueError, match="flattened and sharded"):
-        nanscan.check(inner)
+    with monkeypatch.context() as unknown:
+        forget_the_models_made(unknown)
+        with pytest.raises(ValueError, match="flattened and sharded"):
+            nanscan.check(inner)
+    found = nanscan.check(inner).to_dict()
     whole = nanscan.check(root)
     assert whole.names == WANT
-    assert nanscan.check(inner).to_dict() == whole.to_dict()
+    assert found == whole.to_dict()
+
+
+def test_the_ddp_and_fsdp1_models_made_are_known_by_their_construction_or_one_look(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nanscan.layouts.live: a DDP model and every FSDP1 unit are noted as they are made (a module-
+    registration hook); those made while the hook was absent (before nanscan's import) by one look
+    through the live objects, the first time they are asked for, and never again; weakly."""
+    import gc
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    monkeypatch.setattr(live, "_looked", [True])  # no look: only the hook can know what is made now
+    made = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    assert made in live.ddp_models()
+    live._hook.remove()  # as before nanscan's import
+    try:
+        before_import = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
+            unit = FullyShardedDataParallel(torch.nn.Linear(4, 2), device_id=torch.device("cpu"))
+    finally:
+        live._hook = torch.nn.modules.module.register_module_module_registration_hook(live._registered)
+    looks: list[None] = []
+    real = gc.get_objects
+    gc.get_objects = lambda *a, **k: looks.append(None) or real(*a, **k)
+    try:
+        live._looked.clear()
+        assert before_import in live.ddp_models() and made in live.ddp_models()
+        assert unit in live._fsdp1_undecided and unit not in live.unseen_fsdp1_roots()  # no forward yet
+        unit(torch.randn(3, 4)).sum().backward()
+        assert unit in live.unseen_fsdp1_roots()  # FSDP made it the root at its first forward
+        live.seen(unit)
+        assert unit not in live.unseen_fsdp1_roots()
+    finally:
+        gc.get_objects = real
+    assert len(looks) == 1, f"{len(looks)} looks through the live objects"
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    assert plain not in live._ddp_models and plain not in live._fsdp1_undecided
+    gone = weakref.ref(made)
+    del made
+    gc.collect()
+    assert gone() is None, "knowing a model keeps it alive"

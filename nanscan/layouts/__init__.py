@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import walk
 from ..fused import ScanResult, empty_result, scan_local, upload
-from . import ddp, dtensor, fsdp1, refused, single, zero
+from . import ddp, dtensor, fsdp1, live, refused, single, zero
 from .reduce import (
     Plan,
     group_device,
@@ -195,18 +195,19 @@ def of_tensors(
     compared: bool = False,
 ) -> Layout:
     """The layout of a list of tensors scanned as they are (``nanscan.scan``, ``get_total_norm``):
-    DTensors reduced over their meshes, FSDP1's flattened parameters over FSDP's groups (of a model
-    nanscan has seen; refused otherwise), others this rank's own unless ``process_group``.
+    DTensors reduced over their meshes, FSDP1's flattened parameters and gradients over FSDP's groups
+    (of a model this process made: nanscan.layouts.live), others this rank's own unless
+    ``process_group``; a DDP model's gradients inside ``no_sync()`` refused.
     ``compared``: for ``verify_replicas`` (see ``_dtensors``)."""
     # Parameters (not the usual gradients, plain tensors) may carry an engine's marks.
     if tensors and type(tensors[0]) is not torch.Tensor and _marks_possible() and not dtensor.is_dtensor(tensors[0]):
         refused.check_tensors(tensors)
         if fsdp1.flattened(tensors):
-            model_layout, positions = fsdp1.of_parameters(tensors)
+            model_layout, positions = _fsdp1_of_parameters(tensors)
             return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
-    elif (gradients_of := fsdp1.of_gradients(tensors)) is not None:  # gradients of an FSDP1 model seen
+    elif (gradients_of := _fsdp1_of_gradients(tensors)) is not None:  # gradients of an FSDP1 model
         return _fsdp1(*gradients_of, "grad", process_group, per_tensor)
-    _refuse_unsynced_ddp(tensors, "these gradients' DDP model is", look=False)
+    _refuse_unsynced_ddp(tensors, "these gradients' DDP model is")
     return _routed(names, tensors, process_group, compared)
 
 
@@ -236,7 +237,7 @@ def of_parameters(
             return _zero([str(item[0]) for item in items] if pairs else None, params, process_group)
         refused.check_tensors(params)
         if fsdp1.flattened(params):
-            model_layout, positions = fsdp1.of_parameters(params)
+            model_layout, positions = _fsdp1_of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group)
     _refuse_unsynced_ddp(items, "these parameters' DDP model is")
     names, grads, _ = single.listed_gradients(items)
@@ -260,7 +261,7 @@ def of_parameter_list(
             return _zero(None, params, process_group)
         refused.check_tensors(params)
         if fsdp1.flattened(params):
-            model_layout, positions = fsdp1.of_parameters(params)
+            model_layout, positions = _fsdp1_of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group, per_tensor)
     _refuse_unsynced_ddp(params, "these parameters' DDP model is")
     return _routed(None, grads, process_group)
@@ -292,13 +293,13 @@ def of_module(
         return _fsdp1(fsdp1.of_model(model), None, source, process_group, per_tensor)
     # The marks engines leave on their parameters (the walk collects the attributes set on them once):
     # a refused engine's, or FSDP1's on the parameters of a model inside an FSDP1 unit (its root's,
-    # which holds them: a root nanscan has seen reduces them, else they are refused).
+    # which holds them: a root nanscan knows reduces them, else they are refused).
     if walked.parameter_attributes:
         if source == "grad" and not compared and not walked.parameter_attributes.isdisjoint(zero.MARKS):
             return _zero(walked.names, walked.parameters, process_group)
         refused.check_tensors(walked.parameters)
         if fsdp1.FLATTENED in walked.parameter_attributes:
-            model_layout, positions = fsdp1.of_parameters(walked.parameters)
+            model_layout, positions = _fsdp1_of_parameters(walked.parameters)
             return _fsdp1(model_layout, positions, source, process_group, per_tensor)
     if source == "grad":
         names, tensors, params = single.module_gradients(walked.names, walked.parameters)
@@ -306,10 +307,10 @@ def of_module(
         names, params = walked.names, walked.parameters
         tensors = [p.detach() for p in params]
     # A DDP model, or the module inside one (the module the frameworks' callbacks hold): attached, or
-    # found among the process's DDP models (ddp.wrapper_of).
+    # one this process made (ddp.wrapper_of).
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         ddp_model: torch.nn.parallel.DistributedDataParallel | None = model
-        ddp.known(model)
+        live.note(model)  # one made without its constructor (copied) is known from here on
     else:
         ddp_model = ddp.wrapper_of(model)
     if ddp_model is not None:
@@ -345,22 +346,47 @@ def _refuse_ddp_gradients_that_are_not_the_models(
             )
 
 
-def _refuse_unsynced_ddp(items: Sequence[Any], what: str, look: bool = True) -> None:
-    """Refuses the gradients of a DDP model inside ``no_sync()`` reached through its parameters (or,
-    ``look=False``, its gradients) rather than the model: they carry no mark of it, so the model is
-    found among the process's DDP models (nanscan.layouts.ddp.unsynced_model_of). ``what`` names the
-    model in the refusal. Not inside torch.compile, whose trace cannot look through live objects."""
+def _refuse_unsynced_ddp(items: Sequence[Any], what: str) -> None:
+    """Refuses the gradients of a DDP model inside ``no_sync()`` reached through its parameters or its
+    gradients rather than the model: they carry no mark of it, so the model is found among those the
+    process made (nanscan.layouts.ddp.unsynced_model_of). ``what`` names the model in the refusal.
+    Not inside torch.compile, whose trace reads no Python-side registry of models."""
     if torch.compiler.is_compiling():
         return
-    if items and not dtensor.is_dtensor(items[0]) and ddp.unsynced_model_of(items, look) is not None:
+    if items and not dtensor.is_dtensor(items[0]) and ddp.unsynced_model_of(items) is not None:
         raise ddp.no_sync_error(what)
+
+
+def _see_fsdp1_models() -> None:
+    """Makes the layout of every FSDP1 model the process made and nanscan has not seen (a root FSDP
+    has run a forward of: nanscan.layouts.live), so that their parameters and gradients, passed
+    without the model, are reduced as the model's: a gradient carries no mark of its model, and one
+    rank's shard checked as it is would be presented as the model's. Not inside torch.compile, as
+    ``_refuse_unsynced_ddp``."""
+    if fsdp1.possible() and not torch.compiler.is_compiling():
+        for root in live.unseen_fsdp1_roots():
+            fsdp1.of_model(root)  # a refusal here comes again at the next call: the root stays unseen
+            live.seen(root)
+
+
+def _fsdp1_of_parameters(params: Sequence[Any]) -> tuple[fsdp1.ModelLayout, list[int]]:
+    """``fsdp1.of_parameters``, the process's FSDP1 models seen first."""
+    _see_fsdp1_models()
+    return fsdp1.of_parameters(params)
+
+
+def _fsdp1_of_gradients(tensors: Sequence[Any]) -> tuple[fsdp1.ModelLayout, list[int]] | None:
+    """``fsdp1.of_gradients``, the process's FSDP1 models seen first (not for DTensors: FSDP1 makes none)."""
+    if tensors and not dtensor.is_dtensor(tensors[0]):
+        _see_fsdp1_models()
+    return fsdp1.of_gradients(tensors)
 
 
 def fsdp1_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[fsdp1.ModelLayout, Any] | None:
     """Where a model (or a list of parameters, or of ``(name, parameter)`` pairs) is FSDP1's: its
     layout and the entries meant (None: all), as ``check_state`` reads their values and optimizer
     state; None for any other. Refused engines are refused, and flattened parameters of a model
-    nanscan has not seen too."""
+    nanscan cannot know too."""
     if isinstance(model_or_params, torch.nn.Module):
         refused.check_module(model_or_params)
         cached = fsdp1.kept(model_or_params)
@@ -377,7 +403,7 @@ def fsdp1_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[
         params = [item[1] if type(item) is tuple else item for item in items]
         if not (params and _marks_possible() and fsdp1.flattened(params)):
             return None
-    return fsdp1.of_parameters(params)
+    return _fsdp1_of_parameters(params)
 
 
 def of_fsdp1_state(found: tuple[fsdp1.ModelLayout, Any], optimizer_state: Any, keys: Sequence[str]) -> Layout:

@@ -37,7 +37,6 @@ only when DDP rebuilds its buckets, after the first iteration).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
@@ -46,10 +45,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ops import scan_op
 from ..fused import ScanResult, upload
+from . import live
 from .collectives import all_reduce
 from .reduce import Attribution
 
@@ -239,7 +238,7 @@ def attach(ddp_model: torch.nn.Module, hook: Hook | None = None, state: Any = No
     ddp_model.register_forward_pre_hook(scanner.before_forward)
     ddp_model._nanscan_scanner = scanner  # type: ignore[assignment]
     _wrappers[ddp_model.module] = weakref.ref(ddp_model)
-    known(ddp_model)
+    live.note(ddp_model)
     return scanner
 
 
@@ -258,25 +257,17 @@ _wrappers: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[torch.nn.paral
 
 def wrapper_of(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
     """The DDP model whose ``.module`` is ``module``, while it lives: an attached one, or, with several
-    ranks, one found in this process (``_look_for_models``)."""
+    ranks, any this process made (nanscan.layouts.live)."""
     ref = _wrappers.get(module)
     wrapper = None if ref is None else ref()
     if wrapper is not None and wrapper.module is module:
         return wrapper
     if not _several_ranks():
         return None
-    _look_for_models(module)
-    return next((model for model in list(_models) if model.module is module), None)
+    return next((model for model in live.ddp_models() if model.module is module), None)
 
 
-# Every DDP model of this process that nanscan knows of. A DDP model's parameters, and the module
-# inside it, carry no mark of the model nor of its no_sync(): the way from them to the model is a look
-# through the process's live objects (gc), once for each list (by its first parameter) and each
-# module that a check meets in a world of several ranks (0.15 s with transformers imported, 355,000
-# objects). A DDP model made after that look is not found for that list; one checked as a model, or
-# attached, is known from then on.
-_models: weakref.WeakSet[torch.nn.parallel.DistributedDataParallel] = weakref.WeakSet()
-_looked_for: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters (tensors) and modules, by identity
+# The ids of each DDP model's parameters, made once per model (a model's parameters do not change).
 _parameter_ids: weakref.WeakKeyDictionary[torch.nn.parallel.DistributedDataParallel, frozenset[int]] = (
     weakref.WeakKeyDictionary()
 )
@@ -286,42 +277,22 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def known(model: torch.nn.parallel.DistributedDataParallel) -> None:
-    """Remembers a DDP model a check was handed, for the checks of its parameters."""
-    _models.add(model)
-
-
-def _look_for_models(key: object) -> None:
-    """Finds the DDP models alive in this process, unless it was done for ``key`` already."""
-    if key in _looked_for:
-        return
-    _looked_for[key] = True
-    ddp_class = torch.nn.parallel.DistributedDataParallel
-    # type(), not isinstance(): some objects' __class__ is a property (a deprecation warning, a proxy).
-    _models.update(o for o in gc.get_objects() if issubclass(type(o), ddp_class))
-
-
-def unsynced_model_of(params: Sequence[Any], look: bool = True) -> torch.nn.parallel.DistributedDataParallel | None:
-    """The DDP model inside ``no_sync()`` that holds one of ``params`` (parameters or ``(name,
-    parameter)`` pairs, or with ``look=False`` gradients), if any, in a world of several ranks: its
-    gradients are each rank's own, so a check must refuse them. ``look``: look for DDP models not yet
-    known (see ``_models``); gradients are new tensors from step to step, so for them only the known
-    models are searched."""
-    if not params or not _several_ranks():
+def unsynced_model_of(items: Sequence[Any]) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DDP model inside ``no_sync()`` that holds one of ``items`` (its parameters, ``(name,
+    parameter)`` pairs, or its gradients), if any, in a world of several ranks: its gradients are each
+    rank's own, so a check must refuse them. The models are every one this process made
+    (nanscan.layouts.live); only those inside ``no_sync()`` cost more than a flag's read."""
+    if not items or not _several_ranks():
         return None
-    if look:
-        first = params[0]
-        _look_for_models(first[1] if type(first) is tuple else first)
-    for model in list(_models):
+    for model in live.ddp_models():
         if model.require_backward_grad_sync:
             continue
-        if look:
-            ids = _parameter_ids.get(model)
-            if ids is None:
-                ids = _parameter_ids[model] = frozenset(map(id, model.parameters()))
-        else:
-            ids = frozenset(id(p.grad) for p in model.parameters() if p.grad is not None)
-        if not ids.isdisjoint(id(p[1] if type(p) is tuple else p) for p in params):
+        ids = _parameter_ids.get(model)
+        if ids is None:
+            ids = _parameter_ids[model] = frozenset(map(id, model.parameters()))
+        # Gradients are new tensors from step to step: their ids are taken at each check.
+        ids = ids.union(id(p.grad) for p in model.parameters() if p.grad is not None)
+        if not ids.isdisjoint(id(p[1] if type(p) is tuple else p) for p in items):
             return model
     return None
 

@@ -39,9 +39,11 @@ whose module lies in the model passed are reported.
 
 What nanscan learns of a model's units it keeps (by weak reference) for each unit's parameters, so
 that a later list of those parameters (``clip_grad_norm_(model.parameters())``, an optimizer's under
-the GradScaler) is reduced too, and so is a list of its flat gradients (``of_gradients``).
-Flattened parameters whose model nanscan has not seen are refused (``refuse_unknown``): a rank's
-shard is not the model.
+the GradScaler) is reduced too, and so is a list of its flat gradients (``of_gradients``). The models
+it learns of are those passed to it and every root the process made (nanscan.layouts.live, once FSDP
+has run the root's first forward), so a list of parameters or gradients is reduced without the model
+ever being passed. Flattened parameters whose model nanscan does not know (one copied without its
+constructor) are refused (``refuse_unknown``): a rank's shard is not the model.
 """
 
 from __future__ import annotations
@@ -776,8 +778,8 @@ def of_gradients(tensors: Sequence[Any]) -> tuple[ModelLayout, list[int]] | None
     for its unit's parameters, as its flat parameter does. The gradients FSDP hands out as the original
     parameters' (``use_orig_params=True``: views into the flat gradient) are refused: each rank holds
     a gradient only for the parameters with an element in its shard, so such a list differs from rank
-    to rank and says nothing of which parameters were meant. A gradient carries no mark of FSDP's: the
-    gradients of a model nanscan has not seen are not recognised (module notes)."""
+    to rank and says nothing of which parameters were meant. A gradient carries no mark of FSDP's: it
+    is recognised by the models nanscan knows (module notes)."""
     if not _models or not tensors:
         return None
     owners: dict[int, Any] = {}  # id of a gradient -> its parameter (flat, or one no unit manages)
