@@ -435,3 +435,20 @@ def test_the_ddp_and_fsdp1_models_made_are_known_by_their_construction_or_one_lo
     del made
     gc.collect()
     assert gone() is None, "knowing a model keeps it alive"
+
+
+def test_the_module_registration_hook_keeps_no_class_alive() -> None:
+    """Every module made meets nanscan.layouts.live's hook, and torch.fx makes a class per GraphModule:
+    the FSDP1 check's answers per class are kept weakly, so 200 traces leave no class behind."""
+    import gc
+
+    from nanscan.layouts import fsdp1
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    gc.collect()
+    before = len(fsdp1._is_fsdp1)
+    for _ in range(200):
+        traced = torch.fx.symbolic_trace(m)
+    del traced
+    gc.collect()
+    assert len(fsdp1._is_fsdp1) <= before + 2, f"{len(fsdp1._is_fsdp1) - before} classes kept"

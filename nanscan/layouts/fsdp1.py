@@ -71,7 +71,8 @@ _SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
-_is_fsdp1: dict[type, bool] = {}
+# Weakly: every module class made meets it (nanscan.layouts.live), and torch.fx makes one per GraphModule.
+_is_fsdp1: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def is_fsdp1_class(cls: type) -> bool:
