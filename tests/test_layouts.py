@@ -417,17 +417,14 @@ def test_the_ddp_and_fsdp1_models_made_are_known_by_their_construction_or_one_lo
         live._hook = torch.nn.modules.module.register_module_module_registration_hook(live._registered)
     looks: list[None] = []
     real = gc.get_objects
-    gc.get_objects = lambda *a, **k: looks.append(None) or real(*a, **k)
-    try:
-        live._looked.clear()
-        assert before_import in live.ddp_models() and made in live.ddp_models()
-        assert unit in live._fsdp1_undecided and unit not in live.unseen_fsdp1_roots()  # no forward yet
-        unit(torch.randn(3, 4)).sum().backward()
-        assert unit in live.unseen_fsdp1_roots()  # FSDP made it the root at its first forward
-        live.seen(unit)
-        assert unit not in live.unseen_fsdp1_roots()
-    finally:
-        gc.get_objects = real
+    monkeypatch.setattr(gc, "get_objects", lambda *a, **k: looks.append(None) or real(*a, **k))
+    live._looked.clear()  # the look is due again (the list is the one patched above)
+    assert before_import in live.ddp_models() and made in live.ddp_models()
+    assert unit in live._fsdp1_undecided and unit not in live.unseen_fsdp1_roots()  # no forward yet
+    unit(torch.randn(3, 4)).sum().backward()
+    assert unit in live.unseen_fsdp1_roots()  # FSDP made it the root at its first forward
+    live.seen(unit)
+    assert unit not in live.unseen_fsdp1_roots()
     assert len(looks) == 1, f"{len(looks)} looks through the live objects"
     plain = torch.nn.Sequential(torch.nn.Linear(4, 2))
     assert plain not in live._ddp_models and plain not in live._fsdp1_undecided

@@ -45,8 +45,8 @@ HEADER_LINES = 40  # the `# Run:` and `# Requires:` lines sit at the top of a sc
 SHOWN_LINES = 200  # of a failing example's output
 # What torchrun prints of a child that torch's gloo aborted at exit (module notes).
 EXIT_ABORT = "terminate called without an active exception"
-# How many times an example that met that abort alone is run again (module notes).
-EXIT_ABORT_RERUNS = 2
+# The runs again of an example that met that abort alone, by name (module notes).
+EXIT_ABORT_RERUNS = ("second", "third")
 
 
 @dataclass
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         status, output = run(command, args.timeout)
         again = ""
-        for ordinal in ("second", "third")[:EXIT_ABORT_RERUNS]:
+        for ordinal in EXIT_ABORT_RERUNS:
             if not aborted_at_exit(status, output):
                 break
             print("aborted at exit by torch's gloo (pytorch/pytorch#190489); its output, then once more:")
