@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import walk
-from .layouts import refused
+from .layouts import fsdp2_sharded, refused
 
 
 def named_parameters(
@@ -36,4 +36,6 @@ def named_parameters(
             names.append(str(name))
             params.append(p)
     refused.check_tensors(params)
-    return names, params
+    # The parameters FSDP2 holds unsharded (not resharded after backward) read as the sharded ones the
+    # optimizer steps on and keeps state for: the values of the model, and the keys of its state.
+    return names, fsdp2_sharded(params, names, unreduced_refused=False)

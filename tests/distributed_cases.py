@@ -213,6 +213,121 @@ def nan_on_several_ranks(world: int) -> None:
     assert report.nonfinite_ranks == {"0.weight": holders, "2.bias": bias_holders}, report.nonfinite_ranks
 
 
+@case
+def fsdp_parameters_held_unsharded_are_read_as_their_shards(world: int) -> None:
+    """Without resharding after backward, FSDP2 leaves each module holding plain, unsharded copies of
+    its parameters, without a gradient: the reduced gradient is in the sharded parameter's .grad (the
+    one the optimizer holds). A check of the model, of its parameters, a clip and check_state read the
+    sharded parameters there: the same figures as a twin that reshards, a NaN named with its rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, twin = fsdp(mlp([16, 24, 6]), mesh), fsdp(mlp([16, 24, 6]), mesh)
+    sharded = list(model.parameters())  # what an optimizer made now holds
+    model.set_reshard_after_backward(False)
+    backward(model, 16)
+    backward(twin, 16)
+    held = list(model.parameters())
+    assert not any(isinstance(p, DTensor) for p in held), "FSDP2 resharded after backward: nothing to test"
+    assert all(p.grad is None for p in held), [type(p.grad) for p in held]
+    report, want = nanscan.check(model), nanscan.check(twin)
+    assert report.names == want.names and len(report.names) == 4, (report.names, want.names)
+    assert_close(report.total_norm, want.total_norm, "total norm")
+    assert_close(
+        report.to_dict()["parameters"]["0.weight"]["norm"], want.to_dict()["parameters"]["0.weight"]["norm"], "norm"
+    )
+    assert_close(nanscan.check(held).total_norm, want.total_norm, "check(parameters)")
+    pairs = nanscan.check(model.named_parameters())
+    assert list(pairs.names) == list(want.names), pairs.names
+    assert_close(pairs.total_norm, want.total_norm, "check(named_parameters())")
+    assert_close(nanscan.check_state(model).total_norm, nanscan.check_state(twin).total_norm, "check_state")
+    got = nanscan.clip_grad_norm_(model.parameters(), 0.05)
+    expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
+    assert_close(got, expected.full_tensor() if isinstance(expected, DTensor) else expected, "clip's total norm")
+    for a, b in zip([p.grad.full_tensor() for p in sharded], full_grads(twin), strict=True):
+        assert_close(a, b, "clipped gradient")
+    bad = world - 1
+    if dist.get_rank() == bad:
+        sharded[0].grad.to_local()[0, 0] = math.nan
+    report = nanscan.check(model)
+    assert report.nonfinite == ["0.weight"] and report.nonfinite_ranks == {"0.weight": [bad]}, report.nonfinite_ranks
+
+
+@case
+def fsdp_gradients_accumulating_unreduced_are_refused_on_every_rank(world: int) -> None:
+    """Inside set_requires_gradient_sync(False) (and HSDP's set_requires_all_reduce(False)) each rank's
+    own sums are kept apart from the sharded .grad, resharded after backward or not: the model, its
+    parameters, its gradients, a clip and the GradScaler are refused on every rank, nothing written;
+    check_state (values) is not. Once a backward reduces them, the check is the twin's."""
+    meshes = [("fsdp", init_device_mesh("cpu", (world,)))]
+    if world == 4:
+        meshes.append(("hsdp", hsdp_mesh()))
+    for (kind, mesh), reshard in itertools.product(meshes, (True, False)):
+        _accumulate_unreduced_then_reduce(world, kind, mesh, reshard)
+
+
+def _accumulate_unreduced_then_reduce(world: int, kind: str, mesh: DeviceMesh, reshard: bool) -> None:
+    """Two micro-batches, the first unreduced (every call refused after it), the second reducing."""
+    model, twin = fsdp(mlp([16, 24, 6]), mesh), mlp([16, 24, 6])
+    sharded = list(model.parameters())
+    optimizer = torch.optim.SGD(sharded, lr=0.1)
+    scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0)
+    model.set_reshard_after_backward(reshard)
+    for step in range(2):
+        last = step == 1
+        if kind == "hsdp":
+            model.set_requires_all_reduce(last)
+        else:
+            model.set_requires_gradient_sync(last)
+        torch.manual_seed(50 + 10 * step + dist.get_rank())  # every rank its own data
+        x = torch.randn(8, 16)
+        scaler.scale(model(x).square().mean()).backward()
+        everyone = [torch.zeros_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x)
+        # FSDP2 averages over the ranks: the mean over every rank's data; times the loss scale.
+        twin(torch.cat(everyone)).square().mean().mul(2.0).backward()
+        if not last:  # between the two micro-batches
+            _refused_while_unreduced(kind, reshard, model, sharded, optimizer, scaler)
+    report = nanscan.check(model)
+    assert report.finite and len(report.names) == 4, (kind, reshard, report.names)
+    # The twin's gradients: both micro-batches of every rank, scaled as the GradScaler scaled the loss.
+    want = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
+    assert_close(report.total_norm, want, f"{kind}, resharded after backward: {reshard}")
+
+
+def _refused_while_unreduced(
+    kind: str,
+    reshard: bool,
+    model: torch.nn.Module,
+    sharded: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scaler: nanscan.amp.GradScaler,
+) -> None:
+    """Every call that reads the gradients is refused, naming FSDP2's flag; none is written;
+    check_state (values) is not refused."""
+    flag = "set_requires_all_reduce(False)" if kind == "hsdp" else "set_requires_gradient_sync(False)"
+    held = list(model.parameters())
+    listed = [p.grad for p in held if p.grad is not None]
+    before = [None if p.grad is None else p.grad.to_local().clone() for p in sharded]
+    calls = {
+        "check(model)": lambda: nanscan.check(model, max_norm=1e-3),
+        "check(parameters)": lambda: nanscan.check(held),
+        "check(named_parameters())": lambda: nanscan.check(model.named_parameters()),
+        "clip_grad_norm_(parameters())": lambda: nanscan.clip_grad_norm_(model.parameters(), 1e-3),
+        "clip_grad_norm_(the optimizer's)": lambda: nanscan.clip_grad_norm_(sharded, 1e-3),
+        "GradScaler.unscale_": lambda: scaler.unscale_(optimizer),
+    }
+    if listed:  # the plain sums a module holds where it is not resharded after backward
+        calls["get_total_norm(gradients)"] = lambda: nanscan.get_total_norm(listed)
+    assert reshard or listed or kind == "hsdp", "FSDP2 left no unsharded gradient on the module"
+    for what, call in calls.items():
+        message = _value_error(call)
+        assert flag in message and "accumulating unreduced" in message, (kind, reshard, what, message)
+        assert "named" not in what or "'0.weight' (entry 0)" in message, (what, message)
+    after = [None if p.grad is None else p.grad.to_local() for p in sharded]
+    for a, b in zip(before, after, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), "a gradient was written"
+    assert nanscan.check_state(model).finite, "check_state reads values: not refused"
+
+
 def _local_rows(rows: int, world: int, rank: int) -> int:
     """Rows of a Shard(0) tensor on ``rank`` (torch's split: ceil-sized chunks, the last ones short)."""
     chunk = -(-rows // world)

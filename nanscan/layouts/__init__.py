@@ -14,7 +14,8 @@ The layouts, one module each:
 * a single process (single.py): a module's parameters after its kept walk, a list of parameters,
   a list of ``(name, parameter)`` pairs; DDP, whose all-reduce leaves every rank the same gradients,
   is one too, with its hook's rank attribution where attached (ddp.py);
-* DTensors (dtensor.py): FSDP2, tensor parallel, HSDP, any placement on any mesh;
+* DTensors (dtensor.py): FSDP2, tensor parallel, HSDP, any placement on any mesh; FSDP2's unsharded
+  parameters read as their shards, and its unreduced gradient accumulation refused (fsdp2.py);
 * FSDP1 flat parameters (fsdp1.py), every sharding strategy;
 * DeepSpeed ZeRO stages 1, 2 and 3 (zero.py): each rank's partition of the averaged gradients;
 * ``process_group``: ranks that each hold different tensors (pipeline stages), on top of any other;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from .. import walk
-from ..fused import ScanResult, empty_result, scan_local, upload
-from . import ddp, dtensor, fsdp1, live, refused, single, zero
+from ..fused import ScanResult, empty_result, gradients_of, scan_local, upload
+from . import ddp, dtensor, fsdp1, fsdp2, live, refused, single, zero
 from .reduce import (
     Plan,
     group_device,
@@ -145,6 +147,8 @@ def _routed(
     return _plain(names, tensors, process_group=process_group, **extra)
 
 
+_SECOND = operator.itemgetter(1)  # a (name, parameter) pair's parameter
+
 walk.TRACED_MARKS = (fsdp1.FLATTENED, *(attribute for attribute, _, _ in refused.MARKS))
 
 
@@ -205,9 +209,11 @@ def of_tensors(
         if fsdp1.flattened(tensors):
             model_layout, positions = _fsdp1_of_parameters(tensors)
             return _fsdp1(model_layout, positions, "data", process_group, per_tensor)
-    elif (gradients_of := _fsdp1_of_gradients(tensors)) is not None:  # gradients of an FSDP1 model
-        return _fsdp1(*gradients_of, "grad", process_group, per_tensor)
+    elif (fsdp1_gradients := _fsdp1_of_gradients(tensors)) is not None:  # gradients of an FSDP1 model
+        return _fsdp1(*fsdp1_gradients, "grad", process_group, per_tensor)
     _refuse_unsynced_ddp(tensors, "these gradients' DDP model is")
+    if fsdp2.possible() and not torch.compiler.is_compiling():
+        fsdp2.refuse_unreduced(tensors, None if names is None else names.__getitem__)
     return _routed(names, tensors, process_group, compared)
 
 
@@ -240,6 +246,8 @@ def of_parameters(
             model_layout, positions = _fsdp1_of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group)
     _refuse_unsynced_ddp(items, "these parameters' DDP model is")
+    if fsdp2.possible() and not torch.compiler.is_compiling():
+        items = _fsdp2_sharded_items(items)  # (possible(): any FSDP2 state registered in the process)
     names, grads, _ = single.listed_gradients(items)
     return _routed(names, grads, process_group, compared)
 
@@ -264,6 +272,9 @@ def of_parameter_list(
             model_layout, positions = _fsdp1_of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group, per_tensor)
     _refuse_unsynced_ddp(params, "these parameters' DDP model is")
+    sharded = fsdp2_sharded(params)
+    if sharded is not params:
+        grads = [g for g in gradients_of(sharded) if g is not None]
     return _routed(None, grads, process_group)
 
 
@@ -301,10 +312,11 @@ def of_module(
         if fsdp1.FLATTENED in walked.parameter_attributes:
             model_layout, positions = _fsdp1_of_parameters(walked.parameters)
             return _fsdp1(model_layout, positions, source, process_group, per_tensor)
+    walked_params = fsdp2_sharded(walked.parameters, walked.names, unreduced_refused=source == "grad")
     if source == "grad":
-        names, tensors, params = single.module_gradients(walked.names, walked.parameters)
+        names, tensors, params = single.module_gradients(walked.names, walked_params)
     else:
-        names, params = walked.names, walked.parameters
+        names, params = walked.names, walked_params
         tensors = [p.detach() for p in params]
     # A DDP model, or the module inside one (the module the frameworks' callbacks hold): attached, or
     # one this process made (ddp.wrapper_of).
@@ -355,6 +367,32 @@ def _refuse_unsynced_ddp(items: Sequence[Any], what: str) -> None:
         return
     if items and not dtensor.is_dtensor(items[0]) and ddp.unsynced_model_of(items) is not None:
         raise ddp.no_sync_error(what)
+
+
+def fsdp2_sharded(params: list[Any], names: Sequence[str] | None = None, unreduced_refused: bool = True) -> list[Any]:
+    """``params`` with each parameter FSDP2 holds unsharded read as its sharded one (nanscan.layouts.fsdp2;
+    the same list where none is); where ``unreduced_refused``, a parameter whose gradients FSDP2 is
+    accumulating unreduced is refused. Not inside torch.compile, as ``_refuse_unsynced_ddp``."""
+    if not params or not fsdp2.possible() or torch.compiler.is_compiling():
+        return params
+    sharded = fsdp2.sharded(params, None if names is None else names.__getitem__, unreduced_refused)
+    return params if sharded is None else sharded
+
+
+def _fsdp2_sharded_items(items: Sequence[Any]) -> Sequence[Any]:
+    """``fsdp2_sharded`` of a list of parameters or of ``(name, parameter)`` pairs, names kept. The
+    usual list costs C-level maps only: the names are made for a refusal alone."""
+    if not items or type(items[0]) is not tuple:
+        sharded = fsdp2.sharded(items)
+        return items if sharded is None else sharded
+    if set(map(type, items)) != {tuple}:  # pairs beside bare parameters: each entry looked at
+        params = [item[1] if type(item) is tuple else item for item in items]
+    else:
+        params = list(map(_SECOND, items))
+    sharded = fsdp2.sharded(params, lambda i: str(items[i][0]) if type(items[i]) is tuple else f"[{i}]")
+    if sharded is None:
+        return items
+    return [(item[0], p) if type(item) is tuple else p for item, p in zip(items, sharded, strict=True)]
 
 
 def _see_fsdp1_models() -> None:

@@ -31,7 +31,7 @@ only when DDP rebuilds its buckets, after the first iteration).
     loss.backward()
     report = nanscan.check(model)
     if not report.finite:
-        print(report.nonfinite_ranks)                # {'module.fc.weight': [3]}
+        print(report.nonfinite_ranks)                # {'fc.weight': [3]}
 """
 
 from __future__ import annotations
