@@ -256,17 +256,24 @@ def fsdp_gradients_accumulating_unreduced_are_refused_on_every_rank(world: int) 
     """Inside set_requires_gradient_sync(False) (and HSDP's set_requires_all_reduce(False)) each rank's
     own sums are kept apart from the sharded .grad, resharded after backward or not: the model, its
     parameters, its gradients, a clip and the GradScaler are refused on every rank, nothing written;
-    check_state (values) is not. Once a backward reduces them, the check is the twin's."""
+    check_state (values) is not. Once a backward reduces them, the check is the twin's. With tensor
+    parallel (4 ranks, 2x2), the unsharded copies are DTensors over the tensor-parallel mesh alone."""
     meshes = [("fsdp", init_device_mesh("cpu", (world,)))]
     if world == 4:
         meshes.append(("hsdp", hsdp_mesh()))
+        meshes.append(("fsdp+tp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))))
     for (kind, mesh), reshard in itertools.product(meshes, (True, False)):
         _accumulate_unreduced_then_reduce(world, kind, mesh, reshard)
 
 
 def _accumulate_unreduced_then_reduce(world: int, kind: str, mesh: DeviceMesh, reshard: bool) -> None:
     """Two micro-batches, the first unreduced (every call refused after it), the second reducing."""
-    model, twin = fsdp(mlp([16, 24, 6]), mesh), mlp([16, 24, 6])
+    if kind == "fsdp+tp":
+        tp = parallelize_module(mlp([16, 24, 6]), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model, replicas = fsdp(tp, mesh["dp"]), 2  # the two ranks of a tensor-parallel pair share data
+    else:
+        model, replicas = fsdp(mlp([16, 24, 6]), mesh), 1
+    twin = mlp([16, 24, 6])
     sharded = list(model.parameters())
     optimizer = torch.optim.SGD(sharded, lr=0.1)
     scaler = nanscan.amp.GradScaler("cpu", init_scale=2.0)
@@ -277,13 +284,13 @@ def _accumulate_unreduced_then_reduce(world: int, kind: str, mesh: DeviceMesh, r
             model.set_requires_all_reduce(last)
         else:
             model.set_requires_gradient_sync(last)
-        torch.manual_seed(50 + 10 * step + dist.get_rank())  # every rank its own data
+        torch.manual_seed(50 + 10 * step + dist.get_rank() // replicas)  # every data-parallel rank its own data
         x = torch.randn(8, 16)
         scaler.scale(model(x).square().mean()).backward()
         everyone = [torch.zeros_like(x) for _ in range(world)]
         dist.all_gather(everyone, x)
-        # FSDP2 averages over the ranks: the mean over every rank's data; times the loss scale.
-        twin(torch.cat(everyone)).square().mean().mul(2.0).backward()
+        # FSDP2 averages over the data-parallel ranks: the mean over their data; times the loss scale.
+        twin(torch.cat(everyone[::replicas])).square().mean().mul(2.0).backward()
         if not last:  # between the two micro-batches
             _refused_while_unreduced(kind, reshard, model, sharded, optimizer, scaler)
     report = nanscan.check(model)

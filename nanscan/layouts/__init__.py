@@ -111,11 +111,11 @@ def _dtensors(
     shards = dtensor.to_local(tensors)
     plan = dtensor.plan_of(tensors)
     if process_group is None and not compared:
-        _require_model_wide(plan, names)
+        _require_model_wide(plan, names, tensors)
     return Layout(names, tensors, shards, shards, plan, process_group)
 
 
-def _require_model_wide(plan: dtensor.DTensorPlan, names: Sequence[str] | None) -> None:
+def _require_model_wide(plan: dtensor.DTensorPlan, names: Sequence[str] | None, tensors: Sequence[Any]) -> None:
     """Refuses a list of DTensors whose statistics would not be the model's: plain tensors beside them
     (FSDP2 leaves the gradients of parameters outside every ``fully_shard`` unreduced, each rank's
     own), or meshes that hold only some of the ranks (pipeline stages, each sharded over its own)."""
@@ -130,6 +130,10 @@ def _require_model_wide(plan: dtensor.DTensorPlan, names: Sequence[str] | None) 
             "ranks that each hold different tensors)"
         )
     if not plan.spans_world:
+        if fsdp2.possible():
+            # FSDP2 + tensor parallel accumulating unreduced: the module holds its unsharded copies,
+            # DTensors over the tensor-parallel mesh alone. Said as such, not as pipeline stages.
+            fsdp2.refuse_unreduced(tensors, None if names is None else names.__getitem__, dtensors_too=True)
         raise ValueError(
             f"nanscan: these DTensors' meshes hold only some of the {dist.get_world_size()} ranks (pipeline "
             "stages, each sharded over its own ranks?), so their statistics would be those ranks' own, not "

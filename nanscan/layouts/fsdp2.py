@@ -206,11 +206,15 @@ def sharded(params: Sequence[Any], name_of: NameOf = None, unreduced_refused: bo
     naming the entry by ``name_of``) a parameter of a group whose gradients are accumulating
     unreduced. Call only where ``possible()``.
 
-    A training step's usual list, every entry a DTensor and some with a gradient, is taken as it is,
-    without reading FSDP2's groups: so a list of sharded parameters whose ``.grad`` an earlier step
-    left (no ``zero_grad()``) is not refused during an accumulation without synchronisation."""
-    if _all_dtensors(params) and (
-        not unreduced_refused or any(grad is not None for grad in map(_GRAD, params)) or not params
+    A training step's gradients, every entry a DTensor and some with a gradient, are taken as they
+    are, without reading FSDP2's groups: so a list of sharded parameters whose ``.grad`` an earlier
+    step left (no ``zero_grad()``) is not refused during an accumulation without synchronisation (with
+    tensor parallel, unsharded copies are DTensors too: their gradients, each data-parallel rank's
+    own, are refused where their mesh is found to hold only some of the ranks). Values
+    (``unreduced_refused`` False: ``check_state``, the update watch) always read the groups, since an
+    unsharded copy under tensor parallel is a DTensor too."""
+    if not params or (
+        unreduced_refused and _all_dtensors(params) and any(grad is not None for grad in map(_GRAD, params))
     ):
         return None
     found = _found()
@@ -225,10 +229,13 @@ def sharded(params: Sequence[Any], name_of: NameOf = None, unreduced_refused: bo
     return swapped if any(map(operator.is_not, swapped, params)) else None
 
 
-def refuse_unreduced(tensors: Sequence[Any], name_of: NameOf = None) -> None:
+def refuse_unreduced(tensors: Sequence[Any], name_of: NameOf = None, dtensors_too: bool = False) -> None:
     """Refuses (ValueError, naming the entry) a plain tensor that is a gradient FSDP2 has not reduced
-    (see the module notes); DTensors are taken as they are. Call only where ``possible()``."""
-    if _all_dtensors(tensors):
+    (see the module notes); a list of DTensors is taken as it is, unless ``dtensors_too`` (on a path
+    that refuses it anyway: FSDP2 with tensor parallel holds its unsharded copies as DTensors over the
+    tensor-parallel mesh, whose gradients are then each data-parallel rank's own). Call only where
+    ``possible()``."""
+    if not dtensors_too and _all_dtensors(tensors):
         return
     found = _found()
     if found.unreduced_grads:
