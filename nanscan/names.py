@@ -16,7 +16,7 @@ packages is imported to recognise them, and a subclass (a framework's own DDP) i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
+from typing import Any, overload
 
 import torch
 
@@ -92,6 +92,30 @@ class LazyNames(Sequence[str]):
 
     def __repr__(self) -> str:
         return repr(list(self))
+
+
+class PairNames(LazyNames):
+    """The names of a list of ``(name, parameter)`` pairs, formed when read (a bare parameter among
+    them is named by its position, ``"[i]"``)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        position = range(len(self))[index]
+        item = self._items[position]
+        return str(item[0]) if type(item) is tuple else f"[{position}]"
 
 
 class PositionalNames(LazyNames):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .. import walk
 from ..fused import ScanResult, empty_result, gradients_of, scan_local, upload
+from ..names import PairNames
 from . import ddp, dtensor, fsdp1, fsdp2, live, refused, single, zero
 from .reduce import (
     Plan,
@@ -133,7 +134,7 @@ def _require_model_wide(plan: dtensor.DTensorPlan, names: Sequence[str] | None, 
         if fsdp2.possible():
             # FSDP2 + tensor parallel accumulating unreduced: the module holds its unsharded copies,
             # DTensors over the tensor-parallel mesh alone. Said as such, not as pipeline stages.
-            fsdp2.refuse_unreduced(tensors, None if names is None else names.__getitem__, dtensors_too=True)
+            fsdp2.refuse_unreduced(tensors, names, dtensors_too=True)
         raise ValueError(
             f"nanscan: these DTensors' meshes hold only some of the {dist.get_world_size()} ranks (pipeline "
             "stages, each sharded over its own ranks?), so their statistics would be those ranks' own, not "
@@ -217,7 +218,7 @@ def of_tensors(
         return _fsdp1(*fsdp1_gradients, "grad", process_group, per_tensor)
     _refuse_unsynced_ddp(tensors, "these gradients' DDP model is")
     if fsdp2.possible() and not torch.compiler.is_compiling():
-        fsdp2.refuse_unreduced(tensors, None if names is None else names.__getitem__)
+        fsdp2.refuse_unreduced(tensors, names)
     return _routed(names, tensors, process_group, compared)
 
 
@@ -250,8 +251,7 @@ def of_parameters(
             model_layout, positions = _fsdp1_of_parameters(params)
             return _fsdp1(model_layout, positions, "grad", process_group)
     _refuse_unsynced_ddp(items, "these parameters' DDP model is")
-    if fsdp2.possible() and not torch.compiler.is_compiling():
-        items = _fsdp2_sharded_items(items)  # (possible(): any FSDP2 state registered in the process)
+    items = _fsdp2_sharded_items(items)
     names, grads, _ = single.listed_gradients(items)
     return _routed(names, grads, process_group, compared)
 
@@ -379,21 +379,23 @@ def fsdp2_sharded(params: list[Any], names: Sequence[str] | None = None, unreduc
     accumulating unreduced is refused. Not inside torch.compile, as ``_refuse_unsynced_ddp``."""
     if not params or not fsdp2.possible() or torch.compiler.is_compiling():
         return params
-    sharded = fsdp2.sharded(params, None if names is None else names.__getitem__, unreduced_refused)
+    sharded = fsdp2.sharded(params, names, unreduced_refused)
     return params if sharded is None else sharded
 
 
 def _fsdp2_sharded_items(items: Sequence[Any]) -> Sequence[Any]:
     """``fsdp2_sharded`` of a list of parameters or of ``(name, parameter)`` pairs, names kept. The
-    usual list costs C-level maps only: the names are made for a refusal alone."""
-    if not items or type(items[0]) is not tuple:
+    usual list costs C-level maps only: the names are formed for a refusal alone."""
+    if not items or not fsdp2.possible() or torch.compiler.is_compiling():
+        return items
+    if type(items[0]) is not tuple:
         sharded = fsdp2.sharded(items)
         return items if sharded is None else sharded
     if set(map(type, items)) != {tuple}:  # pairs beside bare parameters: each entry looked at
         params = [item[1] if type(item) is tuple else item for item in items]
     else:
         params = list(map(_SECOND, items))
-    sharded = fsdp2.sharded(params, lambda i: str(items[i][0]) if type(items[i]) is tuple else f"[{i}]")
+    sharded = fsdp2.sharded(params, PairNames(items))
     if sharded is None:
         return items
     return [(item[0], p) if type(item) is tuple else p for item, p in zip(items, sharded, strict=True)]

@@ -41,13 +41,12 @@ from __future__ import annotations
 import operator
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..fused import describe
 from .dtensor import dtensor_class
-
-NameOf = Callable[[int], str] | None  # an entry's name, for a refusal (made only then)
 
 _STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 _REGISTRY_MODULE = "torch.distributed._composable_state"
@@ -101,8 +100,9 @@ def _groups() -> list[Any]:
     return groups
 
 
-def _unusual(groups: list[Any]) -> list[Any]:
-    """The groups not in a training step's usual state (sharded, reducing, all-reducing)."""
+def _unusual(groups: list[Any]) -> list[tuple[Any, tuple[bool, bool, bool]]]:
+    """The groups not in a training step's usual state (sharded, reducing, all-reducing), each with
+    its flags ``(reduce_grads, all_reduce_grads, is_sharded)``."""
     try:
         flags = list(map(_REDUCE, groups))
     except AttributeError:  # a torch whose FSDP2 lacks one of the flags: each read with its default
@@ -110,18 +110,15 @@ def _unusual(groups: list[Any]) -> list[Any]:
             (getattr(g, "reduce_grads", True), getattr(g, "all_reduce_grads", True), getattr(g, "is_sharded", True))
             for g in groups
         ]
-    return [
-        g
-        for g, (reduce, all_reduce, sharded) in zip(groups, flags, strict=True)
-        if not (reduce and all_reduce and sharded)
-    ]
+    return [(g, f) for g, f in zip(groups, flags, strict=True) if not all(f)]
 
 
-def _holds_unreduced(group: Any) -> bool:
-    """Whether a parameter group holds gradients FSDP2 has not reduced into the sharded ``.grad``."""
-    if not getattr(group, "all_reduce_grads", True) and getattr(group, "_partial_reduce_output", None) is not None:
+def _holds_unreduced(group: Any, reduce: bool, all_reduce: bool) -> bool:
+    """Whether a parameter group (whose flags are ``reduce``, ``all_reduce``) holds gradients FSDP2
+    has not reduced into the sharded ``.grad``."""
+    if not all_reduce and getattr(group, "_partial_reduce_output", None) is not None:
         return True  # HSDP: reduce-scattered, not yet all-reduced over the replicas
-    if getattr(group, "reduce_grads", True):
+    if reduce:
         return False
     for fsdp_param in group.fsdp_params:
         if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
@@ -148,14 +145,13 @@ class _Found:
 def _found() -> _Found:
     """What the groups outside the usual state hold (the module notes): none, in the usual step."""
     found = _Found()
-    for group in _unusual(_groups()):
-        unreduced = _holds_unreduced(group)
-        sharded = getattr(group, "is_sharded", True)
+    for group, (reduce, all_reduce, sharded) in _unusual(_groups()):
+        unreduced = _holds_unreduced(group, reduce, all_reduce)
         if not unreduced and sharded:
             continue  # the usual state: the module holds its sharded parameters, their .grad reduced
         why = (
             "HSDP's all-reduce over the replicas is off (set_requires_all_reduce(False))"
-            if getattr(group, "reduce_grads", True)
+            if reduce
             else "gradient synchronisation is off (set_requires_gradient_sync(False))"
         )
         for fsdp_param in group.fsdp_params:
@@ -180,10 +176,9 @@ def possible() -> bool:
     return _STATE_MODULE in sys.modules and bool(_registry())
 
 
-def _refuse(index: int, name_of: NameOf, why: str) -> None:
-    named = f"{name_of(index)!r} (entry {index})" if name_of is not None else f"entry {index}"
+def _refuse(index: int, names: Sequence[str] | None, why: str) -> None:
     raise ValueError(
-        f"nanscan: {named} belongs to an FSDP2 (fully_shard) module whose gradients are accumulating unreduced: "
+        f"nanscan: {describe(names, index)} belongs to an FSDP2 (fully_shard) module whose gradients are accumulating unreduced: "
         f"{why}. Until the backward that reduces them, each rank's sums of its own micro-batches are kept apart "
         "from the sharded .grad, which holds nothing or an earlier step's gradient, so a check now would read "
         "one rank's gradient, or an earlier step's, not the model's. Check after the backward that reduces them: "
@@ -199,11 +194,13 @@ def _all_dtensors(tensors: Sequence[Any]) -> bool:
     return cls is not None and all(issubclass(t, cls) for t in set(map(type, tensors)))
 
 
-def sharded(params: Sequence[Any], name_of: NameOf = None, unreduced_refused: bool = True) -> list[Any] | None:
+def sharded(
+    params: Sequence[Any], names: Sequence[str] | None = None, unreduced_refused: bool = True
+) -> list[Any] | None:
     """``params`` (a model's parameters, or a list of them) with every parameter that FSDP2 has put on
     a module in place of its sharded one replaced by the sharded one (see the module notes); None
     where none is. Where ``unreduced_refused`` (their gradients are to be read), refuses (ValueError,
-    naming the entry by ``name_of``) a parameter of a group whose gradients are accumulating
+    naming the entry after ``names``) a parameter of a group whose gradients are accumulating
     unreduced. Call only where ``possible()``.
 
     A training step's gradients, every entry a DTensor and some with a gradient, are taken as they
@@ -222,14 +219,14 @@ def sharded(params: Sequence[Any], name_of: NameOf = None, unreduced_refused: bo
         for i, p in enumerate(params):
             why = found.unreduced_params.get(id(p))
             if why is not None:
-                _refuse(i, name_of, why)
+                _refuse(i, names, why)
     if not found.sharded_of:
         return None
     swapped = [found.sharded_of.get(id(p), p) for p in params]
     return swapped if any(map(operator.is_not, swapped, params)) else None
 
 
-def refuse_unreduced(tensors: Sequence[Any], name_of: NameOf = None, dtensors_too: bool = False) -> None:
+def refuse_unreduced(tensors: Sequence[Any], names: Sequence[str] | None = None, dtensors_too: bool = False) -> None:
     """Refuses (ValueError, naming the entry) a plain tensor that is a gradient FSDP2 has not reduced
     (see the module notes); a list of DTensors is taken as it is, unless ``dtensors_too`` (on a path
     that refuses it anyway: FSDP2 with tensor parallel holds its unsharded copies as DTensors over the
@@ -242,4 +239,4 @@ def refuse_unreduced(tensors: Sequence[Any], name_of: NameOf = None, dtensors_to
         for i, t in enumerate(tensors):
             why = found.unreduced_grads.get(id(t))
             if why is not None:
-                _refuse(i, name_of, why)
+                _refuse(i, names, why)
