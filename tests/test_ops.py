@@ -50,6 +50,30 @@ def test_torch_compile_fullgraph(device: str) -> None:
     torch.testing.assert_close(compiled(grads)[0], health(grads)[0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_beside_a_registered_fsdp2_state(device: str) -> None:
+    """A process that holds an FSDP2 module (torch's registry of fully_shard states non-empty) still
+    traces scan and the clip whole: the layouts' look at that registry stays outside the graph. On
+    torch 2.11 dynamo cannot test a WeakKeyDictionary for truth, and fullgraph=True failed there
+    (found on an H200, 2026-11-28)."""
+    composable_state = pytest.importorskip("torch.distributed._composable_state")
+    holder = torch.nn.Linear(2, 2)
+    composable_state._insert_module_state(holder, composable_state._State())
+    try:
+
+        def health(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            r = nanscan.scan(grads)
+            return r.total_norm, nanscan.clip_grad_norm_(grads, max_norm=1e9)
+
+        compiled = torch.compile(health, fullgraph=True, backend="eager")
+        grads = [torch.randn(100, device=device), torch.randn(7, 3, device=device, dtype=torch.bfloat16)]
+        got, want = compiled(grads), health(grads)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    finally:
+        composable_state._module_state_mapping.pop(holder, None)
+
+
 def same_value(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal dtype and value, a NaN equal to a NaN."""
     return got.dtype == want.dtype and bool(torch.equal(got, want) or (got.isnan() & want.isnan()).item())

@@ -217,7 +217,7 @@ def of_tensors(
     elif (fsdp1_gradients := _fsdp1_of_gradients(tensors)) is not None:  # gradients of an FSDP1 model
         return _fsdp1(*fsdp1_gradients, "grad", process_group, per_tensor)
     _refuse_unsynced_ddp(tensors, "these gradients' DDP model is")
-    if fsdp2.possible() and not torch.compiler.is_compiling():
+    if fsdp2.possible():
         fsdp2.refuse_unreduced(tensors, names)
     return _routed(names, tensors, process_group, compared)
 
@@ -377,7 +377,7 @@ def fsdp2_sharded(params: list[Any], names: Sequence[str] | None = None, unreduc
     """``params`` with each parameter FSDP2 holds unsharded read as its sharded one (nanscan.layouts.fsdp2;
     the same list where none is); where ``unreduced_refused``, a parameter whose gradients FSDP2 is
     accumulating unreduced is refused. Not inside torch.compile, as ``_refuse_unsynced_ddp``."""
-    if not params or not fsdp2.possible() or torch.compiler.is_compiling():
+    if not params or not fsdp2.possible():
         return params
     sharded = fsdp2.sharded(params, names, unreduced_refused)
     return params if sharded is None else sharded
@@ -386,7 +386,7 @@ def fsdp2_sharded(params: list[Any], names: Sequence[str] | None = None, unreduc
 def _fsdp2_sharded_items(items: Sequence[Any]) -> Sequence[Any]:
     """``fsdp2_sharded`` of a list of parameters or of ``(name, parameter)`` pairs, names kept. The
     usual list costs C-level maps only: the names are formed for a refusal alone."""
-    if not items or not fsdp2.possible() or torch.compiler.is_compiling():
+    if not items or not fsdp2.possible():
         return items
     if type(items[0]) is not tuple:
         sharded = fsdp2.sharded(items)

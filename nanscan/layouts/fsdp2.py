@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..fused import describe
 from .dtensor import dtensor_class
 
@@ -172,8 +174,11 @@ def _found() -> _Found:
 
 
 def possible() -> bool:
-    """Whether some module of this process can be FSDP2's (its module imported, a state registered)."""
-    return _STATE_MODULE in sys.modules and bool(_registry())
+    """Whether some module of this process can be FSDP2's (its module imported, a state registered).
+    Never inside torch.compile: the registry is a WeakKeyDictionary, which dynamo cannot test for
+    truth (torch 2.11 breaks the graph there, and fullgraph=True fails), and what reads it is the
+    layouts' refusals, which run outside compile as ``_refuse_unsynced_ddp`` does."""
+    return _STATE_MODULE in sys.modules and not torch.compiler.is_compiling() and bool(_registry())
 
 
 def _refuse(index: int, names: Sequence[str] | None, why: str) -> None:
