@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import shutil
@@ -18,6 +19,14 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The processes the tests start (the ranks of the distributed tests, the launchers, the examples, the
+# GPU session's scripts) import the nanscan these tests import. From a checkout built in place and
+# not installed (the GPU machine's copy, with its libraries carried in), a fresh interpreter would
+# not find it, and each such test would fail with "No module named 'nanscan'".
+_SPEC = importlib.util.find_spec("nanscan")
+if _SPEC is not None and _SPEC.origin is not None and Path(_SPEC.origin).resolve().parent.parent == ROOT:
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -30,10 +30,10 @@
 #                                          # one-rank NCCL group, FSDP2, DDP + attach and FSDP1, no sync
 #   tools/gpu_session.sh host              # build, then bench_host.py on the GPU: host ns per tensor of
 #                                          # check(params), the clips and the scalers, 10,000 tensors
-#   tools/gpu_session.sh lend              # one 15-minute lend's worth, most needed first, each stage
-#                                          # bounded in time: build, the CUDA tests, sanitize,
-#                                          # capabilities; the whole suite is the next command's
-#                                          # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`), ~6 minutes
+#   tools/gpu_session.sh lend              # a lend's first command, most needed first, each stage
+#                                          # bounded in time: build, the CUDA tests, then the whole
+#                                          # suite with sanitize beside it (~7 minutes); the timings
+#                                          # are the next command's (`capabilities`, ~4 minutes)
 #   tools/gpu_session.sh ab NAME=VALUE [ROWS]  # the default build and a -DNAME=VALUE one side by
 #                                          # side, then the rows of each: ROWS scan (bench_scan's, the
 #                                          # default) or updates (bench_state --updates: the update
@@ -72,6 +72,10 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
+# The scripts run from the checkout (the sanitizer's workload, tools/nccl_one_rank.py, the
+# benchmarks) import its nanscan: with NANSCAN_PREBUILT=1 nothing is installed on a bare machine, and
+# on 2026-11-28 each sanitizer tool stopped at "No module named 'nanscan'".
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stage="${1:?usage: tools/gpu_session.sh build|prebuild|test|suite|sanitize [TOOL...]|bench|magnitudes [MODELS [METHODS]]|nccl|host|no-kernel|lend|subwarp|capabilities|wheel WHEEL|ab NAME=VALUE [scan|updates]|scan-variants [NAME=VALUE...]|ncu-source|all}"
 shift
 out="${OUT:-benchmarks/out/gpu}"
@@ -133,7 +137,7 @@ tests() {
 suite() {
   echo "== the whole suite but test_cuda.py"
   local parallel=()
-  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 14)
+  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n "${SUITE_WORKERS:-14}")
   "$PY" -m pytest -q -rfE "${parallel[@]}" --durations=20 tests --deselect tests/test_cuda_emulated.py \
       --deselect tests/test_cuda.py 2>&1 | tee "$out/pytest.log" | tail -15
 }
@@ -351,27 +355,27 @@ capabilities() {
       --json "$out/state_cuda.json" 2>&1 | tee "$out/state_cuda.txt" | tail -14 || echo "state: exit $?"
 }
 
-# One lend: the stages in the order of their need, each bounded (seconds), so that a slow one leaves
-# time to the next; the built library stays for the next command on the same warm machine, and a
-# copy goes to $out/libs.tgz for one on a fresh machine (a bare machine's build took over 120 s on
-# 2026-11-26). What no GPU has run yet: the library since the stable-ABI port, the difference kernel
-# (tests, sanitizer, speed: NOTES.md entries 39-40), the four sanitizer tools on the small-tensor
-# path, the activation watch on one model (entry 35). The whole suite is the next command's
-# (`NANSCAN_PREBUILT=1 tools/gpu_session.sh suite`, ~5 minutes); nccl, host, magnitudes and no-kernel
-# are stages of their own (their paths unchanged since the fourth session). ~6-8 minutes on the
-# H100 machine; the stages' bounds add up to more than a command's 600 s with a slow build, so the
-# last stage, capabilities, is the one a slow machine cuts.
+# One lend's first command: the stages in the order of their need, each bounded (seconds), so that a
+# slow one leaves time to the next; the built library stays for the next command on the same warm
+# machine, and a copy goes to $out/libs.tgz for one on a fresh machine (a bare machine's build took
+# over 120 s on 2026-11-26). First the CUDA tests of what no GPU has run yet, alone (the library
+# since the stable-ABI port, the difference kernel, the update watch, check_state, the activation
+# watch); then the whole suite (which runs tools/nccl_one_rank.py under a one-rank NCCL group too)
+# on 12 workers while compute-sanitizer's four tools run beside it: neither is a timing, and
+# together they take the suite's ~5 minutes instead of ~7. The timings are the next command's
+# (`NANSCAN_PREBUILT=1 tools/gpu_session.sh capabilities`, ~4 minutes), on a quiet machine.
 lend() {
   build || return 1
   tar czf "$out/libs.tgz" nanscan/_C*.so
   export NANSCAN_PREBUILT=1
-  # test_cuda.py, and the CUDA tests of what no GPU has run yet: the difference kernel, the update
-  # watch and its sketch, check_state, the activation watch.
   timeout 110 "$PY" -m pytest -q -rfE tests/test_cuda.py tests/test_scan_difference.py tests/test_updates.py \
     tests/test_sketch.py tests/test_state.py tests/test_activations.py -k cuda 2>&1 |
     tee "$out/pytest_cuda.log" | tail -8 || true
-  timeout 120 "$self" sanitize || echo "sanitize: exit $?"
-  timeout 300 "$self" capabilities || echo "capabilities: exit $?"
+  SUITE_WORKERS=12 timeout 380 "$self" suite >"$out/suite_stage.log" 2>&1 &
+  local suite_pid=$!
+  timeout 200 "$self" sanitize || echo "sanitize: exit $?"
+  wait "$suite_pid" || echo "suite: exit $?"
+  cat "$out/suite_stage.log"
 }
 
 # Nsight Compute's command line: on PATH, in the toolkit, or where its installer puts it (empty if none).
