@@ -193,6 +193,47 @@ def _record_at_inplace_or_view(op: Any, direct_cpu_kernel: bool) -> Callable[...
     return kernel
 
 
+# The ADInplaceOrView kernels above are Python: the dispatcher's trip through one converts the whole
+# list from C++ to Python and back (the redispatch), ~60 ns a tensor of a 10,000-tensor call on the
+# CPU, a sixth of the op's cost (NOTES.md entry 49). Eager calls that can take no refusal skip the
+# trip: below the key, with the kernel's version bumps made here. The guard excludes ADInplaceOrView
+# for the ATen ops the kernels call too (the CPU scale's _foreach_mul_), so the bump stands for theirs.
+_below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
+
+
+def _direct(tensors: list[torch.Tensor]) -> bool:
+    """Whether an in-place op's eager call may skip its ADInplaceOrView kernel: outside torch.compile
+    (which traces the op as it is) and inference mode (where the key is the tensors' own concern),
+    with no inference tensor to refuse. There the kernel's work is the version bumps alone."""
+    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or any(map(_is_inference, tensors)))
+
+
+def scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """``scale_op(tensors, coef)``: multiplies each tensor by ``coef`` in place (nothing written for a
+    coefficient of exactly 1), the versions of what was written bumped as torch's in-place ops do.
+    A coefficient of 1 still calls the op: its checks (a gradient it could not write) do not depend
+    on the value (tests/test_bad_input.py, clip-expanded-nothing-to-clip)."""
+    if not _direct(tensors):
+        scale_op(tensors, coef)
+        return
+    with _below_inplace_or_view():
+        scale_op(tensors, coef)
+    if _writes_on_cpu(coef):
+        _increment_version(tensors)
+
+
+def unscale_scan_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> ScanOutputs:
+    """``unscale_scan_op(tensors, inv_scale)``: the fused unscale and scan, the versions bumped as
+    ``scale_``'s."""
+    if not _direct(tensors):
+        return cast(ScanOutputs, unscale_scan_op(tensors, inv_scale))
+    with _below_inplace_or_view():
+        outputs = unscale_scan_op(tensors, inv_scale)
+    if _writes_on_cpu(inv_scale):
+        _increment_version(tensors)
+    return cast(ScanOutputs, outputs)
+
+
 _LIBRARY.impl("scale_", _scale_inplace_or_view, "ADInplaceOrView", with_keyset=True)
 _LIBRARY.impl("unscale_scan_", _unscale_scan_inplace_or_view, "ADInplaceOrView", with_keyset=True)
 _LIBRARY.impl("record_", _record_at_inplace_or_view(record_op, True), "ADInplaceOrView", with_keyset=True)

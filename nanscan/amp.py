@@ -36,7 +36,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import layouts, walk
-from ._ops import scale_op, unscale_scan_op
+from ._ops import scale_, unscale_scan_
 from .activations import ActivationWatch, ModuleActivations
 from .clip import (
     as_max_norm,
@@ -230,12 +230,12 @@ class GradScaler(torch.amp.GradScaler):
             plan = layout.plan
             if plan is not None and plan.partial:  # a Partial DTensor's stats need its parts reduced first
                 if layout.scaled:
-                    scale_op(layout.scaled, inv_scale.to(layout.scaled[0].device))
+                    scale_(layout.scaled, inv_scale.to(layout.scaled[0].device))
                 stats = layouts.scan(layout)
             else:
                 parts = layout.parts
                 local = (
-                    ScanResult.from_op(*unscale_scan_op(parts, inv_scale.to(parts[0].device)))
+                    ScanResult.from_op(*unscale_scan_(parts, inv_scale.to(parts[0].device)))
                     if parts
                     else empty_result(False, group_device(layout.process_group))
                 )
@@ -254,7 +254,7 @@ class GradScaler(torch.amp.GradScaler):
             try:
                 # One call for the usual list, all on one device and dense: the op validates every entry
                 # (its device and layout too) before it writes any, so a refused list is as it was.
-                return [unscale_scan_op(grads, inv_scale.to(grads[0].device))]
+                return [unscale_scan_(grads, inv_scale.to(grads[0].device))]
             except (RuntimeError, TypeError):
                 if any(g.is_sparse for g in grads):
                     return None
@@ -264,7 +264,7 @@ class GradScaler(torch.amp.GradScaler):
                 if len(by_device) == 1:
                     raise
                 return [
-                    unscale_scan_op([grads[i] for i in indices], inv_scale.to(device))
+                    unscale_scan_([grads[i] for i in indices], inv_scale.to(device))
                     for device, indices in by_device.items()
                 ]
 

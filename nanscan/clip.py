@@ -39,7 +39,7 @@ import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from . import layouts
-from ._ops import scale_op
+from ._ops import scale_
 from .dtypes import norm_dtype
 from .fused import SUPPORTED_DTYPES, ScanResult, describe, gradients_of, group_by_device, validate
 from .layouts import dtensor
@@ -224,7 +224,7 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     # C++, so Python does no per-tensor work here. A list that spans devices, or holds dtypes the op
     # does not write (complex: torch's norm was used for it), is handled on the op's error.
     try:
-        scale_op(grads, clip_coef)
+        scale_(grads, clip_coef)
     except RuntimeError:
         if dtensor.has_dtensor(grads):  # each rank scales its local shards
             return clip_grads_with_norm_(dtensor.to_local(grads), max_norm, total_norm)
@@ -238,7 +238,7 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
         if len(groups) == 1 and next(iter(groups)) == clip_coef.device:
             raise
         for device, indices in groups.items():
-            scale_op([grads[i] for i in indices], clip_coef.to(device))
+            scale_([grads[i] for i in indices], clip_coef.to(device))
     return clip_coef
 
 

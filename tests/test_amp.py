@@ -119,9 +119,9 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts calls of the scan op (a read of the gradients) and of the fused unscale op."""
     calls = {"scan": 0, "unscale_scan_": 0}
     # Every scan reads through nanscan.fused (the local fused scan), whatever the layout.
-    for module, name in ((sys.modules["nanscan.fused"], "scan_op"), (nanscan.amp, "unscale_scan_op")):
+    for module, name in ((sys.modules["nanscan.fused"], "scan_op"), (nanscan.amp, "unscale_scan_")):
         real = getattr(module, name)
-        key = "unscale_scan_" if name == "unscale_scan_op" else "scan"
+        key = "unscale_scan_" if name == "unscale_scan_" else "scan"
 
         def counting(*args: object, _real: object = real, _key: str = key) -> object:
             calls[_key] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -94,6 +95,38 @@ def test_no_clip_leaves_gradients_untouched(device: str) -> None:
     bumped = 1 if device == "cuda" else 0
     assert [v + bumped for v in versions] == [p.grad._version for p in params if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["eager", "inference_mode"])
+def test_a_clip_that_writes_counts_one_write_of_each_gradient(device: str, mode: str) -> None:
+    """A clip that scales bumps each gradient's version once, as torch's in-place multiply does, so
+    that autograd sees the change in a tensor it saved. Eager calls skip the op's Python
+    ADInplaceOrView kernel and bump the versions themselves (nanscan._ops._direct; the guard they run
+    under hides the CPU kernel's own _foreach_mul_ from that key); inside inference mode the call goes
+    through the dispatcher's kernel. Both count one write, and scale as torch does."""
+    params, theirs = make_params(device), make_params(device)
+    versions = [p.grad._version for p in params if p.grad is not None]
+    with torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext():
+        nanscan.clip_grad_norm_(params, 1e-3)
+        torch.nn.utils.clip_grad_norm_(theirs, 1e-3)
+    assert [v + 1 for v in versions] == [p.grad._version for p in params if p.grad is not None]
+    for mine, torchs in zip(params, theirs, strict=True):
+        if mine.grad is not None:
+            torch.testing.assert_close(mine.grad, torchs.grad, rtol=1e-6, atol=0)
+
+
+def test_a_clip_refuses_an_inference_gradient_before_writing_any() -> None:
+    """torch's refusal of an in-place write to an inference tensor outside inference mode, with every
+    gradient left as it was: the eager path's check (nanscan._ops._direct) sends the call to the
+    dispatcher's kernel, which refuses."""
+    params = make_params("cpu")
+    with torch.inference_mode():
+        params[1].grad = params[1].grad.clone()
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        nanscan.clip_grad_norm_(params, 1e-3)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in params if p.grad is not None], strict=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
