@@ -4,6 +4,7 @@
     python benchmarks/bench_activations.py                  # the decoder of bench_locate.py, CPU, ~1 min
     python benchmarks/bench_activations.py --quick          # smoke test (seconds)
     python benchmarks/bench_activations.py --model gpt2 --device cuda --autocast float16   # on a GPU
+    python benchmarks/bench_activations.py ... --profile   # then where the watch's time goes, by op
 
 A step is ``zero_grad`` + forward + loss + backward, as in bench_locate.py (whose models these are:
 ``decoder``, GPT-2-shaped at a CPU-friendly size; ``gpt2``, GPT-2-small's size, for a GPU). Methods:
@@ -74,6 +75,63 @@ def step_fn(model: torch.nn.Module, tokens: torch.Tensor, autocast: torch.dtype 
     return step
 
 
+def profile_split(
+    model: torch.nn.Module, tokens: torch.Tensor, autocast: torch.dtype | None, device: torch.device
+) -> None:
+    """One block of the plain step and one with ``watch every=1`` under torch's profiler: each op's
+    self host time and self device time per step, for the ops whose totals the watch changes most,
+    and the count and device time of the watch's scans. Says whether the watch's cost on a GPU is
+    host time (its hooks, its launches) or device time (its kernels), and which op holds it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step = step_fn(model, tokens, autocast)
+    totals: dict[str, dict[str, tuple[int, float, float]]] = {}
+    walls: dict[str, float] = {}
+    for name in ("plain", "watch every=1"):
+        watch = nanscan.watch_activations(model) if name != "plain" else None
+        step()  # a warm step, outside the profile
+        sync()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(BLOCK):
+                step()
+            sync()
+            walls[name] = (time.perf_counter() - t0) / BLOCK * 1e3
+        if watch is not None:
+            watch.remove()
+        totals[name] = {
+            event.key: (
+                event.count // BLOCK,
+                event.self_cpu_time_total / BLOCK / 1e3,
+                getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) / BLOCK / 1e3,
+            )
+            for event in prof.key_averages()
+        }
+    plain, watched = totals["plain"], totals["watch every=1"]
+
+    def summed(rows: dict[str, tuple[int, float, float]], column: int) -> float:
+        return sum(row[column] for row in rows.values())
+
+    print(
+        f"\nprofile, ms per step (under the profiler: plain {walls['plain']:.2f}, watch every=1 "
+        f"{walls['watch every=1']:.2f} wall): self host time {summed(plain, 1):.2f} -> {summed(watched, 1):.2f}, "
+        f"self device time {summed(plain, 2):.2f} -> {summed(watched, 2):.2f}"
+    )
+    keys = set(plain) | set(watched)
+    empty = (0, 0.0, 0.0)
+
+    def added(key: str) -> float:
+        before, after = plain.get(key, empty), watched.get(key, empty)
+        return max(after[1] - before[1], after[2] - before[2])
+
+    print(f"{'op (the 15 the watch adds most to)':<60}{'calls':>7}{'host ms':>9}{'device ms':>10}")
+    for key in sorted(keys, key=added, reverse=True)[:15]:
+        before, after = plain.get(key, empty), watched.get(key, empty)
+        print(f"{key[:58]:<60}{after[0] - before[0]:>+7d}{after[1] - before[1]:>+9.3f}{after[2] - before[2]:>+10.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(DECODER_SIZES), default="decoder")
@@ -83,6 +141,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the small decoder, 2 rounds: a smoke test")
     parser.add_argument("--no-hf", action="store_true", help="leave out transformers' DebugUnderflowOverflow")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timings, one block of plain and of watch every=1 under torch's profiler: where the "
+        "watch's added time goes (host and device time by op, the scans' count and device time)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     rounds = args.rounds or (2 if args.quick else 7)
@@ -149,6 +213,8 @@ def main() -> int:
         "\nthe watch's three smallest headrooms: "
         + ", ".join(f"{f.name or '(model)'} ({f.op}) {f.headroom:.3g}" for f in worst)
     )
+    if args.profile:
+        profile_split(base, tokens, autocast, device)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
