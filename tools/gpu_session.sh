@@ -41,9 +41,10 @@
 #                                          # NANSCAN_DIFFERENCE_MIN_BLOCKS=3) (~5 minutes)
 #   tools/gpu_session.sh subwarp           # the small-tensor path: build (and one without it beside),
 #                                          # test_cuda.py, memcheck and racecheck, the scan rows of both
-#   tools/gpu_session.sh capabilities      # build, then bench_activations (GPT-2 size, fp16 autocast)
-#                                          # and bench_state on the GPU: check_state, and the update
-#                                          # watch's sampled step (--updates)
+#   tools/gpu_session.sh capabilities      # build, then bench_activations (GPT-2 size, fp16 autocast,
+#                                          # with its --profile split), bench_state on the GPU
+#                                          # (check_state, and the update watch's sampled step:
+#                                          # --updates) and bench_host (~2.5 minutes)
 #   tools/gpu_session.sh wheel WHEEL       # the wheel as it ships (tools/build_wheel.sh, carried in:
 #                                          # dist/ is git-ignored): its libraries in a copy of the
 #                                          # checkout, no build; --version, test_build.py with a CUDA
@@ -60,6 +61,13 @@
 # later commands then run with NANSCAN_PREBUILT=1. A bare machine has no editable install either:
 # scripts run from the checkout find nanscan with `PYTHONPATH=$PWD`.
 #   tools/gpu_session.sh all               # test, sanitize, bench: longer than one 10-minute command
+#
+# A 15-minute lend (device time counts from the machine's start, ~1-2 minutes, to its return):
+#   here, first:  PYTHON=python tools/gpu_session.sh prebuild      (no device time)
+#   device:       NANSCAN_PREBUILT=1 tools/gpu_session.sh lend     (~7-8 min: the CUDA tests, then
+#                 the suite with the sanitizer beside it)
+#   device, at once on the warm machine (it goes back after 30 s idle):
+#                 NANSCAN_PREBUILT=1 tools/gpu_session.sh capabilities   (~2.5 min)
 #
 # memcheck, racecheck and synccheck instrument nanscan's kernels only (the sanitizer's kernel-name
 # filter: "nanscan" is in their names); initcheck instruments every kernel, since it would take a
@@ -343,10 +351,10 @@ subwarp() {
 # What the open issues added, on the GPU: the update watch's sampled step, the activation watch on
 # GPT-2-small's size under fp16 autocast, and check_state (~3 minutes).
 capabilities() {
-  echo "== the update watch, activations, check_state"
-  # First, as the newest kernel and never measured: the update watch's difference kernel, against
-  # NOTES.md entry 39's prediction (4.2-4.7x a read of fp32 weights).
-  # The three bounded to fit the lend's 300 s for this stage.
+  echo "== the update watch, activations, check_state, host time"
+  # First measured on the H200 on 2026-11-28 (RESULTS.md): the update watch's difference kernel
+  # and sketch, the activation watch (now with its profile split), check_state. Each bounded; the
+  # four took ~130 s there.
   timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models "$MEASURED_MODELS" \
       --json "$out/updates_cuda.json" 2>&1 | tee "$out/updates_cuda.txt" | tail -6 || echo "updates: exit $?"
   # --profile: where every=1's +22.7% on the H200 (2026-11-28) goes, host or device, and which op.
@@ -354,6 +362,8 @@ capabilities() {
       --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -32 || echo "activations: exit $?"
   timeout 90 "$PY" benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b \
       --json "$out/state_cuda.json" 2>&1 | tee "$out/state_cuda.txt" | tail -14 || echo "state: exit $?"
+  # The host floor again, after the writing ops' change (NOTES.md entry 49; ~20 s).
+  timeout 45 "$PY" benchmarks/bench_host.py --device cuda 2>&1 | tee "$out/host_cuda.txt" || echo "host: exit $?"
 }
 
 # One lend's first command: the stages in the order of their need, each bounded (seconds), so that a
@@ -362,8 +372,8 @@ capabilities() {
 # over 120 s on 2026-11-26). First the CUDA tests of what no GPU has run yet, alone (the library
 # since the stable-ABI port, the difference kernel, the update watch, check_state, the activation
 # watch); then the whole suite (which runs tools/nccl_one_rank.py under a one-rank NCCL group too)
-# on 12 workers while compute-sanitizer's four tools run beside it: neither is a timing, and
-# together they take the suite's ~5 minutes instead of ~7. The timings are the next command's
+# on 14 workers while compute-sanitizer's four tools run beside it: neither is a timing, and
+# together they take the suite's ~5-7 minutes instead of ~8. The timings are the next command's
 # (`NANSCAN_PREBUILT=1 tools/gpu_session.sh capabilities`, ~4 minutes), on a quiet machine.
 lend() {
   build || return 1
@@ -372,7 +382,7 @@ lend() {
   timeout 110 "$PY" -m pytest -q -rfE tests/test_cuda.py tests/test_scan_difference.py tests/test_updates.py \
     tests/test_sketch.py tests/test_state.py tests/test_activations.py -k cuda 2>&1 |
     tee "$out/pytest_cuda.log" | tail -8 || true
-  SUITE_WORKERS=12 timeout 380 "$self" suite >"$out/suite_stage.log" 2>&1 &
+  SUITE_WORKERS=14 timeout 450 "$self" suite >"$out/suite_stage.log" 2>&1 &
   local suite_pid=$!
   timeout 200 "$self" sanitize || echo "sanitize: exit $?"
   wait "$suite_pid" || echo "suite: exit $?"
