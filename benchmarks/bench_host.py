@@ -71,7 +71,8 @@ def main() -> None:
         ("torch.ops.nanscan.scan", lambda: torch.ops.nanscan.scan.default(grads)),
         ("nanscan.scan", lambda: nanscan.scan(grads)),
         # The writing op by 1, as a clip with nothing to clip makes it: through the dispatcher (its
-        # Python ADInplaceOrView kernel), and as the wrappers call it (NOTES.md entry 49).
+        # Python ADInplaceOrView kernel), and as the wrappers call it, below that kernel off the CPU
+        # (on the CPU the two rows are one path; NOTES.md entry 49).
         ("torch.ops.nanscan.scale_ (by 1)", lambda: torch.ops.nanscan.scale_.default(grads, one)),
         ("nanscan._ops.scale_ (by 1, the wrappers' path)", lambda: nanscan._ops.scale_(grads, one)),
         (

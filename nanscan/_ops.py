@@ -196,8 +196,10 @@ def _record_at_inplace_or_view(op: Any, direct_cpu_kernel: bool) -> Callable[...
 # The ADInplaceOrView kernels above are Python: the dispatcher's trip through one converts the whole
 # list from C++ to Python and back (the redispatch), ~60 ns a tensor of a 10,000-tensor call on the
 # CPU, a sixth of the op's cost (NOTES.md entry 49). Eager calls that can take no refusal skip the
-# trip: below the key, with the kernel's version bumps made here. The guard excludes ADInplaceOrView
-# for the ATen ops the kernels call too (the CPU scale's _foreach_mul_), so the bump stands for theirs.
+# trip: below the key, with the kernel's version bumps made here. Not the CPU's scale: its kernel
+# writes through ATen's _foreach_mul_, which the guard would hide from the key too, and whether it
+# wrote (a factor other than 1) could then be known only by reading the factor on the host, which
+# the scale's callers never do (a fused optimizer's step decides on the device).
 _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
 
 
@@ -213,13 +215,12 @@ def scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
     coefficient of exactly 1), the versions of what was written bumped as torch's in-place ops do.
     A coefficient of 1 still calls the op: its checks (a gradient it could not write) do not depend
     on the value (tests/test_bad_input.py, clip-expanded-nothing-to-clip)."""
-    if not _direct(tensors):
+    if coef.device.type == "cpu" or not _direct(tensors):
         scale_op(tensors, coef)
         return
     with _below_inplace_or_view():
         scale_op(tensors, coef)
-    if _writes_on_cpu(coef):
-        _increment_version(tensors)
+    _increment_version(tensors)  # off the CPU the kernel decides on the device: every call is a write
 
 
 def unscale_scan_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> ScanOutputs:
