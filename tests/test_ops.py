@@ -74,6 +74,34 @@ def test_torch_compile_fullgraph_beside_a_registered_fsdp2_state(device: str) ->
         composable_state._module_state_mapping.pop(holder, None)
 
 
+def test_the_wrappers_write_calls_off_the_cpu_count_as_the_dispatchers() -> None:
+    """nanscan._ops.scale_ and unscale_scan_ call the op below its Python ADInplaceOrView kernel off the
+    CPU and bump the versions themselves (NOTES.md entry 49): one write per tensor a call, as the
+    kernel's own path counts, and an inference tensor still refused before anything is written. Run
+    here on meta tensors (the fake kernels), the one device beside the CPU that every machine has; the
+    CUDA tests check the same on a GPU."""
+    from nanscan import _ops
+
+    factor = torch.tensor(0.5, device="meta")
+    for direct, through_dispatcher in (
+        (_ops.scale_, _ops.scale_op),
+        (_ops.unscale_scan_, _ops.unscale_scan_op),
+    ):
+        bumps = []
+        for call in (direct, through_dispatcher):
+            tensors = [torch.empty(3, device="meta"), torch.empty(2, 5, device="meta")]
+            before = [t._version for t in tensors]
+            call(tensors, factor)
+            bumps.append([t._version - v for t, v in zip(tensors, before, strict=True)])
+        assert bumps[0] == bumps[1] == [1, 1], (direct.__name__, bumps)
+        with torch.inference_mode():
+            frozen = torch.empty(3, device="meta")
+        plain = torch.empty(3, device="meta")
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            direct([plain, frozen], factor)
+        assert plain._version == 0
+
+
 def same_value(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Equal dtype and value, a NaN equal to a NaN."""
     return got.dtype == want.dtype and bool(torch.equal(got, want) or (got.isnan() & want.isnan()).item())
