@@ -30,7 +30,7 @@ import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -331,12 +331,8 @@ class OptimizerNames(LazyNames):
     def __len__(self) -> int:
         return len(self._params)
 
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[str]: ...
-    def __getitem__(self, index: int | slice) -> str | list[str]:
-        return self._resolved()[index]
+    def _name_at(self, position: int) -> str:
+        return self._resolved()[position]
 
     def __eq__(self, other: object) -> bool:
         # A recorder compares each step's names with the last step's: the same parameters (by

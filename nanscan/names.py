@@ -93,6 +93,19 @@ class LazyNames(Sequence[str]):
     def __repr__(self) -> str:
         return repr(list(self))
 
+    def _name_at(self, position: int) -> str:
+        """The name at ``position``, ``0 <= position < len(self)``: what each kind of names defines."""
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self._name_at(i) for i in range(len(self))[index]]
+        return self._name_at(range(len(self))[index])
+
 
 class PairNames(LazyNames):
     """The names of a list of ``(name, parameter)`` pairs, formed when read (a bare parameter among
@@ -106,14 +119,7 @@ class PairNames(LazyNames):
     def __len__(self) -> int:
         return len(self._items)
 
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[str]: ...
-    def __getitem__(self, index: int | slice) -> str | list[str]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(len(self))[index]]
-        position = range(len(self))[index]
+    def _name_at(self, position: int) -> str:
         item = self._items[position]
         return str(item[0]) if type(item) is tuple else f"[{position}]"
 
@@ -129,14 +135,8 @@ class PositionalNames(LazyNames):
     def __len__(self) -> int:
         return len(self._positions)
 
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[str]: ...
-    def __getitem__(self, index: int | slice) -> str | list[str]:
-        if isinstance(index, slice):
-            return [f"[{i}]" for i in self._positions[index]]
-        return f"[{self._positions[index]}]"
+    def _name_at(self, position: int) -> str:
+        return f"[{self._positions[position]}]"
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PositionalNames):  # without forming the strings
