@@ -93,6 +93,20 @@ def main() -> None:
     print(f"host ns per tensor, {args.tensors} one-element {where} tensors, torch {torch.__version__}, 1 thread")
     for name, call in rows:
         print(f"{name:<60}{best_ns_per_tensor(call, args.tensors, args.repeats, sync):>8.0f}")
+    # check_state reads each parameter and Adam's two moments of it: a third of the parameters, so
+    # that it scans as many tensors as the rows above (the op's cost a tensor grows with the list).
+    third = params[: args.tensors // 3]
+    adam = torch.optim.Adam(third)
+    for p in third:
+        adam.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    third_model = model[: len(third)]  # a ParameterList of those parameters
+    states = [t for p in third for t in (p, adam.state[p]["exp_avg"], adam.state[p]["exp_avg_sq"])]
+    for name, call in [
+        ("nanscan.scan of those tensors (params, exp_avg, exp_avg_sq)", lambda: nanscan.scan(states)),
+        ("nanscan.check_state(params[:n/3], Adam)", lambda: nanscan.check_state(third, adam)),
+        ("nanscan.check_state(model[:n/3], Adam)", lambda: nanscan.check_state(third_model, adam)),
+    ]:
+        print(f"{name:<60}{best_ns_per_tensor(call, len(states), args.repeats, sync):>8.0f}")
 
 
 if __name__ == "__main__":

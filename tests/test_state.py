@@ -3,7 +3,10 @@ scan, named ``param`` and ``param:key``, held against the fp64 reference."""
 
 from __future__ import annotations
 
+import copy
 import math
+import random
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -102,6 +105,125 @@ def test_mixed_dtypes_and_the_step_counters_left_out() -> None:
         optimizer.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")
     ]
     assert_matches_reference(report.stats, tensors)
+
+
+def expected_state(
+    pairs: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> tuple[list[str], list[torch.Tensor]]:
+    """check_state's names and tensors for these named parameters, found from scratch by the rule
+    (every floating tensor but a step counter), independently of the plan nanscan keeps between calls."""
+    names = {id(p): name for name, p in pairs}
+    found_names = list(names.values())
+    tensors = [p.detach() for _, p in pairs]
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            for key, value in optimizer.state.get(p, {}).items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    found_names.append(f"{names.get(id(p), f'group{g}.param{j}')}:{key}")
+                    tensors.append(value)
+    return found_names, tensors
+
+
+def test_the_kept_list_of_states_follows_every_change() -> None:
+    """check_state keeps its list of states per optimizer between calls (nanscan.state's notes): after
+    each of a seeded run of changes to the optimizer and its state, every call's report matches the
+    list found from scratch, names and values; and the list keeps no replaced state alive."""
+    model, optimizer = model_after_steps(OPTIMIZERS["adam"][0])
+    rng = random.Random(0)
+    extra = torch.nn.Parameter(torch.randn(3))
+
+    named = list(model.named_parameters())
+    # What check_state is given, the same for runs of changes (the plan is kept between its calls)
+    # and then another: other names, fewer parameters, the same names for other parameters.
+    givens: list[tuple[object, list[tuple[str, torch.nn.Parameter]]]] = [
+        (model, named),
+        ([(f"renamed.{name}", p) for name, p in named],) * 2,
+        ([(f"renamed.{name}", p) for name, p in named[1:]],) * 2,
+        ([(name, p) for (name, _), (_, p) in zip(named, reversed(named), strict=True)],) * 2,
+    ]
+    given = givens[0]
+
+    def checked_as_found() -> None:
+        report = nanscan.check_state(given[0], optimizer)  # type: ignore[arg-type]
+        names, tensors = expected_state(given[1], optimizer)
+        assert report.names == names
+        assert_matches_reference(report.stats, tensors)
+
+    def some_state() -> dict[str, object]:
+        return optimizer.state[rng.choice([p for p in model.parameters() if optimizer.state.get(p)])]
+
+    def replace_a_tensor() -> None:  # as transformers' Adafactor makes its RMS anew each step
+        kept = some_state()
+        kept["exp_avg"] = torch.randn_like(kept["exp_avg"]) * rng.choice([1.0, math.nan])  # type: ignore[arg-type]
+
+    def to_an_integer_tensor_and_back() -> None:
+        kept = some_state()
+        kept["exp_avg_sq"] = kept["exp_avg_sq"].to(torch.int64)  # type: ignore[union-attr]
+        checked_as_found()
+        kept["exp_avg_sq"] = kept["exp_avg_sq"].to(torch.float32)  # type: ignore[union-attr]
+
+    def add_a_key() -> None:
+        some_state()[f"extra{rng.randrange(3)}"] = torch.full((2,), rng.choice([1.0, math.inf]))
+
+    def remove_a_key() -> None:
+        kept = some_state()
+        optional = [key for key in kept if key.startswith("extra") or key == "buffer"]
+        if optional:
+            del kept[rng.choice(optional)]
+
+    def none_becomes_a_tensor() -> None:  # SGD keeps a None momentum buffer until its first momentum
+        kept = some_state()
+        kept["buffer"] = None
+        checked_as_found()
+        kept["buffer"] = torch.tensor([rng.choice([2.0, math.nan])])
+
+    def swap_a_key() -> None:  # same number of keys, one of them new
+        kept = some_state()
+        kept.setdefault("extra0", torch.ones(1))
+        checked_as_found()
+        old = rng.choice([key for key in kept if key.startswith("extra")])
+        kept[f"extra{rng.randrange(3, 99)}"] = kept.pop(old)
+
+    def new_state_dict_same_keys() -> None:
+        p = rng.choice(list(model.parameters()))
+        optimizer.state[p] = {k: v.clone() if k != "step" else v for k, v in optimizer.state[p].items()}
+        optimizer.state[p]["exp_avg"].view(-1)[0] = rng.choice([0.5, -math.inf])
+
+    def add_a_group() -> None:
+        if len(optimizer.param_groups) == 1:
+            optimizer.add_param_group({"params": [extra]})
+            optimizer.state[extra] = {"step": torch.tensor(1.0), "exp_avg": torch.ones(3)}
+
+    def reorder_a_group() -> None:  # the same keys everywhere, the parameters in another order
+        optimizer.param_groups[0]["params"].reverse()
+
+    def load_a_state_dict() -> None:  # a checkpoint's: new tensors (the same ones' would be kept as they are)
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+    changes = [
+        reorder_a_group,  # first, while every parameter's state has the same keys
+        replace_a_tensor,
+        to_an_integer_tensor_and_back,
+        add_a_key,
+        remove_a_key,
+        none_becomes_a_tensor,
+        swap_a_key,
+        new_state_dict_same_keys,
+        add_a_group,
+        load_a_state_dict,
+    ]
+    checked_as_found()  # a plan for the first change to make stale
+    for step in range(120):
+        change = changes[step] if step < len(changes) else rng.choice(changes)
+        change()
+        checked_as_found()
+        if step % 8 == 7:
+            given = givens[(step // 8) % len(givens)]
+            checked_as_found()
+    # Nothing replaced is kept alive by nanscan: the states of a state_dict loaded over them are freed.
+    old = weakref.ref(optimizer.state[model[0].weight]["exp_avg"])
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert old() is None
 
 
 def test_the_recorder_keeps_state_reports() -> None:

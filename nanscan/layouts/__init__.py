@@ -426,17 +426,19 @@ def _fsdp1_of_gradients(tensors: Sequence[Any]) -> tuple[fsdp1.ModelLayout, list
     return fsdp1.of_gradients(tensors)
 
 
-def fsdp1_parameters(model_or_params: torch.nn.Module | Iterable[Any]) -> tuple[fsdp1.ModelLayout, Any] | None:
+def fsdp1_parameters(
+    model_or_params: torch.nn.Module | Iterable[Any], walked: walk.Walk | None = None
+) -> tuple[fsdp1.ModelLayout, Any] | None:
     """Where a model (or a list of parameters, or of ``(name, parameter)`` pairs) is FSDP1's: its
     layout and the entries meant (None: all), as ``check_state`` reads their values and optimizer
     state; None for any other. Refused engines are refused, and flattened parameters of a model
-    nanscan cannot know too."""
+    nanscan cannot know too. ``walked``: the model's walk where the caller has made it this call."""
     if isinstance(model_or_params, torch.nn.Module):
         refused.check_module(model_or_params)
         cached = fsdp1.kept(model_or_params)
         if cached is not None:
             return cached, None
-        walked = walk.walk(model_or_params)
+        walked = walked if walked is not None else walk.walk(model_or_params)
         if fsdp1.holds_fsdp1(walked.module_types):
             return fsdp1.of_model(model_or_params), None
         if fsdp1.FLATTENED not in walked.parameter_attributes:
