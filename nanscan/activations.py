@@ -71,7 +71,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._ops import scan_op
-from .fused import capturing, describe_unread, floating_tensors, upload
+from .fused import capturing, describe_unread, floating_tensors, scannable, upload
 from .names import clean_module_names
 
 FP16_MAX = 65504.0
@@ -336,47 +336,71 @@ class ActivationWatch:
 
     def _hook(self, slot: int) -> Any:
         @_eager
-        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def traced(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._sampling:
+                self._scan(slot, output)
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            # Under compile, Dynamo meets the disabled function and leaves it to run eagerly (a graph
+            # break); in eager mode it is skipped, since inside torch.compiler.disable every Python
+            # frame goes through Dynamo's frame callback: the scan's own calls cost twice as much
+            # there (~6 us more a module call on this project's CPU; benchmarks/NOTES.md entry 51).
+            if torch.compiler.is_compiling():
+                traced(module, args, output)
+            elif self._sampling:
                 self._scan(slot, output)
 
         return hook
 
     def _scan(self, slot: int, output: Any) -> None:
-        found: list[torch.Tensor] = []
-        unread: list[torch.Tensor] = []
-        floating_tensors(output, found, unread)  # a DTensor's local tensor: this rank's own values
-        if unread:
-            self._note_unread(slot, unread)
-        fresh = []
-        for t in found:
-            if t.is_inference():  # no version counter to tell an in-place change by: scanned each time
-                fresh.append(t)
-                continue
-            seen = self._seen.get(id(t))
-            if seen is not None and seen[0]() is t and seen[1] == t._version:
-                continue  # scanned in this pass and unchanged since: one scan per value
-            self._seen[id(t)] = (weakref.ref(t), t._version)
-            fresh.append(t)
+        if type(output) is torch.Tensor and scannable(output):
+            # The usual output, one plain tensor, without the walk through containers.
+            fresh = [output] if self._unseen(output) else []
+        else:
+            found: list[torch.Tensor] = []
+            unread: list[torch.Tensor] = []
+            floating_tensors(output, found, unread)  # a DTensor's local tensor: this rank's own values
+            if unread:
+                self._note_unread(slot, unread)
+            fresh = [t for t in found if self._unseen(t)]
         if not fresh:
             return
         # The hook runs under the model's grad mode and autocast: the op is not differentiable (its
-        # outputs never require grad) and takes its inputs as they are.
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in fresh:
-            by_device.setdefault(t.device, []).append(t)
-        # The call's tally goes with its first device's results, so that a call is counted once.
-        tally = (1, int(any(t.dtype == torch.float16 for t in fresh)), sum(t.numel() for t in fresh))
-        for device, tensors in by_device.items():
-            counts, stats, _, _, _ = scan_op(tensors, True, False)  # counts [4, k] with fp16_range
-            totals = self._devices.get(device)
-            if totals is None:
-                totals = self._devices[device] = self._new_totals(device)
-            totals.pending.append(_Pending(self._call_number, slot, counts, stats, tally))
-            tally = (0, 0, 0)
-            if len(totals.pending) >= _MAX_PENDING:
-                totals.fold()
+        # outputs never require grad) and takes its inputs as they are. The call's tally goes with its
+        # first device's results, so that a call is counted once.
+        if len(fresh) == 1:
+            t = fresh[0]
+            self._add(slot, t.device, fresh, (1, int(t.dtype == torch.float16), t.numel()))
+        else:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for t in fresh:
+                by_device.setdefault(t.device, []).append(t)
+            tally = (1, int(any(t.dtype == torch.float16 for t in fresh)), sum(t.numel() for t in fresh))
+            for device, tensors in by_device.items():
+                self._add(slot, device, tensors, tally)
+                tally = (0, 0, 0)
         self._call_number += 1
+
+    def _unseen(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is to be scanned: not scanned yet in this pass, or changed in place since
+        (a module whose output is the next one's input is scanned once)."""
+        if t.is_inference():  # no version counter to tell an in-place change by: scanned each time
+            return True
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return False  # scanned in this pass and unchanged since: one scan per value
+        self._seen[id(t)] = (weakref.ref(t), t._version)
+        return True
+
+    def _add(self, slot: int, device: torch.device, tensors: list[torch.Tensor], tally: tuple[int, int, int]) -> None:
+        """Scans one module call's tensors on one device; the results wait for the pass's fold."""
+        counts, stats, _, _, _ = scan_op(tensors, True, False)  # counts [4, k] with fp16_range
+        totals = self._devices.get(device)
+        if totals is None:
+            totals = self._devices[device] = self._new_totals(device)
+        totals.pending.append(_Pending(self._call_number, slot, counts, stats, tally))
+        if len(totals.pending) >= _MAX_PENDING:
+            totals.fold()
 
     def _note_unread(self, slot: int, unread: list[torch.Tensor]) -> None:
         """Counts the outputs the hook could not read, and says so once per watch: never a silent zero."""
