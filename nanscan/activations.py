@@ -50,8 +50,8 @@ pass's, and a non-finite call's number is the one it had in that pass. The watch
 exist before the capture: run one sampled forward first (the warm-up torch's graph API asks for
 anyway); a watch whose first scan is captured refuses it.
 
-torch.compile: the hooks run eagerly, as a graph break at each module's forward hook (they are marked
-``torch.compiler.disable``): their Python bookkeeping (the step counter, the sampling decision) would
+torch.compile: the hooks run eagerly, as a graph break at each module's forward hook (while Dynamo
+traces, a hook calls its ``torch.compiler.disable`` twin): their Python bookkeeping (the step counter, the sampling decision) would
 otherwise be guarded on and recompile the graph every step. The figures are the same; a compiled
 model with the watch attached runs as several graphs, one per module, so attach it for diagnosis and
 sample with ``every``.
@@ -286,8 +286,8 @@ class ActivationWatch:
         self._handles.append(model.register_forward_hook(self._hook(0)))
         self._handles.append(model.register_forward_hook(_eager(self._end), always_call=True))
         # The submodules' scan hooks. With every > 1 they are on only during a sampled forward: a hooked
-        # module call takes torch's slower call path and the hook's torch.compiler.disable wrapper
-        # (~2.5 us a call against ~0.8 unhooked on this project's CPU), paid by every module of every
+        # module call takes torch's slower call path and the hook's own call (~2.5 us a call against ~0.8
+        # unhooked on this project's CPU, measured with the hook inside torch.compiler.disable), paid by every module of every
         # forward when the hooks stay; attaching them costs ~1 us a module once per sampled forward
         # (benchmarks/NOTES.md, entry 35).
         self._module_hooks = [(module, self._hook(slot)) for slot, (_, module) in enumerate(named) if slot > 0]
@@ -343,8 +343,8 @@ class ActivationWatch:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Under compile, Dynamo meets the disabled function and leaves it to run eagerly (a graph
             # break); in eager mode it is skipped, since inside torch.compiler.disable every Python
-            # frame goes through Dynamo's frame callback: the scan's own calls cost twice as much
-            # there (~6 us more a module call on this project's CPU; benchmarks/NOTES.md entry 51).
+            # frame goes through Dynamo's frame callback: the scan op's call took 13.0 us there against
+            # 6.4 outside, in a tight loop on this project's CPU (benchmarks/NOTES.md entry 51).
             if torch.compiler.is_compiling():
                 traced(module, args, output)
             elif self._sampling:
