@@ -51,10 +51,10 @@ exist before the capture: run one sampled forward first (the warm-up torch's gra
 anyway); a watch whose first scan is captured refuses it.
 
 torch.compile: the hooks run eagerly, as a graph break at each module's forward hook (while Dynamo
-traces, a hook calls its ``torch.compiler.disable`` twin): their Python bookkeeping (the step counter, the sampling decision) would
-otherwise be guarded on and recompile the graph every step. The figures are the same; a compiled
-model with the watch attached runs as several graphs, one per module, so attach it for diagnosis and
-sample with ``every``.
+traces, a hook calls its ``torch.compiler.disable`` twin): their Python bookkeeping (the step
+counter, the sampling decision) would otherwise be guarded on and recompile the graph every step.
+The figures are the same; a compiled model with the watch attached runs as several graphs, one per
+module, so attach it for diagnosis and sample with ``every``.
 """
 
 from __future__ import annotations
@@ -286,10 +286,10 @@ class ActivationWatch:
         self._handles.append(model.register_forward_hook(self._hook(0)))
         self._handles.append(model.register_forward_hook(_eager(self._end), always_call=True))
         # The submodules' scan hooks. With every > 1 they are on only during a sampled forward: a hooked
-        # module call takes torch's slower call path and the hook's own call (~2.5 us a call against ~0.8
-        # unhooked on this project's CPU, measured with the hook inside torch.compiler.disable), paid by every module of every
-        # forward when the hooks stay; attaching them costs ~1 us a module once per sampled forward
-        # (benchmarks/NOTES.md, entry 35).
+        # module call takes torch's slower call path and the hook's own call (~2.5 us a call against
+        # ~0.8 unhooked on this project's CPU, measured with the hook inside torch.compiler.disable),
+        # paid by every module of every forward when the hooks stay; attaching them costs ~1 us a
+        # module once per sampled forward (benchmarks/NOTES.md, entry 35).
         self._module_hooks = [(module, self._hook(slot)) for slot, (_, module) in enumerate(named) if slot > 0]
         self._module_handles: list[RemovableHandle] = []
         if every == 1:
