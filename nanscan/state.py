@@ -233,14 +233,23 @@ def _optimizer_state(
     given_ids = list(map(id, params))
     plan = _plans.get(optimizer)
     if (
-        plan is None
-        or plan.param_ids != param_ids
-        or plan.keys != keys
-        or plan.given_ids != given_ids
-        or plan.given_names != names
+        plan is not None
+        and plan.param_ids == param_ids
+        and plan.keys == keys
+        and plan.given_ids == given_ids
+        and plan.given_names == names
     ):
-        plan = _build_plan(optimizer, kept, _StatePlan(param_ids, keys, given_ids, list(names)))
-        _plans[optimizer] = plan
+        states = _states_if_the_rule_holds(plan, kept)
+        if states is not None:
+            return plan.names, states
+    plan = _build_plan(optimizer, kept, _StatePlan(param_ids, keys, given_ids, list(names)))
+    _plans[optimizer] = plan
+    return plan.names, [ref() for ref in plan.refs]  # type: ignore[misc]  # alive: kept holds them
+
+
+def _states_if_the_rule_holds(plan: _StatePlan, kept: list[Any]) -> list[torch.Tensor] | None:
+    """The plan's states as they are now (each parameter's state in ``kept``), or None where a value
+    changed whether the rule scans it: the plan is to be built anew."""
     states: list[torch.Tensor] = list(map(operator.getitem, map(kept.__getitem__, plan.owners), plan.scanned_keys))
     # A dead reference reads None, as a state set to None does: the second pass tells them apart.
     if not all(map(operator.is_, states, map(weakref.ref.__call__, plan.refs))) or any(
@@ -251,20 +260,11 @@ def _optimizer_state(
         for i, (value, ref) in enumerate(zip(states, plan.refs, strict=True)):
             if value is None or value is not ref():
                 if not _is_scanned_state(plan.scanned_keys[i], value):
-                    return _optimizer_state_rebuilt(optimizer, kept, plan)
+                    return None
                 plan.refs[i] = weakref.ref(value)
     if any(_is_scanned_state(key, kept[position][key]) for position, key in plan.unscanned):
-        return _optimizer_state_rebuilt(optimizer, kept, plan)
-    return plan.names, states
-
-
-def _optimizer_state_rebuilt(
-    optimizer: torch.optim.Optimizer, kept: list[Any], stale: _StatePlan
-) -> tuple[list[str], list[torch.Tensor]]:
-    """The state list built anew where a value changed whether the rule scans it."""
-    plan = _build_plan(optimizer, kept, _StatePlan(stale.param_ids, stale.keys, stale.given_ids, stale.given_names))
-    _plans[optimizer] = plan
-    return plan.names, [ref() for ref in plan.refs]  # type: ignore[misc]  # alive: kept holds them
+        return None
+    return states
 
 
 def _build_plan(optimizer: torch.optim.Optimizer, kept: list[Any], plan: _StatePlan) -> _StatePlan:
