@@ -335,20 +335,18 @@ class ActivationWatch:
             self._module_handles.pop().remove()
 
     def _hook(self, slot: int) -> Any:
-        @_eager
-        def traced(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def scan(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._sampling:
                 self._scan(slot, output)
 
+        traced = _eager(scan)
+
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            # Under compile, Dynamo meets the disabled function and leaves it to run eagerly (a graph
-            # break); in eager mode it is skipped, since inside torch.compiler.disable every Python
-            # frame goes through Dynamo's frame callback: the scan op's call took 13.0 us there against
-            # 6.4 outside, in a tight loop on this project's CPU (benchmarks/NOTES.md entry 51).
-            if torch.compiler.is_compiling():
-                traced(module, args, output)
-            elif self._sampling:
-                self._scan(slot, output)
+            # Under compile, Dynamo meets the disabled twin and leaves it to run eagerly (a graph
+            # break); in eager mode the twin is skipped, since inside torch.compiler.disable every
+            # Python frame goes through Dynamo's frame callback: the scan op's call took 13.0 us there
+            # against 6.4 outside, in a tight loop on this project's CPU (benchmarks/NOTES.md entry 51).
+            (traced if torch.compiler.is_compiling() else scan)(module, args, output)
 
         return hook
 
