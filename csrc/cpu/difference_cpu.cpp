@@ -3,6 +3,8 @@
 
 #include "scan_cpu.h"
 
+#include <type_traits>
+
 #include "runs.h"
 
 namespace nanscan::cpu {
@@ -57,39 +59,54 @@ struct PairStats {
   TensorStats after;
 };
 
-// Cloned for AVX2 and the baseline only: the pass runs on sampled steps and is memory-bound, and an
-// AVX-512 clone of its eleven dtype pairs would add a third to the library's compile time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
+// One chunk of one dtype pair, dense or strided: the hot loops, inlined into a function compiled for
+// AVX2 and the baseline (an AVX-512 clone of a pass that runs on sampled steps and is memory-bound
+// would add a third to its compile time). One function per case, as the scan's (scan_cpu.cpp).
+template <class Before, class After>
+NANSCAN_X86_CLONES("arch=x86-64-v3", "default")
+PairStats difference_dense_chunk(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end) {
+  PairStats s{empty_stats(), empty_stats()};
+  difference_dense<Before, After>(b, a, begin, end, s.diff, s.after);
+  return s;
+}
+
+template <class Before, class After>
+NANSCAN_X86_CLONES("arch=x86-64-v3", "default")
+PairStats difference_strided_chunk(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end) {
+  PairStats s{empty_stats(), empty_stats()};
+  difference_strided<Before, After>(b, a, begin, end, s.diff, s.after);
+  return s;
+}
+
+template <class Before, class After>
+PairStats difference_chunk_of(const TensorInfo& b, const TensorInfo& a, bool dense, int64_t begin, int64_t end) {
+  return dense ? difference_dense_chunk<Before, After>(b, a, begin, end)
+               : difference_strided_chunk<Before, After>(b, a, begin, end);
+}
+
+template <class Before>
+PairStats difference_chunk_after(const TensorInfo& b, const TensorInfo& a, DType after_dtype, bool dense, int64_t begin,
+                                 int64_t end) {
+  switch (after_dtype) {
+    case DType::Float32: return difference_chunk_of<Before, Float32Codec>(b, a, dense, begin, end);
+    case DType::Float16: return difference_chunk_of<Before, Float16Codec>(b, a, dense, begin, end);
+    case DType::BFloat16: return difference_chunk_of<Before, BFloat16Codec>(b, a, dense, begin, end);
+    case DType::Float8E4M3FN: return difference_chunk_of<Before, Float8E4M3FNCodec>(b, a, dense, begin, end);
+    case DType::Float8E5M2: return difference_chunk_of<Before, Float8E5M2Codec>(b, a, dense, begin, end);
+    case DType::Float64:
+      // Only after a float64 before: the op refuses an after wider than its before.
+      if constexpr (std::is_same_v<Before, Float64Codec>)
+        return difference_chunk_of<Before, Float64Codec>(b, a, dense, begin, end);
+      break;
+  }
+  return PairStats{empty_stats(), empty_stats()};
+}
+
 PairStats difference_chunk(const TensorInfo& b, DType before_dtype, const TensorInfo& a, DType after_dtype, bool dense,
                            int64_t begin, int64_t end) {
-  PairStats s{empty_stats(), empty_stats()};
-  // Written out (no lambdas): the hot loops must inline into this function, which is cloned per x86
-  // level, not into a lambda's operator(), which would not be.
-#define NANSCAN_PAIR(BEFORE, AFTER)                                       \
-  if (dense) {                                                            \
-    difference_dense<BEFORE, AFTER>(b, a, begin, end, s.diff, s.after);   \
-  } else {                                                                \
-    difference_strided<BEFORE, AFTER>(b, a, begin, end, s.diff, s.after); \
-  }
-#define NANSCAN_AFTER(BEFORE, FLOAT64_AFTER)                                 \
-  switch (after_dtype) {                                                     \
-    case DType::Float32: NANSCAN_PAIR(BEFORE, Float32Codec) break;           \
-    case DType::Float64: FLOAT64_AFTER break;                                \
-    case DType::Float16: NANSCAN_PAIR(BEFORE, Float16Codec) break;           \
-    case DType::BFloat16: NANSCAN_PAIR(BEFORE, BFloat16Codec) break;         \
-    case DType::Float8E4M3FN: NANSCAN_PAIR(BEFORE, Float8E4M3FNCodec) break; \
-    case DType::Float8E5M2: NANSCAN_PAIR(BEFORE, Float8E5M2Codec) break;     \
-  }
-  if (before_dtype == DType::Float64) {
-    NANSCAN_AFTER(Float64Codec, NANSCAN_PAIR(Float64Codec, Float64Codec))
-  } else {  // float32 (the op admits float32 and float64 only), never with a float64 after (refused)
-    NANSCAN_AFTER(Float32Codec, )
-  }
-#undef NANSCAN_AFTER
-#undef NANSCAN_PAIR
-  return s;
+  // The op admits float32 and float64 befores only.
+  return before_dtype == DType::Float64 ? difference_chunk_after<Float64Codec>(b, a, after_dtype, dense, begin, end)
+                                        : difference_chunk_after<Float32Codec>(b, a, after_dtype, dense, begin, end);
 }
 
 }  // namespace

@@ -1,9 +1,8 @@
 // The run kernels the CPU passes share: the scan (scan_cpu.cpp) and the difference scan
 // (difference_cpu.cpp). The fast, scaled and checked rules of scan_rules.h over one run in SIMD lanes,
 // the strided walk by rows, and the chunking that keeps results independent of the thread count. Everything
-// here is inlined into each pass's chunk function, which is cloned per x86 level: a header, so that
-// the two passes are translation units of their own and compile side by side (one alone took three
-// minutes, the CPU library's long pole).
+// here is inlined into the passes' chunk functions, one per dtype (pair), each cloned per x86 level:
+// a header, so that the two passes are translation units of their own and compile side by side.
 #pragma once
 
 #include <torch/csrc/stable/ops.h>
@@ -34,6 +33,14 @@ constexpr int64_t kMinParallelBytes = 512 * 1024;
 
 #define NANSCAN_INLINE inline __attribute__((always_inline))
 #define NANSCAN_INLINE_LAMBDA __attribute__((always_inline))
+// A function compiled once per listed x86 level, the best one for the CPU picked at load time (an
+// ifunc); never inlined, so that its callers stay small. Where GCC's target_clones is unavailable,
+// one baseline build.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NANSCAN_X86_CLONES(...) __attribute__((target_clones(__VA_ARGS__), noinline))
+#else
+#define NANSCAN_X86_CLONES(...) __attribute__((noinline))
+#endif
 
 // The lanes' sums of squares, added in fp64 in a fixed pairwise tree (vectorises, unlike a serial fold).
 template <class Wide, int64_t kN>
