@@ -33,6 +33,7 @@ SCAN_CHECKSUM = "11scan_kernelILb0ELb0ELb1ELi256EEEvNS1_10ScanParamsIXT2_EEE"
 DIFFERENCE = "17difference_kernelILi256EEEvNS1_10ScanParamsIXT_EEE"
 SCALE = "12scale_kernelILi256EEEvNS1_11ScaleParamsIXT_EEE"
 SKETCH = "13sketch_kernelILl1024ELi4EEEvNS1_12SketchParamsE"
+SKETCH_ONE_WARP = "13sketch_kernelILl4096ELi1EEEvNS1_12SketchParamsE"
 
 
 def test_every_function_is_read_with_its_registers_and_stack() -> None:
@@ -47,7 +48,14 @@ def test_every_function_is_read_with_its_registers_and_stack() -> None:
 def test_kernels_within_the_budget_pass() -> None:
     # The checksum variants may keep a small stack (16-48 bytes measured); the other kernels none.
     kernels = kernel_budget.parse_resource_usage(
-        listing((SCAN, 80, 0), (SCAN_CHECKSUM, 80, 16), (DIFFERENCE, 128, 0), (SKETCH, 80, 0), (SCALE, 200, 500))
+        listing(
+            (SCAN, 80, 0),
+            (SCAN_CHECKSUM, 80, 16),
+            (DIFFERENCE, 128, 0),
+            (SKETCH, 80, 0),
+            (SKETCH_ONE_WARP, 128, 0),
+            (SCALE, 200, 500),
+        )
     )
     assert kernel_budget.budget_violations(kernels) == []
 
@@ -62,6 +70,8 @@ def test_registers_or_stack_past_the_budget_are_named() -> None:
         (DIFFERENCE, 128, 776): "776 bytes of stack (none allowed)",
         (SKETCH, 81, 0): "81 registers (at most 80)",
         (SKETCH, 60, 16): "16 bytes of stack (none allowed)",
+        (SKETCH_ONE_WARP, 129, 0): "129 registers (at most 128)",
+        (SKETCH_ONE_WARP, 92, 8): "8 bytes of stack (none allowed)",
     }
     for function, expected in cases.items():
         others = [(SCAN_CHECKSUM, 80, 0)] if function[0] != SCAN_CHECKSUM else [(SCAN, 80, 0)]
@@ -69,6 +79,8 @@ def test_registers_or_stack_past_the_budget_are_named() -> None:
             others.append((DIFFERENCE, 120, 0))
         if function[0] != SKETCH:
             others.append((SKETCH, 60, 0))
+        if function[0] != SKETCH_ONE_WARP:
+            others.append((SKETCH_ONE_WARP, 92, 0))
         problems = kernel_budget.budget_violations(kernel_budget.parse_resource_usage(listing(function, *others)))
         assert len(problems) == 1 and expected in problems[0] and function[0] in problems[0], (function, problems)
 
@@ -79,7 +91,8 @@ def test_a_listing_without_the_budgeted_kernels_fails() -> None:
     assert problems == [
         "no scan_kernel in the listing (renamed? then update tools/kernel_budget.py)",
         "no difference_kernel in the listing (renamed? then update tools/kernel_budget.py)",
-        "no sketch_kernel in the listing (renamed? then update tools/kernel_budget.py)",
+        "no sketch_kernelILl1024ELi4E in the listing (renamed? then update tools/kernel_budget.py)",
+        "no sketch_kernelILl4096ELi1E in the listing (renamed? then update tools/kernel_budget.py)",
     ]
 
 

@@ -7,8 +7,10 @@ change of source or toolkit that moves ptxas past a budget changes it unseen. So
   (a spill needs one), but the checksum variants, which may keep up to 64 bytes;
 - the difference kernel takes at most 128 registers (2 resident blocks) and no stack: its callee
   ``difference_run_any`` included, since an entry's stack is its whole call tree's;
-- the update sketch's kernels take at most 80 registers and no stack (their shared memory, 33-35 KB a
-  block, is what bounds their occupancy);
+- the update sketch's kernels take no stack; its four-warp shape (up to 1,024 buckets) at most 80
+  registers, so that its shared memory (35 KB a block: six blocks an SM) stays what bounds its
+  occupancy; its one-warp shape (4,096 buckets, 33 KB) at most 128, as six blocks of one warp are
+  bound by shared memory at any register count;
 - the PTX (the newest architecture's, embedded so that later GPUs still run) holds no ``.ftz``
   instruction: flush-to-zero would turn subnormal gradients into zeros in min/max and the norm.
 
@@ -36,8 +38,14 @@ SCAN_REGISTERS = 80
 SCAN_CHECKSUM_STACK = 64
 DIFFERENCE_REGISTERS = 128
 SKETCH_REGISTERS = 80
-# The kernels held to a register budget and no stack at all, by a part of their mangled names.
-_NO_STACK_BUDGETS = {"difference_kernel": DIFFERENCE_REGISTERS, "sketch_kernel": SKETCH_REGISTERS}
+SKETCH_ONE_WARP_REGISTERS = 128
+# The kernels held to a register budget and no stack at all, by a part of their mangled names (the
+# sketch's by its two shapes: sketch_kernel<buckets, warps>).
+_NO_STACK_BUDGETS = {
+    "difference_kernel": DIFFERENCE_REGISTERS,
+    "sketch_kernelILl1024ELi4E": SKETCH_REGISTERS,
+    "sketch_kernelILl4096ELi1E": SKETCH_ONE_WARP_REGISTERS,
+}
 
 # " Function NAME:" then "  REG:80 STACK:0 SHARED:20552 LOCAL:0 ..." (cuobjdump 12 and 13).
 _FUNCTION = re.compile(r"^\s*Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", re.MULTILINE)

@@ -19,6 +19,10 @@ namespace nanscan::cuda {
 namespace {
 
 constexpr int kWarpSize = 32;
+// Blocks of 64 elements a warp loads before adding them: 1.5 KB of fp32 in flight per warp, at 80
+// registers for the four-warp shape (six resident blocks, as its shared memory allows; eight blocks
+// took 96).
+constexpr int kSketchBlocksInFlight = 6;
 
 struct SketchParams {
   const SketchTensor* tensors;
@@ -70,17 +74,37 @@ __device__ double sketch_unit(const SketchParams& p, const SketchTensor& t, int3
   const uint32_t tensor_seed = sketch_tensor_seed(p.seed, static_cast<uint32_t>(index));
   const int64_t begin = unit * kSketchUnitElements;
   const int64_t end = begin + kSketchUnitElements < t.numel ? begin + kSketchUnitElements : t.numel;
-  for (int64_t e0 = begin; e0 < end; e0 += kSketchBlock) {
-    const SketchBlock block = sketch_block(tensor_seed, static_cast<uint64_t>(e0 / kSketchBlock), k);
-    for (int half = 0; half < 2; ++half) {
-      const int q = lane + half * kWarpSize;
-      if (e0 + q < end) {
-        const auto v = static_cast<double>(Codec::decode(data[e0 + q]));
-        ss += v * v;
-        mine[block.offset + q] += sketch_sign(block.signs, q) * v;
+  // kSketchBlocksInFlight blocks at a time: their values are loaded first, then added block by block
+  // in the order of one at a time (the same sums, bit for bit). A block at a time, each warp waited on
+  // one 256-byte load per block; the update watch's sketch read GPT-2-small's weights at a seventh of
+  // the GPU's bandwidth (benchmarks/NOTES.md entry 53).
+  for (int64_t e0 = begin; e0 < end; e0 += kSketchBlock * kSketchBlocksInFlight) {
+    typename Codec::Raw raw[kSketchBlocksInFlight][2] = {};  // past the unit's end: never read
+#pragma unroll
+    for (int j = 0; j < kSketchBlocksInFlight; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t e = e0 + j * kSketchBlock + lane + half * kWarpSize;
+        if (e < end) raw[j][half] = data[e];
       }
     }
-    __syncwarp();  // the next block's buckets may be ones another lane just wrote
+#pragma unroll
+    for (int j = 0; j < kSketchBlocksInFlight; ++j) {
+      const int64_t b0 = e0 + j * kSketchBlock;
+      if (b0 < end) {
+        const SketchBlock block = sketch_block(tensor_seed, static_cast<uint64_t>(b0 / kSketchBlock), k);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int q = lane + half * kWarpSize;
+          if (b0 + q < end) {
+            const auto v = static_cast<double>(Codec::decode(raw[j][half]));
+            ss += v * v;
+            mine[block.offset + q] += sketch_sign(block.signs, q) * v;
+          }
+        }
+      }
+      __syncwarp();  // the next block's buckets may be ones another lane just wrote
+    }
   }
   for (int64_t b = lane; b < k; b += kWarpSize) {
     const double v = b < kSketchBlock ? mine[b] + mine[k + b] : mine[b];
