@@ -62,41 +62,37 @@ struct PairStats {
 // One chunk of one dtype pair, dense or strided: the hot loops, inlined into a function compiled for
 // AVX2 and the baseline (an AVX-512 clone of a pass that runs on sampled steps and is memory-bound
 // would add a third to its compile time). One function per case, as the scan's (scan_cpu.cpp).
-template <class Before, class After>
+template <class Before, class After, bool kDense>
 NANSCAN_X86_CLONES("arch=x86-64-v3", "default")
-PairStats difference_dense_chunk(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end) {
+PairStats difference_chunk_of(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end) {
   PairStats s{empty_stats(), empty_stats()};
-  difference_dense<Before, After>(b, a, begin, end, s.diff, s.after);
+  if constexpr (kDense) {
+    difference_dense<Before, After>(b, a, begin, end, s.diff, s.after);
+  } else {
+    difference_strided<Before, After>(b, a, begin, end, s.diff, s.after);
+  }
   return s;
 }
 
 template <class Before, class After>
-NANSCAN_X86_CLONES("arch=x86-64-v3", "default")
-PairStats difference_strided_chunk(const TensorInfo& b, const TensorInfo& a, int64_t begin, int64_t end) {
-  PairStats s{empty_stats(), empty_stats()};
-  difference_strided<Before, After>(b, a, begin, end, s.diff, s.after);
-  return s;
-}
-
-template <class Before, class After>
-PairStats difference_chunk_of(const TensorInfo& b, const TensorInfo& a, bool dense, int64_t begin, int64_t end) {
-  return dense ? difference_dense_chunk<Before, After>(b, a, begin, end)
-               : difference_strided_chunk<Before, After>(b, a, begin, end);
+PairStats difference_chunk_by_layout(const TensorInfo& b, const TensorInfo& a, bool dense, int64_t begin, int64_t end) {
+  return dense ? difference_chunk_of<Before, After, true>(b, a, begin, end)
+               : difference_chunk_of<Before, After, false>(b, a, begin, end);
 }
 
 template <class Before>
 PairStats difference_chunk_after(const TensorInfo& b, const TensorInfo& a, DType after_dtype, bool dense, int64_t begin,
                                  int64_t end) {
   switch (after_dtype) {
-    case DType::Float32: return difference_chunk_of<Before, Float32Codec>(b, a, dense, begin, end);
-    case DType::Float16: return difference_chunk_of<Before, Float16Codec>(b, a, dense, begin, end);
-    case DType::BFloat16: return difference_chunk_of<Before, BFloat16Codec>(b, a, dense, begin, end);
-    case DType::Float8E4M3FN: return difference_chunk_of<Before, Float8E4M3FNCodec>(b, a, dense, begin, end);
-    case DType::Float8E5M2: return difference_chunk_of<Before, Float8E5M2Codec>(b, a, dense, begin, end);
+    case DType::Float32: return difference_chunk_by_layout<Before, Float32Codec>(b, a, dense, begin, end);
+    case DType::Float16: return difference_chunk_by_layout<Before, Float16Codec>(b, a, dense, begin, end);
+    case DType::BFloat16: return difference_chunk_by_layout<Before, BFloat16Codec>(b, a, dense, begin, end);
+    case DType::Float8E4M3FN: return difference_chunk_by_layout<Before, Float8E4M3FNCodec>(b, a, dense, begin, end);
+    case DType::Float8E5M2: return difference_chunk_by_layout<Before, Float8E5M2Codec>(b, a, dense, begin, end);
     case DType::Float64:
       // Only after a float64 before: the op refuses an after wider than its before.
       if constexpr (std::is_same_v<Before, Float64Codec>)
-        return difference_chunk_of<Before, Float64Codec>(b, a, dense, begin, end);
+        return difference_chunk_by_layout<Before, Float64Codec>(b, a, dense, begin, end);
       break;
   }
   return PairStats{empty_stats(), empty_stats()};

@@ -141,36 +141,33 @@ const void* dense_span(const TensorInfo& t) { return t.dense ? t.data : nullptr;
 // every case: GCC's RTL PRE and post-reload CSE grow faster than the function they optimise. The one
 // function took 297 s to compile here, 83 s of it in PRE; split so, the file takes 93 s
 // (benchmarks/NOTES.md entry 52).
-template <class Codec, bool kHalfRange>
+template <class Codec, bool kHalfRange, bool kDense>
 NANSCAN_X86_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
-TensorStats scan_dense_chunk(const void* dense, int64_t begin, int64_t end, const float* multiply_by, bool checksum) {
-  TensorStats s = empty_stats();
-  scan_contiguous<Codec, kHalfRange>(dense, begin, end, multiply_by, checksum, s);
-  return s;
-}
-
-template <class Codec, bool kHalfRange>
-NANSCAN_X86_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
-TensorStats scan_strided_chunk(const TensorInfo& t, int64_t begin, int64_t end, bool checksum) {
-  TensorStats s = empty_stats();
-  scan_strided<Codec, kHalfRange>(t, begin, end, checksum, s);
-  return s;
-}
-
-template <class Codec, bool kHalfRange>
 TensorStats scan_chunk_of(const TensorInfo& t, const void* dense, int64_t begin, int64_t end, const float* multiply_by,
                           bool checksum) {
-  return dense ? scan_dense_chunk<Codec, kHalfRange>(dense, begin, end, multiply_by, checksum)
-               : scan_strided_chunk<Codec, kHalfRange>(t, begin, end, checksum);
+  TensorStats s = empty_stats();
+  if constexpr (kDense) {
+    scan_contiguous<Codec, kHalfRange>(dense, begin, end, multiply_by, checksum, s);
+  } else {
+    scan_strided<Codec, kHalfRange>(t, begin, end, checksum, s);
+  }
+  return s;
+}
+
+template <class Codec, bool kHalfRange>
+TensorStats scan_chunk_by_layout(const TensorInfo& t, const void* dense, int64_t begin, int64_t end,
+                                 const float* multiply_by, bool checksum) {
+  return dense ? scan_chunk_of<Codec, kHalfRange, true>(t, dense, begin, end, multiply_by, checksum)
+               : scan_chunk_of<Codec, kHalfRange, false>(t, dense, begin, end, multiply_by, checksum);
 }
 
 TensorStats scan_chunk(const TensorInfo& t, DType dtype, const void* dense, int64_t begin, int64_t end,
                        const float* multiply_by, bool half_range, bool checksum) {
   switch (dtype) {
-#define NANSCAN_CASE(TAG, CODEC)                                                                \
-  case DType::TAG:                                                                              \
-    return half_range ? scan_chunk_of<CODEC, true>(t, dense, begin, end, multiply_by, checksum) \
-                      : scan_chunk_of<CODEC, false>(t, dense, begin, end, multiply_by, checksum);
+#define NANSCAN_CASE(TAG, CODEC)                                                                       \
+  case DType::TAG:                                                                                     \
+    return half_range ? scan_chunk_by_layout<CODEC, true>(t, dense, begin, end, multiply_by, checksum) \
+                      : scan_chunk_by_layout<CODEC, false>(t, dense, begin, end, multiply_by, checksum);
     NANSCAN_CASE(Float32, Float32Codec)
     NANSCAN_CASE(Float64, Float64Codec)
     NANSCAN_CASE(Float16, Float16Codec)
