@@ -91,9 +91,7 @@ NANSCAN_INLINE void hash_values(const typename Codec::Raw* p, int64_t begin, int
 // Cloned per x86 level: the pass is compute-bound on a 2-core VM (the hash and the sign flips), and
 // AVX-512 ran it a quarter faster on one core; the file is small enough that the third clone costs
 // seconds of compile time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
+NANSCAN_X86_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 double sketch_chunk(const TensorInfo& t, DType dtype, int64_t begin, int64_t end, int64_t k, uint32_t tensor_seed,
                     double* buckets) {
   ChunkSums sums;
