@@ -301,26 +301,40 @@ void multiply_in_place(const TensorListArg& tensors, const std::vector<DType>& t
   check_launch(cuda::scale(plan, list.blob, coef.data, coef_tag, rounding, sm_count(), stream));
 }
 
-ScanOutputs scan_and_maybe_multiply(const TensorListArg& tensors, const std::vector<DType>& tags, ScanOptions options,
-                                    const float* multiply_by) {
+// One scan launch on the tensors' device and current stream, its results to `out` (the options in
+// `out`: fp16 range, checksum).
+void launch_scan(const TensorListArg& tensors, const std::vector<DType>& tags, const ResultPointers& out,
+                 const float* multiply_by) {
   std::vector<OwnedTensor> copies;
   copies.reserve(tensors.size());
   const cuda::ListPlan& plan = plan_of(tensor_args(tensors, tags, copies));
   const cuda::ScanKind kind = multiply_by != nullptr ? cuda::ScanKind::Unscale
-                              : options.half_range   ? cuda::ScanKind::HalfRange
-                              : options.checksum     ? cuda::ScanKind::Checksum
+                              : out.half_range       ? cuda::ScanKind::HalfRange
+                              : out.checksum         ? cuda::ScanKind::Checksum
                                                      : cuda::ScanKind::Plain;
-  const int64_t n = static_cast<int64_t>(tensors.size());
   const TensorInfo& like = tensors[0];
   const cudaStream_t stream = current_stream(like.device_index);
-  ScanOutputs out = allocate_scan_outputs(tags, like, options);
   const DeviceList list = device_list(plan, like, stream);
   const int num_sms = sm_count();
   const auto workspace_bytes = static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms));
   const OwnedTensor workspace = empty({workspace_bytes}, dtype_codes().uint8, like.device_type, like.device_index);
-  check_launch(cuda::scan(plan, list.blob, kind, result_pointers(out, n, options), workspace.data(),
-                          static_cast<size_t>(workspace_bytes), num_sms, stream, multiply_by));
+  check_launch(cuda::scan(plan, list.blob, kind, out, workspace.data(), static_cast<size_t>(workspace_bytes), num_sms,
+                          stream, multiply_by));
+}
+
+ScanOutputs scan_and_maybe_multiply(const TensorListArg& tensors, const std::vector<DType>& tags, ScanOptions options,
+                                    const float* multiply_by) {
+  ScanOutputs out = allocate_scan_outputs(tags, tensors[0], options);
+  launch_scan(tensors, tags, result_pointers(out, static_cast<int64_t>(tensors.size()), options), multiply_by);
   return out;
+}
+
+// scan_into_(Tensor[] tensors, bool fp16_range, Tensor(a!) counts, Tensor(b!) stats, int column) -> ():
+// one launch, its results into the caller's columns; only the workspace is allocated.
+void scan_into_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const ScanIntoArgs args(stack, num_args, num_outputs);
+  const CudaDeviceGuard guard(args.tensors[0].device_index);
+  launch_scan(args.tensors, args.tags, args.out, nullptr);
 }
 
 // scan(Tensor[] tensors, bool fp16_range, bool checksum) -> 5 tensors
@@ -480,6 +494,7 @@ PyMODINIT_FUNC NANSCAN_CONCAT(PyInit_, NANSCAN_CUDA_MODULE)(void) {
 
 STABLE_TORCH_LIBRARY_IMPL(nanscan, CUDA, m) {
   m.impl("scan", &nanscan::scan_cuda);
+  m.impl("scan_into_", &nanscan::scan_into_cuda);
   m.impl("scale_", &nanscan::scale_cuda);
   m.impl("unscale_scan_", &nanscan::unscale_scan_cuda);
   m.impl("scan_difference", &nanscan::scan_difference_cuda);

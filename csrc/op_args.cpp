@@ -198,10 +198,56 @@ ResultPointers result_pointers(const ScanOutputs& o, int64_t num_tensors, ScanOp
                         static_cast<double*>(o.total_norm.data()),
                         static_cast<bool*>(o.finite.data()),
                         num_tensors,
+                        num_tensors,
                         options.half_range,
                         options.checksum,
                         o.total_norm_cast.data(),
                         *dtype_tag(cast_dtype)};
+}
+
+ScanIntoArgs::ScanIntoArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
+    : tensors(stack[0]), counts_tensor(tensor_arg(stack[2])), stats_tensor(tensor_arg(stack[3])) {
+  constexpr const char* kOp = "nanscan.scan_into_";
+  check_stack(num_args, num_outputs, 5, 0, kOp);
+  const bool fp16_range = bool_arg(stack[1]);
+  const auto column = torch::stable::detail::to<int64_t>(stack[4]);
+  tags = check_scan_inputs(tensors, kOp);
+  const TensorInfo& first = tensors[0];
+  const auto n = static_cast<int64_t>(tensors.size());
+  const int64_t count_rows = fp16_range ? 4 : 2;
+  // One rule for both buffers: defined, dense, 2-D [rows, W] of its dtype, contiguous, on the tensors' device.
+  const auto check_buffer = [&](const TensorInfo& t, const char* name, int32_t dtype, int64_t rows) {
+    NANSCAN_CHECK(t.defined, kOp, ": ", name, " is undefined (None)");
+    NANSCAN_CHECK(t.strided(), kOp, ": ", name, " has layout ", layout_name(t.layout),
+                  "; expected a dense (strided) tensor");
+    NANSCAN_CHECK(t.dtype == dtype, kOp, ": ", name, " has dtype ", dtype_name(t.dtype), "; expected ",
+                  dtype_name(dtype));
+    NANSCAN_CHECK(t.dim == 2 && t.size(0) == rows, kOp, ": ", name, " must be 2-D [", rows, ", width]",
+                  rows == 4 ? " (fp16_range adds two rows of counts)" : "", ", got shape ",
+                  shape_string(t.sizes, t.dim));
+    NANSCAN_CHECK(is_contiguous(t), kOp, ": ", name, " must be contiguous (its columns are written in place)");
+    NANSCAN_CHECK(t.same_device(first), kOp, ": ", name, " is on ", t.device(), " but the tensors are on ",
+                  first.device());
+  };
+  const TensorInfo counts = TensorInfo::of(counts_tensor.get());
+  const TensorInfo stats = TensorInfo::of(stats_tensor.get());
+  check_buffer(counts, "counts", dtype_codes().int64, count_rows);
+  check_buffer(stats, "stats", dtype_codes().float64, 3);
+  const int64_t width = counts.size(1);
+  NANSCAN_CHECK(stats.size(1) == width, kOp, ": counts has ", width, " columns but stats has ", stats.size(1),
+                "; a tensor's results go in the same column of both");
+  NANSCAN_CHECK(column >= 0 && column <= width - n, kOp, ": the ", n, " tensors' columns [", column, ", ", column + n,
+                ") do not lie within the ", width, " columns of counts and stats");
+  out = ResultPointers{static_cast<int64_t*>(counts.data) + column,
+                       static_cast<double*>(stats.data) + column,
+                       nullptr,  // no totals
+                       nullptr,
+                       n,
+                       width,
+                       fp16_range,
+                       false,
+                       nullptr,
+                       DType::Float32};
 }
 
 ScanOptions scan_options(bool fp16_range, bool checksum) {

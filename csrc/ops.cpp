@@ -135,6 +135,12 @@ void scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   return_outputs(stack, std::move(out));
 }
 
+// scan_into_(Tensor[] tensors, bool fp16_range, Tensor(a!) counts, Tensor(b!) stats, int column) -> ()
+void scan_into_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const ScanIntoArgs args(stack, num_args, num_outputs);
+  cpu::scan(args.tensors.infos(), args.tags, args.out);
+}
+
 // unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> 5 tensors. torch's GradScaler unscale
 // and the scan in one pass: each element becomes round(x * inv_scale) (torch's arithmetic; nothing is
 // written when inv_scale is 1) and the statistics are of the result.
@@ -296,6 +302,10 @@ STABLE_TORCH_LIBRARY(nanscan, m) {
   m.def(
       "scan(Tensor[] tensors, bool fp16_range=False, bool checksum=False) -> (Tensor counts, Tensor stats, Tensor "
       "total_norm, Tensor finite, Tensor total_norm_cast)");
+  // The scan's per-tensor results (no totals) written into columns [column, column + N) of counts
+  // (int64 [2, W], or [4, W] with fp16_range) and stats (float64 [3, W]), which the caller keeps: a
+  // scan that allocates nothing (ops.h, ScanIntoArgs).
+  m.def("scan_into_(Tensor[] tensors, bool fp16_range, Tensor(a!) counts, Tensor(b!) stats, int column) -> ()");
   m.def("scale_(Tensor(a!)[] tensors, Tensor coef) -> ()");
   // The statistics of before[i] - after[i] (in before[i]'s dtype, float32 or float64, as torch's
   // subtraction rounds it), then of after[i]: 2N entries. Fused on the CPU; elsewhere the composite
@@ -330,6 +340,7 @@ STABLE_TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("scan", &nanscan::scan_cpu);
+  m.impl("scan_into_", &nanscan::scan_into_cpu);
   m.impl("scan_difference", &nanscan::scan_difference_cpu);
   m.impl("sketch", &nanscan::sketch_cpu);
   m.impl("scale_", &nanscan::scale_cpu);

@@ -104,6 +104,21 @@ ScanOutputs allocate_scan_outputs(const std::vector<DType>& tags, const TensorIn
 
 ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors, ScanOptions options);
 
+// scan_into_(Tensor[] tensors, bool fp16_range, Tensor(a!) counts, Tensor(b!) stats, int column) -> ():
+// the scan's per-tensor results written into columns [column, column + N) of buffers the caller
+// keeps, with no totals and nothing allocated (the activation watch's call per module:
+// nanscan/activations.py). Its arguments read from a boxed kernel's stack and checked as every backend
+// checks them, everything before anything is written: the tensors as a scan's; counts int64
+// [2 or, with fp16_range, 4, W] and stats float64 [3, W], both contiguous on the tensors' device; the
+// N columns inside the W. `out` points at the first of them.
+struct ScanIntoArgs {
+  TensorListArg tensors;
+  OwnedTensor counts_tensor, stats_tensor;
+  std::vector<DType> tags;
+  ResultPointers out{};
+  ScanIntoArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+};
+
 // The boxed kernels' arguments: checks the counts the schema promises (a kernel registered for a
 // schema it does not match would misread the stack).
 void check_stack(uint64_t num_args, uint64_t num_outputs, uint64_t expected_args, uint64_t expected_outputs,

@@ -25,6 +25,11 @@ The ops themselves are declared once, in csrc/ops.cpp:
   squares (``sumsq``, float64 [N]). The update watch's copy-free ratio (nanscan.updates): the sketch
   of an update is the difference of the weights' sketches. On the CPU and CUDA a kernel; on other
   devices the composite (float32 on a device without float64: MPS).
+* ``nanscan::scan_into_(Tensor[] tensors, bool fp16_range, Tensor(a!) counts, Tensor(b!) stats, int
+  column) -> ()``: the scan's per-tensor counts and statistics written into columns ``[column, column +
+  N)`` of buffers the caller keeps (counts int64 [2 or, with fp16_range, 4, W], stats float64 [3, W],
+  both contiguous), with no totals: a scan that allocates no output. The activation watch's call per
+  module (nanscan.activations), whose pass writes one column per output and reads them all at once.
 * ``nanscan::scale_(Tensor(a!)[] tensors, Tensor coef) -> ()``: multiplies in place unless coef == 1.
 * ``nanscan::unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> (counts, stats, total_norm, finite,
   total_norm_cast)``: GradScaler's unscale (x <- x * inv_scale, torch's arithmetic) fused with the
@@ -102,6 +107,7 @@ def _load_cuda_library() -> ModuleType | None:
 cuda_library = _load_cuda_library()
 
 scan_op = torch.ops.nanscan.scan.default
+scan_into_op = torch.ops.nanscan.scan_into_.default
 scan_difference_op = torch.ops.nanscan.scan_difference.default
 sketch_op = torch.ops.nanscan.sketch.default
 scale_op = torch.ops.nanscan.scale_.default
@@ -125,7 +131,16 @@ _LIBRARY = torch.library.Library("nanscan", "IMPL")
 # The Autograd key falls through to the kernels, so outputs never require grad (autograd's fallback
 # would otherwise hang on them a grad_fn that fails only when someone calls backward through a norm);
 # the kernels run their own ATen calls with grad mode off (csrc/torch_api.h, NoGradGuard).
-for _name in ("scan", "scan_difference", "sketch", "scale_", "unscale_scan_", "record_", "_record_composite_"):
+for _name in (
+    "scan",
+    "scan_into_",
+    "scan_difference",
+    "sketch",
+    "scale_",
+    "unscale_scan_",
+    "record_",
+    "_record_composite_",
+):
     _LIBRARY.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 _INFERENCE_MESSAGE = (
@@ -161,6 +176,14 @@ def _scale_inplace_or_view(keyset: Any, tensors: list[torch.Tensor], coef: torch
     scale_op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, tensors, coef)
     if coef.device.type != "cpu":  # the CPU kernel multiplies through ATen's _foreach_mul_
         _increment_version(tensors)
+
+
+def _scan_into_inplace_or_view(
+    keyset: Any, tensors: list[torch.Tensor], fp16_range: bool, counts: torch.Tensor, stats: torch.Tensor, column: int
+) -> None:
+    _refuse_inference((counts, stats))
+    scan_into_op.redispatch(keyset & _BELOW_INPLACE_OR_VIEW, tensors, fp16_range, counts, stats, column)
+    _increment_version((counts, stats))  # the kernels write them directly (the composite's copies bump them too)
 
 
 def _unscale_scan_inplace_or_view(keyset: Any, tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> Any:
@@ -223,6 +246,20 @@ def scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
     _increment_version(tensors)  # off the CPU the kernel decides on the device: every call is a write
 
 
+def scan_into_(
+    tensors: list[torch.Tensor], fp16_range: bool, counts: torch.Tensor, stats: torch.Tensor, column: int
+) -> None:
+    """``scan_into_op(tensors, fp16_range, counts, stats, column)``: the scan's results into columns
+    ``[column, column + len(tensors))`` of ``counts`` and ``stats``, their versions bumped."""
+    buffers = [counts, stats]
+    if not _direct(buffers):
+        scan_into_op(tensors, fp16_range, counts, stats, column)
+        return
+    with _below_inplace_or_view():
+        scan_into_op(tensors, fp16_range, counts, stats, column)
+    _increment_version(buffers)
+
+
 def unscale_scan_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> ScanOutputs:
     """``unscale_scan_op(tensors, inv_scale)``: the fused unscale and scan, the versions bumped as
     ``scale_``'s."""
@@ -237,6 +274,7 @@ def unscale_scan_(tensors: list[torch.Tensor], inv_scale: torch.Tensor) -> ScanO
 
 _LIBRARY.impl("scale_", _scale_inplace_or_view, "ADInplaceOrView", with_keyset=True)
 _LIBRARY.impl("unscale_scan_", _unscale_scan_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+_LIBRARY.impl("scan_into_", _scan_into_inplace_or_view, "ADInplaceOrView", with_keyset=True)
 _LIBRARY.impl("record_", _record_at_inplace_or_view(record_op, True), "ADInplaceOrView", with_keyset=True)
 _LIBRARY.impl(
     "_record_composite_", _record_at_inplace_or_view(_record_composite_op, False), "ADInplaceOrView", with_keyset=True
@@ -246,6 +284,7 @@ _LIBRARY.impl(
 # The ops in ATen ops (nanscan.composite; record_'s composite is C++, in csrc/ops.cpp), by op name.
 COMPOSITES: dict[str, Callable[..., Any]] = {
     "scan": composite.scan,
+    "scan_into_": composite.scan_into_,
     "scan_difference": composite.scan_difference,
     "sketch": composite.sketch,
     "scale_": composite.scale_,
@@ -304,6 +343,13 @@ def register_fake(op: str) -> Callable[[_Fake], _Fake]:
 def _scan_fake(tensors: list[torch.Tensor], fp16_range: bool = False, checksum: bool = False) -> ScanOutputs:
     torch._check(not (fp16_range and checksum), lambda: "nanscan.scan: fp16_range and checksum are separate scans")
     return _scan_outputs(tensors, 4 if fp16_range else 3 if checksum else 2)
+
+
+@register_fake("nanscan::scan_into_")
+def _scan_into_fake(
+    tensors: list[torch.Tensor], fp16_range: bool, counts: torch.Tensor, stats: torch.Tensor, column: int
+) -> None:
+    composite.check_scan_into_buffers(tensors, fp16_range, counts, stats, column)
 
 
 @register_fake("nanscan::scan_difference")

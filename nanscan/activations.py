@@ -70,7 +70,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._ops import scan_op
+from ._ops import scan_into_
 from .fused import capturing, describe_unread, floating_tensors, scannable, upload
 from .names import clean_module_names
 
@@ -86,9 +86,10 @@ def _eager(fn: _Fn) -> _Fn:
     return cast(_Fn, torch.compiler.disable(fn))
 
 
-# Folded into the accumulators when this many module calls are pending (a submodule called many
-# times in one forward, a generation loop): bounds the device memory held between folds.
-_MAX_PENDING = 4096
+# The columns of a device's pass buffers, one per scanned output: folded into the accumulators when
+# they are full (a submodule called many times in one forward, a generation loop), so that a pass of
+# any length holds 229 KB of them.
+_PASS_COLUMNS = 4096
 
 
 @dataclass(frozen=True)
@@ -150,22 +151,16 @@ class ModuleActivations:
 _NONE = torch.iinfo(torch.int64).max  # no non-finite call yet
 
 
-class _Pending(NamedTuple):
-    """One scanned module call's results on one device, waiting for the pass's fold."""
-
-    call: int  # its number among the scanned calls, in execution order
-    slot: int  # its module's
-    counts: torch.Tensor  # int64 [4, k] of its k tensors on this device: NaN, Inf, overflow, underflow
-    stats: torch.Tensor  # [3, k]: min, max, norm
-    tally: tuple[int, int, int]  # (calls, fp16 calls, elements) it adds: (1, ...) on one device only
-
-
 class _DeviceTotals:
     """The accumulators on one device: counts int64 [modules, 4] (NaN, Inf, overflow, underflow),
     amax float64 [modules], the first non-finite call (``first``: its call number times the module
     count plus its module's slot, or _NONE), tallies int64 [modules, 3] (calls, fp16 calls, elements)
-    and the sampled passes folded (``passes``), with the module calls scanned since the last fold.
-    All on the device, so that a CUDA graph's replays count as the passes they repeat."""
+    and the sampled passes folded (``passes``). All on the device, so that a CUDA graph's replays
+    count as the passes they repeat.
+
+    A module call's scan writes its outputs' results into the next columns of the pass buffers
+    (``scan_into_``: nothing allocated per call), and the host notes each column's code and each
+    call's tally row; ``fold`` adds them all into the accumulators at the end of the pass."""
 
     def __init__(self, modules: int, device: torch.device) -> None:
         self.modules = modules
@@ -178,21 +173,43 @@ class _DeviceTotals:
         # counts [4, modules] (a recorder's row takes the first three rows as they lie), amax [modules].
         self.recent_counts = torch.zeros((4, modules), dtype=torch.int64, device=device)
         self.recent_amax = torch.zeros(modules, dtype=torch.float64, device=device)
-        self.pending: list[_Pending] = []
+        # The pass so far: its outputs' counts and statistics in columns [0, used) of the buffers, each
+        # column's code (its call number times the module count plus its module's slot), and each
+        # call's tally row (slot, calls, fp16 calls, elements).
+        self.pass_counts = torch.empty((4, _PASS_COLUMNS), dtype=torch.int64, device=device)
+        self.pass_stats = torch.empty((3, _PASS_COLUMNS), dtype=torch.float64, device=device)
+        self.used = 0
+        self.codes: list[int] = []
+        self.rows: list[int] = []
+
+    def add(self, tensors: list[torch.Tensor], code: int, row: tuple[int, int, int, int]) -> None:
+        """Scans one module call's tensors on this device into the pass buffers' next columns."""
+        if len(tensors) > _PASS_COLUMNS:  # more outputs than the buffers hold: in pieces, the tally with the first
+            for start in range(0, len(tensors), _PASS_COLUMNS):
+                self.add(tensors[start : start + _PASS_COLUMNS], code, row if start == 0 else (row[0], 0, 0, 0))
+            return
+        if self.used + len(tensors) > _PASS_COLUMNS:
+            self.fold()
+        # The hook runs under the model's grad mode and autocast: the op is not differentiable and
+        # takes its inputs as they are.
+        scan_into_(tensors, True, self.pass_counts, self.pass_stats, self.used)
+        self.used += len(tensors)
+        if len(tensors) == 1:
+            self.codes.append(code)
+        else:
+            self.codes.extend([code] * len(tensors))
+        self.rows.extend(row)
 
     def fold(self) -> None:
-        """Adds the pending calls into the accumulators: a handful of launches for the whole pass."""
-        if not self.pending:
+        """Adds the pass's columns into the accumulators: a handful of launches for the whole pass."""
+        used = self.used
+        if not used:
             return
-        # Each scanned tensor's code (its call number times the module count plus its module's slot),
-        # then each call's tally row (slot, calls, fp16 calls, elements): one upload.
-        codes = [p.call * self.modules + p.slot for p in self.pending for _ in range(p.counts.shape[1])]
-        rows = [x for p in self.pending for x in (p.slot, *p.tally)]
-        counts = torch.cat([p.counts for p in self.pending], dim=1)
-        stats = torch.cat([p.stats for p in self.pending], dim=1)
-        self.pending.clear()
-        uploaded = upload(codes + rows, torch.int64, self.counts.device)
-        code_of, tally = uploaded[: len(codes)], uploaded[len(codes) :].view(-1, 4)
+        # The columns' codes, then the calls' tally rows: one upload.
+        uploaded = upload(self.codes + self.rows, torch.int64, self.counts.device)
+        self.used, self.codes, self.rows = 0, [], []
+        code_of, tally = uploaded[:used], uploaded[used:].view(-1, 4)
+        counts, stats = self.pass_counts[:, :used], self.pass_stats[:, :used]
         self.tallies.index_add_(0, tally[:, 0], tally[:, 1:])
         index = code_of.remainder(self.modules)
         self.counts.index_add_(0, index, counts.t())
@@ -363,9 +380,7 @@ class ActivationWatch:
             fresh = [t for t in found if self._unseen(t)]
         if not fresh:
             return
-        # The hook runs under the model's grad mode and autocast: the op is not differentiable (its
-        # outputs never require grad) and takes its inputs as they are. The call's tally goes with its
-        # first device's results, so that a call is counted once.
+        # The call's tally goes with its first device's results, so that a call is counted once.
         if len(fresh) == 1:
             t = fresh[0]
             self._add(slot, t.device, fresh, (1, int(t.dtype == torch.float16), t.numel()))
@@ -392,13 +407,10 @@ class ActivationWatch:
 
     def _add(self, slot: int, device: torch.device, tensors: list[torch.Tensor], tally: tuple[int, int, int]) -> None:
         """Scans one module call's tensors on one device; the results wait for the pass's fold."""
-        counts, stats, _, _, _ = scan_op(tensors, True, False)  # counts [4, k] with fp16_range
         totals = self._devices.get(device)
         if totals is None:
             totals = self._devices[device] = self._new_totals(device)
-        totals.pending.append(_Pending(self._call_number, slot, counts, stats, tally))
-        if len(totals.pending) >= _MAX_PENDING:
-            totals.fold()
+        totals.add(tensors, self._call_number * totals.modules + slot, (slot, *tally))
 
     def _note_unread(self, slot: int, unread: list[torch.Tensor]) -> None:
         """Counts the outputs the hook could not read, and says so once per watch: never a silent zero."""
@@ -423,7 +435,10 @@ class ActivationWatch:
                 "graph, and its accumulators cannot be made inside one; run one sampled forward of the model "
                 "before the capture (the warm-up torch.cuda.graph asks for)"
             )
-        return _DeviceTotals(len(self.names), device)
+        # Normal tensors even when the first scanned forward runs under torch.inference_mode: inference
+        # tensors would refuse every later pass's writes outside it.
+        with torch.inference_mode(False):
+            return _DeviceTotals(len(self.names), device)
 
     # ----------------------------------------------------------------------------------- results
 

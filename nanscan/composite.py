@@ -2,7 +2,7 @@
 accelerator), with the kernels' semantics (csrc/common/scan_rules.h) and their outputs.
 
 nanscan's fused kernels are CPU and CUDA code. On any other device the dispatcher sends ``scan``,
-``scale_``, ``unscale_scan_``, ``scan_difference`` and ``sketch`` here (nanscan._ops registers these
+``scan_into_``, ``scale_``, ``unscale_scan_``, ``scan_difference`` and ``sketch`` here (nanscan._ops registers these
 functions for the CompositeExplicitAutograd key; ``record_`` has its own composite in C++). A few ATen
 kernels per tensor instead of one pass over the list: slower than a fused kernel (docs/devices.md gives
 the measured factor), never a different answer:
@@ -239,6 +239,81 @@ def unscale_scan_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> S
     with torch.no_grad():
         torch._foreach_mul_(list(tensors), inv_scale.reshape(()))
     return scan(tensors)
+
+
+_SCAN_INTO = "nanscan.scan_into_"
+
+
+def check_scan_into_buffers(
+    tensors: Sequence[torch.Tensor], fp16_range: bool, counts: torch.Tensor, stats: torch.Tensor, column: int
+) -> None:
+    """scan_into_'s buffers, as the kernels check them (csrc/op_args.cpp, ScanIntoArgs), for the fake
+    kernel and the composite: counts int64 [2 (4 with fp16_range), W], stats [3, W] (float64, or the
+    device's wide dtype where it has no float64), both contiguous on the tensors' device, and the
+    tensors' columns within the W."""
+    _check_list(tensors, _SCAN_INTO)
+    device = tensors[0].device
+    for name, buffer, dtypes, rows in (
+        ("counts", counts, (torch.int64,), 4 if fp16_range else 2),
+        ("stats", stats, (torch.float64, wide_dtype(device)), 3),
+    ):
+        torch._check(
+            buffer.layout == torch.strided,
+            lambda name=name, buffer=buffer: (
+                f"{_SCAN_INTO}: {name} has layout {buffer.layout}; expected a dense (strided) tensor"
+            ),
+        )
+        torch._check(
+            buffer.dtype in dtypes,
+            lambda name=name, buffer=buffer, dtypes=dtypes: (
+                f"{_SCAN_INTO}: {name} has dtype {buffer.dtype}; expected {dtypes[0]}"
+            ),
+        )
+        torch._check(
+            buffer.dim() == 2 and buffer.shape[0] == rows,
+            lambda name=name, buffer=buffer, rows=rows: (
+                f"{_SCAN_INTO}: {name} must be 2-D [{rows}, width]"
+                f"{' (fp16_range adds two rows of counts)' if rows == 4 else ''}, got shape {list(buffer.shape)}"
+            ),
+        )
+        torch._check(
+            buffer.is_contiguous(),
+            lambda name=name: f"{_SCAN_INTO}: {name} must be contiguous (its columns are written in place)",
+        )
+        torch._check(
+            buffer.device == device,
+            lambda name=name, buffer=buffer: (
+                f"{_SCAN_INTO}: {name} is on {buffer.device} but the tensors are on {device}"
+            ),
+        )
+    width, n = counts.shape[1], len(tensors)
+    torch._check(
+        stats.shape[1] == width,
+        lambda: (
+            f"{_SCAN_INTO}: counts has {width} columns but stats has {stats.shape[1]}; a tensor's results go in "
+            "the same column of both"
+        ),
+    )
+    torch._check(
+        0 <= column <= width - n,
+        lambda: (
+            f"{_SCAN_INTO}: the {n} tensors' columns [{column}, {column + n}) do not lie within the {width} "
+            "columns of counts and stats"
+        ),
+    )
+
+
+def scan_into_(
+    tensors: Sequence[torch.Tensor], fp16_range: bool, counts: torch.Tensor, stats: torch.Tensor, column: int
+) -> None:
+    """``nanscan::scan_into_`` in ATen ops: the scan's counts and statistics, copied into columns
+    ``[column, column + N)`` of the buffers."""
+    check_scan_into_buffers(tensors, fp16_range, counts, stats, column)
+    with torch.no_grad():
+        scanned_counts, scanned_stats, _, _, _ = scan(tensors, fp16_range)
+        end = column + len(tensors)
+        counts[:, column:end].copy_(scanned_counts)
+        stats[:, column:end].copy_(scanned_stats)
 
 
 _DIFFERENCE = "nanscan.scan_difference"

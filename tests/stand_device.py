@@ -134,6 +134,17 @@ def main() -> None:
             scan(on_stand, fp16_range, checksum), scan(values, fp16_range, checksum), f"scan {fp16_range=} {checksum=}"
         )
 
+    # The activation watch's scan: into columns of buffers on the device.
+    for fp16_range in (False, True):
+        buffers = [
+            torch.full((4 if fp16_range else 2, 10), -1, dtype=torch.int64),
+            torch.full((3, 10), -1.0, dtype=torch.float64),
+        ]
+        on_stand_buffers = [stand(b) for b in buffers]
+        torch.ops.nanscan.scan_into_.default(on_stand, fp16_range, *on_stand_buffers, 2)
+        torch.ops.nanscan.scan_into_.default(values, fp16_range, *buffers, 2)
+        same(on_stand_buffers, buffers, f"scan_into_ {fp16_range=}")
+
     writable = [v.clone() for v in values[:5]]
     on_stand = [stand(v) for v in writable]
     torch.ops.nanscan.scale_.default(on_stand, Stand(torch.tensor(0.25)))

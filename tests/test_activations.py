@@ -218,6 +218,24 @@ def test_inference_mode_outputs_are_scanned_without_a_version_counter() -> None:
     assert got == want
 
 
+def test_a_first_forward_under_inference_mode_leaves_later_ones_working() -> None:
+    """The accumulators are made at the first scanned call: under inference_mode they would be
+    inference tensors, and every later pass outside it would fail on its writes."""
+    model = planted_model()
+    x = torch.randn(3, 16)
+    with nanscan.watch_activations(model) as eager:
+        model(x)
+        model(x)
+    with nanscan.watch_activations(model) as watch:
+        with torch.inference_mode():
+            model(x)
+        with torch.no_grad():
+            model(x)
+    got, want = as_rows(watch), as_rows(eager)
+    got.pop("", None), want.pop("", None)  # the inference pass scans the model's output twice (the test above)
+    assert got == want
+
+
 def test_a_forward_that_raises_leaves_sampling_working() -> None:
     class Fails(torch.nn.Module):
         def __init__(self) -> None:

@@ -241,7 +241,7 @@ def test_grad_scalers_for_other_devices_are_made_as_torchs_are(device: str) -> N
 def test_the_composite_is_what_other_devices_dispatch_to() -> None:
     """Registered for CompositeExplicitAutograd: the key every backend without a kernel of its own
     (MPS, XPU, PrivateUse1) falls back to; the CPU and CUDA keep their kernels."""
-    for op in ("scan", "scan_difference", "scale_", "unscale_scan_"):
+    for op in ("scan", "scan_into_", "scan_difference", "scale_", "unscale_scan_"):
         table = torch._C._dispatch_dump(f"nanscan::{op}")
         assert "CompositeExplicitAutograd[alias]: registered at" in table and "nanscan/_ops.py" in table, table
         assert "CPU: registered at" in table
@@ -268,7 +268,7 @@ def test_a_rocm_torch_runs_the_composites_on_its_gpus_and_a_cuda_torch_is_told_t
     _ops.register_cuda_key(cuda, None)  # type: ignore[arg-type]
     assert rocm.registered == [(name, fn, "CUDA") for name, fn in _ops.COMPOSITES.items()]
     assert cuda.registered == [
-        (name, _ops._built_without_cuda, "CUDA") for name in ("scan", "sketch", "scale_", "unscale_scan_")
+        (name, _ops._built_without_cuda, "CUDA") for name in ("scan", "scan_into_", "sketch", "scale_", "unscale_scan_")
     ]
 
 
@@ -317,5 +317,5 @@ def test_a_privateuse1_device_runs_every_op_through_the_dispatchers_composite() 
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "stand device: every op answered as the CPU kernel" in done.stdout
-    for op in ("scan_difference", "record_", "unscale_scan_ (values)", "nanscan.scan"):
+    for op in ("scan_difference", "record_", "unscale_scan_ (values)", "nanscan.scan", "scan_into_ fp16_range=True"):
         assert f"ok {op}" in done.stdout, done.stdout

@@ -406,13 +406,17 @@ NANSCAN_HD bool all_finite(const TensorStats& s) { return s.nan_count == 0 && s.
 
 // Where a scan's results go; the op layer allocates these, every backend fills them the same way.
 // counts: int64 [2, N] (NaN counts, then Inf counts), or [4, N] with the fp16-range option (then
-// fp16 overflow and fp16 underflow counts); stats: float64 [3, N] (min, max, norm).
+// fp16 overflow and fp16 underflow counts); stats: float64 [3, N] (min, max, norm). Row r of
+// either starts row_stride elements after row r - 1: N for a scan's own outputs, the width of the
+// buffer for scan_into_, whose N columns lie inside a wider one (counts and stats then point at
+// its first column). total_norm null: no totals are written (scan_into_ has none).
 struct ResultPointers {
   int64_t* counts;
   double* stats;
-  double* total_norm;  // 0-dim
+  double* total_norm;  // 0-dim, or null
   bool* finite;        // 0-dim
   int64_t num_tensors;
+  int64_t row_stride;  // >= num_tensors
   bool half_range;
   bool checksum;  // counts has one more row, after the fp16 ones: the checksums (0 to 2^32 - 1)
   // 0-dim: the total norm again, in the dtype torch's get_total_norm returns for these tensors
@@ -422,7 +426,7 @@ struct ResultPointers {
 };
 
 NANSCAN_HD void write_tensor_result(const ResultPointers& out, int64_t i, const TensorStats& s) {
-  const int64_t n = out.num_tensors;
+  const int64_t n = out.row_stride;
   out.counts[i] = s.nan_count;
   out.counts[n + i] = s.inf_count;
   if (out.half_range) {
@@ -449,6 +453,7 @@ NANSCAN_HD void store_norm_as(void* p, DType dtype, double norm) {
 
 // The totals: a combine of every element's contribution in an order fixed per backend and input.
 NANSCAN_HD void write_totals(const ResultPointers& out, const TensorStats& total) {
+  if (out.total_norm == nullptr) return;
   const double norm = l2_norm(total);
   *out.total_norm = norm;
   store_norm_as(out.total_norm_cast, out.total_norm_cast_dtype, norm);

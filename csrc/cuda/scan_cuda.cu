@@ -1191,6 +1191,7 @@ bool valid_pairs(const ListPlan& plan) {
 cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, const ResultPointers& out,
                  void* workspace, size_t workspace_bytes, int num_sms, cudaStream_t stream, const float* multiply_by) {
   if (plan.num_tensors() <= 0 || out.num_tensors != plan.num_tensors()) return cudaErrorInvalidValue;
+  if (out.row_stride < out.num_tensors) return cudaErrorInvalidValue;
   if ((kind == ScanKind::Unscale) != (multiply_by != nullptr)) return cudaErrorInvalidValue;
   if ((kind == ScanKind::HalfRange) != out.half_range) return cudaErrorInvalidValue;
   if ((kind == ScanKind::Checksum) != out.checksum) return cudaErrorInvalidValue;

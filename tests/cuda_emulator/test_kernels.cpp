@@ -242,7 +242,7 @@ ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int n
                    : checksum    ? DType::Float16
                    : multiply_by ? DType::Float64
                                  : DType::Float32;
-  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm,      &out.finite,   n,
+  ResultPointers ptrs{out.counts.data(), out.stats.data(), &out.total_norm,      &out.finite,   n, n,
                       half_range,        checksum,         &out.total_norm_cast, out.cast_dtype};
   const cudaError_t err =
       scan(plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, num_sms, nullptr, multiply_by);
@@ -309,7 +309,7 @@ void check_workspace_guard(std::mt19937_64& rng) {
   double total_norm = -1;
   bool finite = false;
   float total_norm_cast = -1;
-  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n,
+  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n, n,
                             false,         false,        &total_norm_cast, DType::Float32};
   CHECK(
       scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
@@ -318,6 +318,51 @@ void check_workspace_guard(std::mt19937_64& rng) {
   CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess, "scan");
   const float want_cast = static_cast<float>(total_norm);  // compared as bits: the list may hold a NaN
   CHECK(total_norm != -1 && memcmp(&total_norm_cast, &want_cast, sizeof want_cast) == 0, "the scan wrote no total");
+}
+
+// scan_into_'s launch: the results in columns [column, column + n) of buffers `width` wide, and no
+// totals (total_norm null). Every result equals the plain scan's; no other column, and neither total,
+// is written. Both the parameter-list and the device-list capacities, fp16 range on and off.
+void check_scan_into_columns(std::mt19937_64& rng) {
+  for (const int count : {7, 1700}) {
+    for (const bool half_range : {false, true}) {
+      const std::vector<HostTensor> tensors = random_list(rng, count, 600, true);
+      const ScanKind kind = half_range ? ScanKind::HalfRange : ScanKind::Plain;
+      const ScanOutput want = run_scan(tensors, kind, 3);
+      const LaunchableList list(tensors);
+      Buffer workspace(scan_workspace_bytes(list.plan, kind, 3));
+      const int64_t n = count, rows = half_range ? 4 : 2, column = 5, width = n + 11;
+      std::vector<int64_t> counts(rows * width, -1);
+      std::vector<double> stats(3 * width, -7.0);
+      bool finite = false;
+      float total_norm_cast = -1;
+      const ResultPointers ptrs{
+          counts.data() + column, stats.data() + column, nullptr, &finite, n, width, half_range, false,
+          &total_norm_cast,       DType::Float32};
+      CHECK(scan(list.plan, list.blob(), kind, ptrs, workspace.p, workspace.bytes_, 3, nullptr) == cudaSuccess,
+            "scan into columns");
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < width; ++c) {
+          const bool inside = c >= column && c < column + n;
+          const int64_t got = counts[r * width + c];
+          CHECK(inside ? got == want.counts[r * n + c - column] : got == -1,
+                "scan into columns (%lld tensors): counts row %lld column %lld is %lld", (long long)n, (long long)r,
+                (long long)c, (long long)got);
+        }
+      }
+      for (int64_t r = 0; r < 3; ++r) {
+        for (int64_t c = 0; c < width; ++c) {
+          const bool inside = c >= column && c < column + n;
+          const double got = stats[r * width + c];
+          const double expected = inside ? want.stats[r * n + c - column] : -7.0;
+          CHECK(memcmp(&got, &expected, sizeof got) == 0,
+                "scan into columns (%lld tensors): stats row %lld column %lld", (long long)n, (long long)r,
+                (long long)c);
+        }
+      }
+      CHECK(!finite && total_norm_cast == -1, "scan into columns wrote totals it was not given");
+    }
+  }
 }
 
 // How many warps' shares meet tensor t, for a grid of num_sms blocks (one per multiprocessor while
@@ -734,6 +779,7 @@ int main() {
   check_sub_warp_runs(rng);
   const double worst = check_accuracy_on_constant_tensors(rng);
   check_workspace_guard(rng);
+  check_scan_into_columns(rng);
   check_unscale(rng, 3);
   check_scale(rng, 3, 50);
   check_scale(rng, 2, 1600);  // device blob
