@@ -1,3 +1,6 @@
+// Python.h first, as Python asks (it sets feature macros the system headers read); the limited API only.
+#include <Python.h>
+
 #include "torch_api.h"
 
 #include <torch/csrc/stable/ops.h>
@@ -236,8 +239,19 @@ TensorListArg::TensorListArg(StableIValue list) {
   }
 }
 
+// Dropping the last C++ reference to a tensor that Python also holds hands the reference back to its
+// Python object, and torch takes the GIL for that, once a tensor: the kernels run with the GIL
+// released (torch's op binding lets it go), so a list of N tensors took and dropped it N times, ~12%
+// of the scan op's host time on a list of small tensors (benchmarks/NOTES.md entry 55). Taken here
+// once for the whole list instead, on a thread Python knows (the caller of every op from Python;
+// torch's per-tensor hand-back takes the GIL at this same point anyway). A thread Python has never
+// seen frees the handles as before.
 TensorListArg::~TensorListArg() {
+  const bool python_thread = PyGILState_GetThisThreadState() != nullptr;
+  PyGILState_STATE gil{};
+  if (python_thread) gil = PyGILState_Ensure();
   for (const TensorInfo& info : infos_) (void)aoti_torch_delete_tensor_object(info.handle);
+  if (python_thread) PyGILState_Release(gil);
 }
 
 std::optional<OwnedTensor> optional_tensor_arg(StableIValue value) {

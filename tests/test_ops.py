@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -324,3 +325,41 @@ def test_a_build_without_cuda_says_so_at_the_first_cuda_call() -> None:
         with pytest.raises(RuntimeError, match=r"holds no CUDA library for torch .*; it holds: .*CUDA_HOME"):
             call()
     assert torch.equal(t, torch.ones(3))
+
+
+def _scan_counts_in_torchscript(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.nanscan.scan(tensors, False, False)[0]
+
+
+def test_list_ops_from_several_threads_and_from_a_thread_python_never_saw() -> None:
+    """A list op takes the GIL once to free its tensor handles, on a thread Python knows
+    (csrc/torch_api.cpp, TensorListArg): Python threads scanning at once neither deadlock nor mix
+    their answers, and a thread of torch's own (TorchScript's fork, on the inter-op pool) still runs
+    the op and frees its handles."""
+    import threading
+
+    torch.manual_seed(0)
+    lists = [[torch.randn(7) for _ in range(50 + k)] for k in range(4)]
+    for k, tensors in enumerate(lists):
+        tensors[k][1] = math.nan
+    want = [torch.ops.nanscan.scan.default(t)[0] for t in lists]
+    got: dict[int, list[torch.Tensor]] = {k: [] for k in range(len(lists))}
+
+    def scan_many(k: int) -> None:
+        for _ in range(200):
+            got[k].append(torch.ops.nanscan.scan.default(lists[k])[0])
+
+    threads = [threading.Thread(target=scan_many, args=(k,)) for k in range(len(lists))]
+    for thread in threads:
+        thread.start()
+    scan_many(0)  # the main thread too
+    for thread in threads:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a scan thread never finished: a deadlock on the GIL?"
+    for k, results in got.items():
+        assert all(torch.equal(r, want[k]) for r in results)
+    with warnings.catch_warnings():  # TorchScript is deprecated; its fork is what runs an op on torch's own thread
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(_scan_counts_in_torchscript)
+        future = torch.jit._fork(scripted, lists[2])
+        assert torch.equal(torch.jit._wait(future), want[2])
