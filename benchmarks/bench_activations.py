@@ -5,6 +5,7 @@
     python benchmarks/bench_activations.py --quick          # smoke test (seconds)
     python benchmarks/bench_activations.py --model gpt2 --device cuda --autocast float16   # on a GPU
     python benchmarks/bench_activations.py ... --profile   # then where the watch's time goes, by op
+    python benchmarks/bench_activations.py ... --per-call  # then the host time of one sampled module call
 
 A step is ``zero_grad`` + forward + loss + backward, as in bench_locate.py (whose models these are:
 ``decoder``, GPT-2-shaped at a CPU-friendly size; ``gpt2``, GPT-2-small's size, for a GPU). Methods:
@@ -132,6 +133,56 @@ def profile_split(
         print(f"{key[:58]:<60}{after[0] - before[0]:>+7d}{after[1] - before[1]:>+9.3f}{after[2] - before[2]:>+10.3f}")
 
 
+PER_CALL_MODULES = 100
+
+
+class _Stack(torch.nn.Module):
+    """A hundred ``Linear(4, 4)`` in a row: a forward whose compute is nil, so that its time is the
+    module calls' host time (on a GPU the launches queue and the block ends with one sync)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(PER_CALL_MODULES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def per_call(device: torch.device, rounds: int) -> float:
+    """The host time a sampled module call adds with ``watch every=1``, in us: a stack of
+    PER_CALL_MODULES ``Linear(4, 4)`` under ``no_grad`` timed with the watch and without, on two
+    copies of one model, in rotating blocks of 50 forwards; medians over ``rounds``. What the watch's
+    cost at every=1 comes to on a GPU whose step is host-bound (benchmarks/NOTES.md entries 51, 54)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        models = {"plain": _Stack(), "watched": _Stack()}
+        x = torch.randn(2, 4)
+    models["watched"].load_state_dict(models["plain"].state_dict())
+    watch = nanscan.watch_activations(models["watched"])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with torch.no_grad():
+        for r in range(rounds + 1):  # the first round warms up, untimed
+            for name in list(models)[r % 2 :] + list(models)[: r % 2]:
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    models[name](x)
+                sync()
+                if r > 0:
+                    times[name].append((time.perf_counter() - t0) / 50 * 1e6)
+    watch.remove()
+    plain, watched = statistics.median(times["plain"]), statistics.median(times["watched"])
+    added = (watched - plain) / PER_CALL_MODULES
+    print(
+        f"\nhost time of a sampled module call ({PER_CALL_MODULES} Linear(4, 4) under no_grad, {rounds} rounds): "
+        f"{added:.1f} us added by the watch (a plain forward {plain:.0f} us, {plain / PER_CALL_MODULES:.1f} us a module)"
+    )
+    return added
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(DECODER_SIZES), default="decoder")
@@ -146,6 +197,11 @@ def main() -> int:
         action="store_true",
         help="after the timings, one block of plain and of watch every=1 under torch's profiler: where the "
         "watch's added time goes (host and device time by op, the scans' count and device time)",
+    )
+    parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="after the timings, the host time one sampled module call adds (100 Linear(4, 4), compute nil)",
     )
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -215,6 +271,7 @@ def main() -> int:
     )
     if args.profile:
         profile_split(base, tokens, autocast, device)
+    per_call_us = per_call(device, 5 if args.quick else 31) if args.per_call else None
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -228,6 +285,7 @@ def main() -> int:
                     "rounds": rounds,
                     "block": BLOCK,
                     "rows": rows,
+                    "per_call_us": per_call_us,
                 },
                 indent=1,
             )
