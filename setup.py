@@ -274,7 +274,13 @@ class NanscanBuildExtension(BuildExtension):
         if hasattr(ext, "nanscan_toolkit"):
             self._use_toolkit(ext)
         base = self.build_temp
-        self.build_temp = os.path.join(base, ext.name)
+        # Each library's objects in a directory of the source tree, kept from one build to the next,
+        # where setuptools gives an editable install a new temporary one each time. ninja recompiles
+        # what changed, judged by each object's compile command and the times of every header it
+        # read: a rebuild after an edit compiles the edited file, and a wheel built after an editable
+        # install with the same flags (CI's) compiles only its CUDA library.
+        # tools/build_wheel.sh starts from an empty build/ unless told to keep it.
+        self.build_temp = os.path.join(ROOT, "build", "objects", ext.name)
         try:
             super().build_extension(ext)
         finally:

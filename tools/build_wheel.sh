@@ -10,6 +10,7 @@
 #   bash tools/build_wheel.sh --majors 12,13 --install-toolkits   # missing toolkits: CUDA 13 from NVIDIA's pip
 #                                                   # packages, CUDA 12 from Debian's (tools/cuda12_from_debian.sh)
 #   bash tools/build_wheel.sh --out DIR             # where the wheel goes (default: dist/)
+#   bash tools/build_wheel.sh --keep-build          # reuse build/'s objects where their compile is the same
 #
 # Run it in an environment with torch (any from 2.10, CPU or CUDA: the build reads only its headers)
 # and the "test" extra's ninja. A CUDA major needs a toolkit of that major, found by
@@ -28,12 +29,14 @@ cd "$(dirname "$0")/.."
 majors=""
 out="dist"
 install_toolkits=0
+keep_build=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --majors) majors="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --install-toolkits) install_toolkits=1; shift ;;
-    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+    --keep-build) keep_build=1; shift ;;
+    -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "build_wheel.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -83,8 +86,11 @@ wheel_tools=$("$PY" tools/extra.py wheel)
 # shellcheck disable=SC2086
 "$tools_venv/bin/python" -m pip install --quiet --disable-pip-version-check $wheel_tools
 
-# A clean build: objects of an earlier build (another torch, other architectures) are not reused.
-rm -rf build
+# A clean build by default: no object of an earlier build is reused. --keep-build (CI: the editable
+# install just built the CPU library with the same torch and flags) lets ninja judge which objects
+# are current, by their compile commands and the times of the headers they read (setup.py keeps them
+# in build/objects/).
+[ "$keep_build" = 1 ] || rm -rf build
 start=$SECONDS
 NANSCAN_CUDA_MAJORS="$majors" "$PY" -m pip wheel --quiet --disable-pip-version-check --no-build-isolation --no-deps \
   -w "$raw" .
