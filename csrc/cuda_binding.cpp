@@ -339,25 +339,19 @@ void scan_into_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs
 
 // scan(Tensor[] tensors, bool fp16_range, bool checksum) -> 5 tensors
 void scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const TensorListArg tensors(stack[0]);
-  check_stack(num_args, num_outputs, 3, 5, "nanscan.scan");
-  const ScanOptions options = scan_options(bool_arg(stack[1]), bool_arg(stack[2]));
-  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
-  const CudaDeviceGuard guard(tensors[0].device_index);
-  return_outputs(stack, scan_and_maybe_multiply(tensors, tags, options, nullptr));
+  const ScanArgs args(stack, num_args, num_outputs);
+  const CudaDeviceGuard guard(args.tensors[0].device_index);
+  return_outputs(stack, scan_and_maybe_multiply(args.tensors, args.tags, args.options, nullptr));
 }
 
 // scale_(Tensor(a!)[] tensors, Tensor coef) -> ()
 void scale_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const TensorListArg tensors(stack[0]);
-  const OwnedTensor coef_tensor = tensor_arg(stack[1]);
-  check_stack(num_args, num_outputs, 2, 0, "nanscan.scale_");
-  const TensorInfo coef = TensorInfo::of(coef_tensor.get());
-  const std::vector<DType> tags = check_scale_inputs(tensors, coef, "nanscan.scale_");
-  if (tensors.empty()) return;
-  const CudaDeviceGuard guard(tensors[0].device_index);
-  multiply_in_place(tensors, tags, coef, *dtype_tag(coef.dtype), cuda::CoefRounding::ToTensorDtype,
-                    current_stream(tensors[0].device_index));
+  const ScaleArgs args(stack, num_args, num_outputs);
+  if (args.tensors.empty()) return;
+  const int32_t device = args.tensors[0].device_index;
+  const CudaDeviceGuard guard(device);
+  multiply_in_place(args.tensors, args.tags, args.coef, *dtype_tag(args.coef.dtype), cuda::CoefRounding::ToTensorDtype,
+                    current_stream(device));
 }
 
 // unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> 5 tensors. GradScaler's unscale fused
@@ -365,26 +359,20 @@ void scale_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
 // reads those from a contiguous copy, which it must not write) takes two steps instead: the
 // multiply, then the scan.
 void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const TensorListArg tensors(stack[0]);
-  const OwnedTensor inv_scale_tensor = tensor_arg(stack[1]);
-  check_stack(num_args, num_outputs, 2, 5, "nanscan.unscale_scan_");
-  const TensorInfo inv_scale = TensorInfo::of(inv_scale_tensor.get());
-  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
-  check_multipliable(tags, "nanscan.unscale_scan_");
-  check_writable(tensors);
-  check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
-  const CudaDeviceGuard guard(tensors[0].device_index);
-  for (const TensorInfo& t : tensors.infos()) {
+  const UnscaleScanArgs args(stack, num_args, num_outputs);
+  const int32_t device = args.tensors[0].device_index;
+  const CudaDeviceGuard guard(device);
+  for (const TensorInfo& t : args.tensors.infos()) {
     if (t.numel > 0 && !t.dense) {
-      multiply_in_place(tensors, tags, inv_scale, DType::Float32, cuda::CoefRounding::None,
-                        current_stream(tensors[0].device_index));
-      return_outputs(stack, scan_and_maybe_multiply(tensors, tags, ScanOptions{}, nullptr));
+      multiply_in_place(args.tensors, args.tags, args.inv_scale, DType::Float32, cuda::CoefRounding::None,
+                        current_stream(device));
+      return_outputs(stack, scan_and_maybe_multiply(args.tensors, args.tags, ScanOptions{}, nullptr));
       return;
     }
   }
   // inv_scale is one float32 element (checked); a strided one-element tensor still points at it.
-  const auto* factor = static_cast<const float*>(inv_scale.data);
-  return_outputs(stack, scan_and_maybe_multiply(tensors, tags, ScanOptions{}, factor));
+  const auto* factor = static_cast<const float*>(args.inv_scale.data);
+  return_outputs(stack, scan_and_maybe_multiply(args.tensors, args.tags, ScanOptions{}, factor));
 }
 
 // scan_difference(Tensor[] before, Tensor[] after) -> 5 tensors, of 2N entries: the differences
@@ -392,11 +380,10 @@ void unscale_scan_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outp
 // plan: the befores, then the afters). A pair not laid out alike in memory (a transposed copy, a
 // strided view) is read from contiguous copies of both.
 void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  constexpr const char* kOp = "nanscan.scan_difference";
-  const TensorListArg before(stack[0]);
-  const TensorListArg after(stack[1]);
-  check_stack(num_args, num_outputs, 2, 5, kOp);
-  const DifferenceTags tags = check_difference_inputs(before, after, kOp);
+  const DifferenceArgs call(stack, num_args, num_outputs);
+  const TensorListArg& before = call.before;
+  const TensorListArg& after = call.after;
+  const DifferenceTags& tags = call.tags;
   const auto n = static_cast<int64_t>(before.size());
   const TensorInfo& like = after[0];
   const CudaDeviceGuard guard(like.device_index);

@@ -39,14 +39,6 @@ std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* o
   return tags;
 }
 
-DifferenceTags check_difference_inputs(const TensorListArg& before, const TensorListArg& after, const char* op) {
-  DifferenceTags tags{check_scan_inputs(before, op, "before"), check_scan_inputs(after, op, "after"), {}};
-  check_difference_pairs(before, tags.before, after, tags.after, op);
-  tags.all = tags.before;
-  tags.all.insert(tags.all.end(), tags.after.begin(), tags.after.end());
-  return tags;
-}
-
 bool same_dense_layout(const TensorInfo& a, const TensorInfo& b) {
   if (!a.dense || !b.dense || a.dim != b.dim) return false;
   for (int64_t d = 0; d < a.dim; ++d) {
@@ -97,28 +89,57 @@ void check_writable(const TensorListArg& tensors) {
   for (const TensorInfo& t : tensors.infos()) check_writable(t);
 }
 
-std::vector<DType> check_scale_inputs(const TensorListArg& tensors, const TensorInfo& coef, const char* op) {
-  NANSCAN_CHECK(coef.defined && coef.strided(), op, ": coef must be a dense (strided) tensor, got ",
-                coef.defined ? layout_name(coef.layout) : std::string("None"));
-  NANSCAN_CHECK(coef.numel == 1, op, ": coef must have one element, got shape ", shape_string(coef.sizes, coef.dim));
-  NANSCAN_CHECK(dtype_tag(coef.dtype).has_value(), op, ": coef has unsupported dtype ", dtype_name(coef.dtype));
-  if (tensors.empty()) return {};
-  std::vector<DType> tags = check_scan_inputs(tensors, op);
-  check_multipliable(tags, op);
-  check_writable(tensors);
-  NANSCAN_CHECK(coef.same_device(tensors[0]), op, ": coef is on ", coef.device(), " but the tensors are on ",
-                tensors[0].device());
-  return tags;
+ScanArgs::ScanArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) : tensors(stack[0]) {
+  constexpr const char* kOp = "nanscan.scan";
+  check_stack(num_args, num_outputs, 3, 5, kOp);
+  const bool fp16_range = bool_arg(stack[1]);
+  const bool checksum = bool_arg(stack[2]);
+  NANSCAN_CHECK(!(fp16_range && checksum), kOp, ": fp16_range and checksum are separate scans; ask for one");
+  options = ScanOptions{fp16_range, checksum};
+  tags = check_scan_inputs(tensors, kOp);
 }
 
-void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const char* op) {
-  NANSCAN_CHECK(inv_scale.defined && inv_scale.strided(), op, ": inv_scale must be a dense (strided) tensor, got ",
+UnscaleScanArgs::UnscaleScanArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
+    : tensors(stack[0]), inv_scale_tensor(tensor_arg(stack[1])), inv_scale(TensorInfo::of(inv_scale_tensor.get())) {
+  constexpr const char* kOp = "nanscan.unscale_scan_";
+  check_stack(num_args, num_outputs, 2, 5, kOp);
+  tags = check_scan_inputs(tensors, kOp);
+  check_multipliable(tags, kOp);
+  check_writable(tensors);
+  NANSCAN_CHECK(inv_scale.defined && inv_scale.strided(), kOp, ": inv_scale must be a dense (strided) tensor, got ",
                 inv_scale.defined ? layout_name(inv_scale.layout) : std::string("None"));
-  NANSCAN_CHECK(inv_scale.numel == 1 && inv_scale.dtype == dtype_codes().float32, op,
+  NANSCAN_CHECK(inv_scale.numel == 1 && inv_scale.dtype == dtype_codes().float32, kOp,
                 ": inv_scale must be a one-element float32 tensor (as GradScaler makes it), got ",
                 dtype_name(inv_scale.dtype), " of shape ", shape_string(inv_scale.sizes, inv_scale.dim));
-  NANSCAN_CHECK(inv_scale.same_device(first), op, ": inv_scale is on ", inv_scale.device(), " but the tensors are on ",
-                first.device());
+  NANSCAN_CHECK(inv_scale.same_device(tensors[0]), kOp, ": inv_scale is on ", inv_scale.device(),
+                " but the tensors are on ", tensors[0].device());
+}
+
+ScaleArgs::ScaleArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
+    : tensors(stack[0]), coef_tensor(tensor_arg(stack[1])), coef(TensorInfo::of(coef_tensor.get())) {
+  constexpr const char* kOp = "nanscan.scale_";
+  check_stack(num_args, num_outputs, 2, 0, kOp);
+  NANSCAN_CHECK(coef.defined && coef.strided(), kOp, ": coef must be a dense (strided) tensor, got ",
+                coef.defined ? layout_name(coef.layout) : std::string("None"));
+  NANSCAN_CHECK(coef.numel == 1, kOp, ": coef must have one element, got shape ", shape_string(coef.sizes, coef.dim));
+  NANSCAN_CHECK(dtype_tag(coef.dtype).has_value(), kOp, ": coef has unsupported dtype ", dtype_name(coef.dtype));
+  if (tensors.empty()) return;
+  tags = check_scan_inputs(tensors, kOp);
+  check_multipliable(tags, kOp);
+  check_writable(tensors);
+  NANSCAN_CHECK(coef.same_device(tensors[0]), kOp, ": coef is on ", coef.device(), " but the tensors are on ",
+                tensors[0].device());
+}
+
+DifferenceArgs::DifferenceArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
+    : before(stack[0]), after(stack[1]) {
+  constexpr const char* kOp = "nanscan.scan_difference";
+  check_stack(num_args, num_outputs, 2, 5, kOp);
+  tags.before = check_scan_inputs(before, kOp, "before");
+  tags.after = check_scan_inputs(after, kOp, "after");
+  check_difference_pairs(before, tags.before, after, tags.after, kOp);
+  tags.all = tags.before;
+  tags.all.insert(tags.all.end(), tags.after.begin(), tags.after.end());
 }
 
 SketchCall prepare_sketch(const TensorListArg& tensors, StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
@@ -248,11 +269,6 @@ ScanIntoArgs::ScanIntoArgs(StableIValue* stack, uint64_t num_args, uint64_t num_
                        false,
                        nullptr,
                        DType::Float32};
-}
-
-ScanOptions scan_options(bool fp16_range, bool checksum) {
-  NANSCAN_CHECK(!(fp16_range && checksum), "nanscan.scan: fp16_range and checksum are separate scans; ask for one");
-  return ScanOptions{fp16_range, checksum};
 }
 
 }  // namespace nanscan

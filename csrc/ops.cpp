@@ -126,12 +126,10 @@ namespace {
 
 // scan(Tensor[] tensors, bool fp16_range, bool checksum) -> 5 tensors
 void scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const TensorListArg tensors(stack[0]);
-  check_stack(num_args, num_outputs, 3, 5, "nanscan.scan");
-  const ScanOptions options = scan_options(bool_arg(stack[1]), bool_arg(stack[2]));
-  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.scan");
-  ScanOutputs out = allocate_scan_outputs(tags, tensors[0], options);
-  cpu::scan(tensors.infos(), tags, result_pointers(out, static_cast<int64_t>(tags.size()), options));
+  const ScanArgs args(stack, num_args, num_outputs);
+  ScanOutputs out = allocate_scan_outputs(args.tags, args.tensors[0], args.options);
+  cpu::scan(args.tensors.infos(), args.tags,
+            result_pointers(out, static_cast<int64_t>(args.tags.size()), args.options));
   return_outputs(stack, std::move(out));
 }
 
@@ -145,24 +143,18 @@ void scan_into_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs)
 // and the scan in one pass: each element becomes round(x * inv_scale) (torch's arithmetic; nothing is
 // written when inv_scale is 1) and the statistics are of the result.
 void unscale_scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const TensorListArg tensors(stack[0]);
-  const OwnedTensor inv_scale_tensor = tensor_arg(stack[1]);
-  check_stack(num_args, num_outputs, 2, 5, "nanscan.unscale_scan_");
-  const TensorInfo inv_scale = TensorInfo::of(inv_scale_tensor.get());
-  const std::vector<DType> tags = check_scan_inputs(tensors, "nanscan.unscale_scan_");
-  check_multipliable(tags, "nanscan.unscale_scan_");
-  check_writable(tensors);
-  check_inv_scale(inv_scale, tensors[0], "nanscan.unscale_scan_");
-  const auto factor = static_cast<float>(item_double(inv_scale.handle));
+  const UnscaleScanArgs args(stack, num_args, num_outputs);
+  const auto factor = static_cast<float>(item_double(args.inv_scale.handle));
   if (factor != 1.0f) {
     // The kernel fuses the multiply for dense tensors; the rare strided view is multiplied here.
     const NoGradGuard no_grad;
-    for (const TensorInfo& t : tensors.infos()) {
-      if (t.numel > 0 && !t.dense) mul_(t.handle, inv_scale.handle);
+    for (const TensorInfo& t : args.tensors.infos()) {
+      if (t.numel > 0 && !t.dense) mul_(t.handle, args.inv_scale.handle);
     }
   }
-  ScanOutputs out = allocate_scan_outputs(tags, tensors[0], ScanOptions{});
-  cpu::scan(tensors.infos(), tags, result_pointers(out, static_cast<int64_t>(tags.size()), ScanOptions{}), factor);
+  ScanOutputs out = allocate_scan_outputs(args.tags, args.tensors[0], ScanOptions{});
+  cpu::scan(args.tensors.infos(), args.tags,
+            result_pointers(out, static_cast<int64_t>(args.tags.size()), ScanOptions{}), factor);
   return_outputs(stack, std::move(out));
 }
 
@@ -170,14 +162,10 @@ void unscale_scan_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outpu
 // before[i] - after[i], then the afters. The update watch's pass (nanscan/updates.py): the weights
 // before and after an optimizer step, each read once, the differences never written to memory.
 void scan_difference_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  constexpr const char* kOp = "nanscan.scan_difference";
-  const TensorListArg before(stack[0]);
-  const TensorListArg after(stack[1]);
-  check_stack(num_args, num_outputs, 2, 5, kOp);
-  const DifferenceTags tags = check_difference_inputs(before, after, kOp);
-  ScanOutputs out = allocate_scan_outputs(tags.all, after[0], ScanOptions{});
-  cpu::scan_difference(before.infos(), tags.before, after.infos(), tags.after,
-                       result_pointers(out, static_cast<int64_t>(tags.all.size()), ScanOptions{}));
+  const DifferenceArgs args(stack, num_args, num_outputs);
+  ScanOutputs out = allocate_scan_outputs(args.tags.all, args.after[0], ScanOptions{});
+  cpu::scan_difference(args.before.infos(), args.tags.before, args.after.infos(), args.tags.after,
+                       result_pointers(out, static_cast<int64_t>(args.tags.all.size()), ScanOptions{}));
   return_outputs(stack, std::move(out));
 }
 
@@ -204,18 +192,15 @@ StableIValue list_of(const TensorListArg& tensors) {
 // (one _foreach_mul_, which multiplies tensor by tensor as mul_ does), so the values equal torch's
 // clipping. Every entry is validated before any is written.
 void scale_cpu(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const TensorListArg tensors(stack[0]);
-  const OwnedTensor coef_tensor = tensor_arg(stack[1]);
-  check_stack(num_args, num_outputs, 2, 0, "nanscan.scale_");
-  const TensorInfo coef = TensorInfo::of(coef_tensor.get());
-  check_scale_inputs(tensors, coef, "nanscan.scale_");
-  if (tensors.empty() || item_double(coef.handle) == 1.0) return;
+  const ScaleArgs args(stack, num_args, num_outputs);
+  const TensorInfo& coef = args.coef;
+  if (args.tensors.empty() || item_double(coef.handle) == 1.0) return;
   const NoGradGuard no_grad;
   // _foreach_mul_ takes its factor 0-dim; coef may be any one-element shape.
   const torch::stable::Tensor factor =
       coef.dim == 0 ? stable(coef.handle) : torch::stable::reshape(stable(coef.handle), {});
-  StableIValue args[2] = {list_of(tensors), torch::stable::detail::from(factor)};
-  call_aten("aten::_foreach_mul_", "Tensor", args);
+  StableIValue aten_args[2] = {list_of(args.tensors), torch::stable::detail::from(factor)};
+  call_aten("aten::_foreach_mul_", "Tensor", aten_args);
 }
 
 // record_(rows, counter, sources, attribution, attribution_sources) -> (). One recorder append

@@ -41,14 +41,12 @@ std::vector<DType> check_scan_inputs(const TensorListArg& tensors, const char* o
 void check_difference_pairs(const TensorListArg& before, const std::vector<DType>& before_tags,
                             const TensorListArg& after, const std::vector<DType>& after_tags, const char* op);
 
-// scan_difference's two lists, checked as every backend checks them (each as a scan's list, then the
-// pairs), and their dtype tags: the befores', the afters', and both in the outputs' order.
+// scan_difference's dtype tags: the befores', the afters', and both in the outputs' order.
 struct DifferenceTags {
   std::vector<DType> before;
   std::vector<DType> after;
   std::vector<DType> all;  // the befores' then the afters'
 };
-DifferenceTags check_difference_inputs(const TensorListArg& before, const TensorListArg& after, const char* op);
 
 // Whether a pair's elements lie in the same order in memory, each tensor dense: then they are paired
 // by memory offset, whatever the order of the dimensions (scan_difference's backends read such pairs
@@ -83,34 +81,67 @@ void check_multipliable(const std::vector<DType>& tags, const char* op);
 void check_writable(const TensorInfo& t);
 void check_writable(const TensorListArg& tensors);
 
-// Everything scale_ needs of its arguments (the scan's checks, multipliable, writable, coef: one
-// element of a supported dtype on the tensors' device); returns the dtype tags.
-std::vector<DType> check_scale_inputs(const TensorListArg& tensors, const TensorInfo& coef, const char* op);
-
-// inv_scale must be a one-element float32 tensor on the tensors' device.
-void check_inv_scale(const TensorInfo& inv_scale, const TensorInfo& first, const char* op);
-
 // What a scan computes besides the statistics: the fp16-range counts, or the replica checksums.
 struct ScanOptions {
   bool half_range = false;
   bool checksum = false;
 };
 
-// The options of scan(fp16_range, checksum), refused when both are asked for.
-ScanOptions scan_options(bool fp16_range, bool checksum);
-
 // The outputs of a scan of tensors with these tags (at least one) on the device of `like`.
 ScanOutputs allocate_scan_outputs(const std::vector<DType>& tags, const TensorInfo& like, ScanOptions options);
 
 ResultPointers result_pointers(const ScanOutputs& outputs, int64_t num_tensors, ScanOptions options);
 
+// The list ops' arguments, one struct an op: read from a boxed kernel's stack and checked by its
+// constructor as every backend checks them, everything before anything is written. The CPU library
+// (ops.cpp) and each CUDA library (cuda_binding.cpp) differ only in what they then run.
+
+// scan(Tensor[] tensors, bool fp16_range, bool checksum) -> 5 tensors: at least one tensor, each
+// defined, dense, of a supported dtype, all on one device (check_scan_inputs); fp16_range and checksum
+// are separate scans, refused together.
+struct ScanArgs {
+  TensorListArg tensors;
+  ScanOptions options;
+  std::vector<DType> tags;
+  ScanArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+};
+
+// unscale_scan_(Tensor(a!)[] tensors, Tensor inv_scale) -> 5 tensors: the tensors as a scan's, each
+// of a dtype torch multiplies (no float8) and writable; inv_scale one float32 element on their device,
+// as GradScaler makes it.
+struct UnscaleScanArgs {
+  TensorListArg tensors;
+  OwnedTensor inv_scale_tensor;
+  TensorInfo inv_scale;
+  std::vector<DType> tags;
+  UnscaleScanArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+};
+
+// scale_(Tensor(a!)[] tensors, Tensor coef) -> (): coef one element of a supported dtype, dense; the
+// tensors, none at all or as unscale_scan_'s, on coef's device. `tags` is empty for an empty list.
+struct ScaleArgs {
+  TensorListArg tensors;
+  OwnedTensor coef_tensor;
+  TensorInfo coef;
+  std::vector<DType> tags;
+  ScaleArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+};
+
+// scan_difference(Tensor[] before, Tensor[] after) -> 5 tensors: each list as a scan's, then the
+// pairs (check_difference_pairs).
+struct DifferenceArgs {
+  TensorListArg before;
+  TensorListArg after;
+  DifferenceTags tags;
+  DifferenceArgs(StableIValue* stack, uint64_t num_args, uint64_t num_outputs);
+};
+
 // scan_into_(Tensor[] tensors, bool fp16_range, Tensor(a!) counts, Tensor(b!) stats, int column) -> ():
 // the scan's per-tensor results written into columns [column, column + N) of buffers the caller
 // keeps, with no totals and nothing allocated (the activation watch's call per module:
-// nanscan/activations.py). Its arguments read from a boxed kernel's stack and checked as every backend
-// checks them, everything before anything is written: the tensors as a scan's; counts int64
-// [2 or, with fp16_range, 4, W] and stats float64 [3, W], both contiguous on the tensors' device; the
-// N columns inside the W. `out` points at the first of them.
+// nanscan/activations.py). The tensors as a scan's; counts int64 [2 or, with fp16_range, 4, W] and
+// stats float64 [3, W], both contiguous on the tensors' device; the N columns inside the W. `out`
+// points at the first of them.
 struct ScanIntoArgs {
   TensorListArg tensors;
   OwnedTensor counts_tensor, stats_tensor;
