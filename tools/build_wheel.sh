@@ -103,5 +103,5 @@ PATH="$tools_venv/bin:$PATH" auditwheel repair --plat manylinux_2_28_x86_64 --st
   --exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libcudart.so.*' -w "$out" "${built[0]}"
 wheel=$(ls -t "$out"/nanscan-*manylinux*.whl | head -n 1)
 "$tools_venv/bin/abi3audit" --strict --summary "$wheel"
-echo "build_wheel.sh: $wheel"
+echo "build_wheel.sh: $wheel ($(du -h "$wheel" | cut -f1))"
 "$PY" -m zipfile -l "$wheel" | grep -E '\.so' || true
