@@ -150,11 +150,12 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def per_call(device: torch.device, rounds: int) -> float:
-    """The host time a sampled module call adds with ``watch every=1``, in us: a stack of
+def per_call(device: torch.device, rounds: int) -> dict[str, float]:
+    """The host time a sampled module call adds with ``watch every=1``, in us (``watch``): a stack of
     PER_CALL_MODULES ``Linear(4, 4)`` under ``no_grad`` timed with the watch and without, on two
     copies of one model, in rotating blocks of 50 forwards; medians over ``rounds``. What the watch's
-    cost at every=1 comes to on a GPU whose step is host-bound (benchmarks/NOTES.md entries 51, 54)."""
+    cost at every=1 comes to on a GPU whose step is host-bound (benchmarks/NOTES.md entries 51, 54).
+    Then the op's share of it, old and new (``op_call_times``)."""
     torch.manual_seed(0)
     with torch.device(device):
         models = {"plain": _Stack(), "watched": _Stack()}
@@ -180,7 +181,48 @@ def per_call(device: torch.device, rounds: int) -> float:
         f"\nhost time of a sampled module call ({PER_CALL_MODULES} Linear(4, 4) under no_grad, {rounds} rounds): "
         f"{added:.1f} us added by the watch (a plain forward {plain:.0f} us, {plain / PER_CALL_MODULES:.1f} us a module)"
     )
-    return added
+    return {"watch": added, **op_call_times(models["plain"], x, rounds)}
+
+
+def op_call_times(model: _Stack, x: torch.Tensor, rounds: int) -> dict[str, float]:
+    """The host time of the watch's op alone, each call between two module calls as in a forward: the
+    scan op as the watch called it before scan_into_ (five outputs allocated a call) beside scan_into_
+    into a pass buffer (nothing allocated: what the watch calls now), in us a call. Decides whether
+    scan_into_ earns its place on a GPU host (benchmarks/NOTES.md entry 54; on the CPU it saved
+    1-3 us of a 58-68 us call)."""
+    from nanscan._ops import scan_into_
+
+    device = x.device
+    counts = torch.zeros(4, 4096, dtype=torch.int64, device=device)
+    stats = torch.zeros(3, 4096, dtype=torch.float64, device=device)
+    ops: dict[str, Callable[[torch.Tensor], object]] = {
+        "none": lambda y: None,
+        "scan": lambda y: torch.ops.nanscan.scan.default([y], True, False),
+        "scan_into_": lambda y: scan_into_([y], True, counts, stats, 0),
+    }
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    with torch.no_grad():
+        for r in range(rounds + 1):  # the first round warms up, untimed
+            for name in list(ops)[r % 3 :] + list(ops)[: r % 3]:
+                op = ops[name]
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    y = x
+                    for layer in model.layers:
+                        y = layer(y)
+                        op(y)
+                sync()
+                if r > 0:
+                    times[name].append((time.perf_counter() - t0) / (10 * PER_CALL_MODULES) * 1e6)
+    none = statistics.median(times["none"])
+    result = {name: statistics.median(times[name]) - none for name in ("scan", "scan_into_")}
+    print(
+        f"the op alone, between two module calls: scan (five outputs) {result['scan']:.1f} us a call, "
+        f"scan_into_ (into the pass buffer) {result['scan_into_']:.1f} us"
+    )
+    return result
 
 
 def main() -> int:
@@ -271,7 +313,7 @@ def main() -> int:
     )
     if args.profile:
         profile_split(base, tokens, autocast, device)
-    per_call_us = per_call(device, 5 if args.quick else 31) if args.per_call else None
+    per_call_us = per_call(device, 5 if args.quick else 31) if args.per_call else None  # us a call
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
