@@ -181,8 +181,12 @@ def write_arch_header(arch_list: str, major: int) -> str:
     directory = os.path.join(ROOT, "build", f"generated-cuda{major}")
     os.makedirs(directory, exist_ok=True)
     quoted = arch_list.replace("\\", "").replace('"', "")
-    with open(os.path.join(directory, "nanscan_cuda_archs.h"), "w") as header:
-        header.write(f'// Written by setup.py.\n#pragma once\n#define NANSCAN_CUDA_ARCHS "{quoted}"\n')
+    header = Path(directory, "nanscan_cuda_archs.h")
+    text = f'// Written by setup.py.\n#pragma once\n#define NANSCAN_CUDA_ARCHS "{quoted}"\n'
+    # Rewritten only when it changes: a new time would make ninja recompile what includes it at every
+    # build (build/objects/ is kept between builds).
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
     return directory
 
 
