@@ -150,6 +150,27 @@ class _Stack(torch.nn.Module):
         return x
 
 
+def median_times_in_rotation(
+    blocks: dict[str, Callable[[], None]], rounds: int, device: torch.device
+) -> dict[str, float]:
+    """Each block's median wall time over ``rounds``, in seconds, synchronised with ``device``. A round
+    runs every block once, in an order rotated by one from the round before (no block is always
+    first, nor always after the same one); one more round first warms up, untimed."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    names = list(blocks)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            sync()
+            t0 = time.perf_counter()
+            blocks[name]()
+            sync()
+            if r > 0:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(times[name]) for name in names}
+
+
 def per_call(device: torch.device, rounds: int) -> dict[str, float]:
     """The host time a sampled module call adds with ``watch every=1``, in us (``watch``): a stack of
     PER_CALL_MODULES ``Linear(4, 4)`` under ``no_grad`` timed with the watch and without, on two
@@ -162,20 +183,18 @@ def per_call(device: torch.device, rounds: int) -> dict[str, float]:
         x = torch.randn(2, 4)
     models["watched"].load_state_dict(models["plain"].state_dict())
     watch = nanscan.watch_activations(models["watched"])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in models}
+
+    def forwards(model: _Stack) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(50):
+                model(x)
+
+        return run
+
     with torch.no_grad():
-        for r in range(rounds + 1):  # the first round warms up, untimed
-            for name in list(models)[r % 2 :] + list(models)[: r % 2]:
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    models[name](x)
-                sync()
-                if r > 0:
-                    times[name].append((time.perf_counter() - t0) / 50 * 1e6)
+        seconds = median_times_in_rotation({name: forwards(m) for name, m in models.items()}, rounds, device)
     watch.remove()
-    plain, watched = statistics.median(times["plain"]), statistics.median(times["watched"])
+    plain, watched = (seconds[name] / 50 * 1e6 for name in ("plain", "watched"))
     added = (watched - plain) / PER_CALL_MODULES
     print(
         f"\nhost time of a sampled module call ({PER_CALL_MODULES} Linear(4, 4) under no_grad, {rounds} rounds): "
@@ -200,24 +219,21 @@ def op_call_times(model: _Stack, x: torch.Tensor, rounds: int) -> dict[str, floa
         "scan": lambda y: torch.ops.nanscan.scan.default([y], True, False),
         "scan_into_": lambda y: scan_into_([y], True, counts, stats, 0),
     }
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in ops}
+
+    def forwards_with(op: Callable[[torch.Tensor], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(10):
+                y = x
+                for layer in model.layers:
+                    y = layer(y)
+                    op(y)
+
+        return run
+
     with torch.no_grad():
-        for r in range(rounds + 1):  # the first round warms up, untimed
-            for name in list(ops)[r % 3 :] + list(ops)[: r % 3]:
-                op = ops[name]
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    y = x
-                    for layer in model.layers:
-                        y = layer(y)
-                        op(y)
-                sync()
-                if r > 0:
-                    times[name].append((time.perf_counter() - t0) / (10 * PER_CALL_MODULES) * 1e6)
-    none = statistics.median(times["none"])
-    result = {name: statistics.median(times[name]) - none for name in ("scan", "scan_into_")}
+        seconds = median_times_in_rotation({name: forwards_with(op) for name, op in ops.items()}, rounds, device)
+    us = {name: t / (10 * PER_CALL_MODULES) * 1e6 for name, t in seconds.items()}
+    result = {name: us[name] - us["none"] for name in ("scan", "scan_into_")}
     print(
         f"the op alone, between two module calls: scan (five outputs) {result['scan']:.1f} us a call, "
         f"scan_into_ (into the pass buffer) {result['scan_into_']:.1f} us"
