@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import platform
 import statistics
@@ -150,25 +151,34 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def median_times_in_rotation(
-    blocks: dict[str, Callable[[], None]], rounds: int, device: torch.device
-) -> dict[str, float]:
-    """Each block's median wall time over ``rounds``, in seconds, synchronised with ``device``. A round
+def times_in_rotation(blocks: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each block's time in each of ``rounds`` rounds, as the block measures and returns it. A round
     runs every block once, in an order rotated by one from the round before (no block is always
     first, nor always after the same one); one more round first warms up, untimed."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     names = list(blocks)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):
         start = r % len(names)
         for name in names[start:] + names[:start]:
-            sync()
-            t0 = time.perf_counter()
-            blocks[name]()
-            sync()
+            elapsed = blocks[name]()
             if r > 0:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(times[name]) for name in names}
+                times[name].append(elapsed)
+    return times
+
+
+def timed(run: Callable[[], None], device: torch.device) -> Callable[[], float]:
+    """``run`` as a block for ``times_in_rotation``: its wall time in seconds, synchronised with
+    ``device`` before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def block() -> float:
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - t0
+
+    return block
 
 
 def per_call(device: torch.device, rounds: int) -> dict[str, float]:
@@ -192,9 +202,9 @@ def per_call(device: torch.device, rounds: int) -> dict[str, float]:
         return run
 
     with torch.no_grad():
-        seconds = median_times_in_rotation({name: forwards(m) for name, m in models.items()}, rounds, device)
+        seconds = times_in_rotation({name: timed(forwards(m), device) for name, m in models.items()}, rounds)
     watch.remove()
-    plain, watched = (seconds[name] / 50 * 1e6 for name in ("plain", "watched"))
+    plain, watched = (statistics.median(seconds[name]) / 50 * 1e6 for name in ("plain", "watched"))
     added = (watched - plain) / PER_CALL_MODULES
     print(
         f"\nhost time of a sampled module call ({PER_CALL_MODULES} Linear(4, 4) under no_grad, {rounds} rounds): "
@@ -231,8 +241,8 @@ def op_call_times(model: _Stack, x: torch.Tensor, rounds: int) -> dict[str, floa
         return run
 
     with torch.no_grad():
-        seconds = median_times_in_rotation({name: forwards_with(op) for name, op in ops.items()}, rounds, device)
-    us = {name: t / (10 * PER_CALL_MODULES) * 1e6 for name, t in seconds.items()}
+        seconds = times_in_rotation({name: timed(forwards_with(op), device) for name, op in ops.items()}, rounds)
+    us = {name: statistics.median(t) / (10 * PER_CALL_MODULES) * 1e6 for name, t in seconds.items()}
     result = {name: us[name] - us["none"] for name in ("scan", "scan_into_")}
     print(
         f"the op alone, between two module calls: scan (five outputs) {result['scan']:.1f} us a call, "
@@ -308,12 +318,7 @@ def main() -> int:
             last_watch[name] = watch
         return elapsed
 
-    for name in names:  # warm-up: one block each
-        block(name)
-    per_step: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            per_step[name].append(block(name))
+    per_step = times_in_rotation({name: functools.partial(block, name) for name in names}, rounds)
     plain = statistics.median(per_step["plain"])
     rows = []
     print(f"\n{'method':<28}{'ms/step':>10}{'overhead':>10}")
