@@ -1,19 +1,22 @@
-"""Where a CUDA scan reads its list's metadata from, and what each place costs (issue 9, item 5).
+"""Where a CUDA scan reads its list's metadata from, and what each place costs (issue 9, item 5;
+benchmarks/NOTES.md entries 28 and 58).
 
     python benchmarks/bench_list_layout.py              # CUDA only; ~30 s on an H100
-    python benchmarks/bench_list_layout.py --large-inline 256   # a library built with
-                                                        # NVCC_APPEND_FLAGS=-DNANSCAN_LARGE_INLINE_TENSORS=256
 
 A list's metadata (pointers, sizes, dtypes, the cost table) travels in the kernel's parameters when
-it fits: up to 256 tensors in a small parameter block, up to 1,300 in a 32 KB one. A longer list is read from a device copy, uploaded once and then found in the
-binding's cache on every later call. Inside a CUDA graph the copy is made for the graph and its
-upload (one small kernel per 32 KB slice of the blob) is part of every replay. Two questions:
+it fits, up to 256 tensors. A longer list is read from a device copy, uploaded at its first call and
+then found in the binding's cache (8 lists per stream) on every later call. Inside a CUDA graph the
+copy is made for the graph and its upload (one small kernel per 32 KB slice of the blob) is part of
+every replay. Two questions:
 
-* **The inline capacity.** 1K-element fp32 tensors at 256 and 257 tensors, and at the large inline
-  capacity and one more: the step from the parameters to device memory, in GPU time per tensor
-  (CUDA events around a burst of calls, median of bursts) and in host time per tensor (the burst's
-  wall time, no sync inside it). If the device copy cost no more than the parameters, the 32 KB
-  parameter block (copied at every launch) would not be worth having.
+* **The parameters against the device copy.** 1K-element fp32 tensors at 256 tensors (the
+  parameters) and at 257 and 1,300 (a device copy), in GPU time per tensor (CUDA events around a
+  burst of calls, median of bursts) and in host time per tensor (the burst's wall time, no sync
+  inside it). Each device-copy length twice: one list called again and again (its copy found in the
+  cache), and nine lists in turn, so that every call misses the cache (allocates, uploads and evicts):
+  a loop whose gradients move between steps. Until entry 58 a 32 KB parameter block carried lists of
+  257 to 1,300 tensors at any address; the misses are what the device copy costs where that block did
+  not depend on the cache.
 * **Graph replays of a long list.** 10,000 x 1K fp32: one replay of a captured scan against the
   same scan run eagerly (its blob found in the cache), both in GPU time. The difference is what the
   replay's upload kernels cost; torch's profiler names the kernels of one replay where it can see
@@ -27,6 +30,7 @@ cost, which L2 residency isolates; bench_scan.py measures the cold read.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -39,11 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import nanscan  # noqa: E402, F401 (registers torch.ops.nanscan)
 
-# The kernels' two parameter blocks (csrc/cuda/scan_cuda.cu: kSmallInlineTensors and
-# kLargeInlineTensors, which a build flag moves: --large-inline says where); a longer list is read
-# from a device copy.
-SMALL_INLINE_TENSORS = 256
-LARGE_INLINE_TENSORS = 1300
+# The longest list the kernels' parameters carry (csrc/cuda/scan_cuda.cu: kInlineTensors); a longer
+# one is read from a device copy.
+INLINE_TENSORS = 256
+# More lists than the binding's cache keeps per stream (csrc/cuda_binding.cpp: DeviceListCache), so
+# that calling them in turn misses it every time.
+CACHE_MISSING_LISTS = 9
 
 
 def burst_times(call, calls: int, bursts: int) -> tuple[float, float]:
@@ -74,23 +79,19 @@ def burst_times(call, calls: int, bursts: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(host)
 
 
-def layout_of(count: int, large_inline: int) -> str:
-    if count <= SMALL_INLINE_TENSORS:
-        return "parameters (small block)"
-    if count <= large_inline:
-        return "parameters (32 KB block)"
-    return "device copy (cached)"
-
-
-def inline_capacity(calls: int, bursts: int, large_inline: int) -> list[dict]:
+def inline_capacity(calls: int, bursts: int) -> list[dict]:
     rows = []
-    for count in (SMALL_INLINE_TENSORS, SMALL_INLINE_TENSORS + 1, LARGE_INLINE_TENSORS, LARGE_INLINE_TENSORS + 1):
-        grads = [torch.randn(1024, device="cuda") for _ in range(count)]
-        gpu_ms, host_ms = burst_times(lambda grads=grads: torch.ops.nanscan.scan(grads), calls, bursts)
+    cases = [(INLINE_TENSORS, 1, "parameters"), (INLINE_TENSORS + 1, 1, "device copy (cached)")]
+    cases += [(INLINE_TENSORS + 1, CACHE_MISSING_LISTS, "device copy (a miss a call)")]
+    cases += [(1300, 1, "device copy (cached)"), (1300, CACHE_MISSING_LISTS, "device copy (a miss a call)")]
+    for count, num_lists, metadata in cases:
+        lists = itertools.cycle([[torch.randn(1024, device="cuda") for _ in range(count)] for _ in range(num_lists)])
+        gpu_ms, host_ms = burst_times(lambda lists=lists: torch.ops.nanscan.scan(next(lists)), calls, bursts)
         rows.append(
             {
                 "tensors": count,
-                "metadata": layout_of(count, large_inline),
+                "lists_in_turn": num_lists,
+                "metadata": metadata,
                 "gpu_us": gpu_ms * 1e3,
                 "gpu_ns_per_tensor": gpu_ms * 1e6 / count,
                 "host_us": host_ms * 1e3,
@@ -99,7 +100,7 @@ def inline_capacity(calls: int, bursts: int, large_inline: int) -> list[dict]:
         )
         r = rows[-1]
         print(
-            f"{count:>6}  {r['metadata']:<26} GPU {r['gpu_us']:8.2f} us ({r['gpu_ns_per_tensor']:6.2f} ns/tensor)"
+            f"{count:>6}  {r['metadata']:<28} GPU {r['gpu_us']:8.2f} us ({r['gpu_ns_per_tensor']:6.2f} ns/tensor)"
             f"  host {r['host_us']:8.2f} us ({r['host_ns_per_tensor']:6.1f} ns/tensor)",
             flush=True,
         )
@@ -171,20 +172,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50, help="calls per timed burst")
     parser.add_argument("--bursts", type=int, default=15)
     parser.add_argument("--tensors", type=int, default=10_000, help="list length of the graph-replay case")
-    parser.add_argument(
-        "--large-inline",
-        type=int,
-        default=LARGE_INLINE_TENSORS,
-        help="the library's large parameter capacity (its NANSCAN_LARGE_INLINE_TENSORS), for the labels",
-    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_list_layout.py measures the CUDA kernels' metadata paths: it needs a GPU")
     torch.manual_seed(0)
     print(f"nanscan, torch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%dT%H:%M:%S')}")
-    print("== the inline capacity: 1K fp32 tensors per list")
-    layout = inline_capacity(args.calls, args.bursts, args.large_inline)
+    print("== the parameters against the device copy: 1K fp32 tensors per list")
+    layout = inline_capacity(args.calls, args.bursts)
     print("== a graph replay of a long list")
     replay = graph_replay(args.tensors, args.calls, args.bursts)
     if args.json:

@@ -49,20 +49,14 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnroll = 4;
 static_assert(kFoldFanIn == kWarpSize, "a fold reads one partial per lane");
 
-// Kernel parameters may take 32764 bytes (CUDA 12.1+, sm_70+). Lists travel inline in one of two
-// capacities; 0 stands for "in device memory". On an H100 a launch with the 32 KB block cost ~2.4 us
-// more than one with the small block, and a cached device copy nothing measurable; the large block
-// stays because its cost does not depend on the cache hitting (the cache is keyed by the gradients'
-// addresses; a miss allocates and uploads) nor on a graph re-uploading (benchmarks/NOTES.md, entry 28).
-// NANSCAN_LARGE_INLINE_TENSORS (a build flag) moves the second capacity, for
-// benchmarks/bench_list_layout.py to measure: at 256, lists past the small block go to device memory.
+// Kernel parameters may take 32764 bytes (CUDA 12.1+, sm_70+). A list of up to 256 tensors travels
+// inline in them; a longer one is read from a device copy (capacity 0 stands for that), found in the
+// binding's cache from the second call on. There was a second inline capacity, 1,300 tensors in a
+// 32 KB block, until entry 58 of benchmarks/NOTES.md: on an H100 a launch with that block cost ~2.4 us
+// more GPU time than the cached device copy it stood in for (entry 28), and each capacity is another
+// instance of every kernel, a third of the CUDA library's compile.
 constexpr size_t kParameterBytes = 32764;
-constexpr int32_t kSmallInlineTensors = 256;
-#ifdef NANSCAN_LARGE_INLINE_TENSORS
-constexpr int32_t kLargeInlineTensors = NANSCAN_LARGE_INLINE_TENSORS;
-#else
-constexpr int32_t kLargeInlineTensors = 1300;
-#endif
+constexpr int32_t kInlineTensors = 256;
 constexpr int32_t kDeviceList = 0;
 
 // The list as a kernel receives it: the blob inline, or a pointer to its device copy.
@@ -116,8 +110,8 @@ struct ScaleParams {
   CoefRounding rounding;
 };
 
-static_assert(sizeof(ScanParams<kLargeInlineTensors>) <= kParameterBytes, "scan parameters exceed 32764 bytes");
-static_assert(sizeof(ScaleParams<kLargeInlineTensors>) <= kParameterBytes, "scale parameters exceed 32764 bytes");
+static_assert(sizeof(ScanParams<kInlineTensors>) <= kParameterBytes, "scan parameters exceed 32764 bytes");
+static_assert(sizeof(ScaleParams<kInlineTensors>) <= kParameterBytes, "scale parameters exceed 32764 bytes");
 
 template <class T>
 __device__ T shfl_xor(T v, int offset) {
@@ -1084,8 +1078,7 @@ struct Kernels {
 template <class Fn>
 auto with_capacity(const ListPlan& plan, Fn&& fn) {
   if (!fits_in_parameters(plan)) return fn(std::integral_constant<int32_t, kDeviceList>{});
-  if (plan.num_tensors() <= kSmallInlineTensors) return fn(std::integral_constant<int32_t, kSmallInlineTensors>{});
-  return fn(std::integral_constant<int32_t, kLargeInlineTensors>{});
+  return fn(std::integral_constant<int32_t, kInlineTensors>{});
 }
 
 size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -1140,7 +1133,7 @@ int scan_grid(const ListPlan& plan, ScanKind kind, int num_sms) {
 
 }  // namespace
 
-int32_t max_tensors_in_parameters() { return kLargeInlineTensors; }
+int32_t max_tensors_in_parameters() { return kInlineTensors; }
 
 cudaError_t upload_list(const ListPlan& plan, void* device_blob, cudaStream_t stream) {
   return upload_bytes(plan.blob(), plan.bytes(), device_blob, stream);  // a blob is a multiple of 16 bytes

@@ -726,8 +726,8 @@ void check_difference(std::mt19937_64& rng) {
       expect_difference_matches(what, befores, afters, 3);
     }
   }
-  // Mixed pairs in the large parameter blob (over 256 tensors) and in a device blob (over 1300).
-  for (int pairs : {150, 700}) {
+  // Mixed pairs in the parameter blob (up to 256 tensors) and in a device blob (over 256).
+  for (int pairs : {120, 700}) {
     std::vector<HostTensor> befores, afters;
     for (int i = 0; i < pairs; ++i) {
       const auto& [before_dtype, after_dtype] = admitted[rng() % 11];
@@ -738,8 +738,8 @@ void check_difference(std::mt19937_64& rng) {
       befores.push_back(std::move(b));
       afters.push_back(std::move(a));
     }
-    expect_difference_matches(pairs == 150 ? "difference, large parameter blob" : "difference, device blob", befores,
-                              afters, 4);
+    expect_difference_matches(pairs == 120 ? "difference, parameter blob" : "difference, device blob", befores, afters,
+                              4);
   }
 }
 
@@ -754,12 +754,13 @@ int main() {
   expect_matches("400-block grid", wide, run_scan(wide, ScanKind::Plain, 2), false);
   check_block_order_does_not_matter("400-block grid", wide, 2);
   cuda_emulator::blocks_per_sm = 1;
-  // Parameter blob, small capacity (<= 256 tensors), two and five "multiprocessors".
+  // Parameter blob (<= 256 tensors), two and five "multiprocessors"; 256 exactly, the longest it holds.
   check_scan("small list", random_list(rng, 60, 20000, true), 2);
   check_scan("small list, 5 SMs", random_list(rng, 200, 5000, true), 5);
-  // Parameter blob, large capacity.
-  check_scan("large list", random_list(rng, 700, 3000, true), 3);
-  // Device blob (over 1300 tensors), written by the upload kernel.
+  check_scan("full parameter blob", random_list(rng, 256, 3000, true), 3);
+  // Device blob (over 256 tensors), written by the upload kernel: one past the parameters, and a list
+  // whose blob takes more than one upload (32 KB each).
+  check_scan("device list, 257 tensors", random_list(rng, 257, 3000, true), 3);
   check_scan("device list", random_list(rng, 1700, 400, true), 4);
   // Fold tree: a tensor met by a few warps (one group), by over 32 (two levels), and by over 1024 (over
   // 32 groups): a grid of one block per "multiprocessor", about a chunk per warp.
