@@ -44,7 +44,7 @@
 #   tools/gpu_session.sh capabilities      # build, then bench_activations (GPT-2 size, fp16 autocast,
 #                                          # with its --profile split), bench_state on the GPU
 #                                          # (check_state, and the update watch's sampled step:
-#                                          # --updates) and bench_host (~2.5 minutes)
+#                                          # --updates), bench_host and bench_list_layout (~3.5 minutes)
 #   tools/gpu_session.sh wheel WHEEL       # the wheel as it ships (tools/build_wheel.sh, carried in:
 #                                          # dist/ is git-ignored): its libraries in a copy of the
 #                                          # checkout, no build; --version, test_build.py with a CUDA
@@ -67,7 +67,7 @@
 #   device:       NANSCAN_PREBUILT=1 tools/gpu_session.sh lend     (~7-8 min: the CUDA tests, then
 #                 the suite with the sanitizer beside it)
 #   device, at once on the warm machine (it goes back after 30 s idle):
-#                 NANSCAN_PREBUILT=1 tools/gpu_session.sh capabilities   (~2.5 min)
+#                 NANSCAN_PREBUILT=1 tools/gpu_session.sh capabilities   (~3.5 min)
 #
 # memcheck, racecheck and synccheck instrument nanscan's kernels only (the sanitizer's kernel-name
 # filter: "nanscan" is in their names); initcheck instruments every kernel, since it would take a
@@ -369,6 +369,10 @@ capabilities() {
       --json "$out/state_cuda.json" 2>&1 | tee "$out/state_cuda.txt" | tail -14 || echo "state: exit $?"
   # The host floor again, after the writing ops' change (NOTES.md entry 49; ~20 s).
   timeout 45 "$PY" benchmarks/bench_host.py --device cuda 2>&1 | tee "$out/host_cuda.txt" || echo "host: exit $?"
+  # Lists past 256 tensors read the device copy since NOTES.md entry 58 (the 32 KB parameter block
+  # gone): the cached copy and a miss every call against the parameters, the trade it predicts (~30 s).
+  timeout 75 "$PY" benchmarks/bench_list_layout.py --json "$out/list_layout.json" 2>&1 | tee "$out/list_layout.txt" ||
+    echo "list layout: exit $?"
 }
 
 # One lend's first command: the stages in the order of their need, each bounded (seconds), so that a

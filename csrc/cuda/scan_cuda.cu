@@ -17,9 +17,9 @@
 // from run to run on a device. Nothing is allocated, nothing syncs with the host, and the only state
 // (arrival counters) is zeroed by a memset in the same call, which a CUDA graph replays.
 //
-// The list's metadata travels in the kernel parameters when it fits (two sizes, so that a 150-tensor
-// model does not pay for copying 32 KB of parameters per launch); longer lists are read from a device
-// copy of the same blob (upload_list; the binding keeps such copies across calls).
+// The list's metadata travels in the kernel parameters when it fits (up to 256 tensors, 6.4 KB);
+// longer lists are read from a device copy of the same blob (upload_list; the binding keeps such
+// copies across calls).
 #include "scan_cuda.h"
 
 #include <cuda_bf16.h>

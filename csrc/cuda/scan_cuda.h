@@ -12,8 +12,9 @@
 
 namespace nanscan::cuda {
 
-// Lists of up to this many tensors travel inside the kernel parameters (32 KB since CUDA 12.1 on
-// sm_70+). Longer lists are read from a device copy of their blob (see upload_list).
+// Lists of up to this many tensors travel inside the kernel parameters (past the 4 KB of old: up to
+// 32 KB since CUDA 12.1 on sm_70+). Longer lists are read from a device copy of their blob (see
+// upload_list).
 int32_t max_tensors_in_parameters();
 
 inline bool fits_in_parameters(const ListPlan& plan) { return plan.num_tensors() <= max_tensors_in_parameters(); }
