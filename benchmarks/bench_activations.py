@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nanscan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_locate import DECODER_SIZES, QUICK_DECODER
+from bench_locate import DECODER_SIZES, QUICK_DECODER, OpRows, profiled_ops
 
 from models import Decoder
 
@@ -84,36 +84,17 @@ def profile_split(
     self host time and self device time per step, for the ops whose totals the watch changes most,
     and the count and device time of the watch's scans. Says whether the watch's cost on a GPU is
     host time (its hooks, its launches) or device time (its kernels), and which op holds it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step = step_fn(model, tokens, autocast)
-    totals: dict[str, dict[str, tuple[int, float, float]]] = {}
+    totals: dict[str, OpRows] = {}
     walls: dict[str, float] = {}
     for name in ("plain", "watch every=1"):
         watch = nanscan.watch_activations(model) if name != "plain" else None
-        step()  # a warm step, outside the profile
-        sync()
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for _ in range(BLOCK):
-                step()
-            sync()
-            walls[name] = (time.perf_counter() - t0) / BLOCK * 1e3
+        walls[name], totals[name] = profiled_ops(step, BLOCK, device)
         if watch is not None:
             watch.remove()
-        totals[name] = {
-            event.key: (
-                event.count // BLOCK,
-                event.self_cpu_time_total / BLOCK / 1e3,
-                getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) / BLOCK / 1e3,
-            )
-            for event in prof.key_averages()
-        }
     plain, watched = totals["plain"], totals["watch every=1"]
 
-    def summed(rows: dict[str, tuple[int, float, float]], column: int) -> float:
+    def summed(rows: OpRows, column: int) -> float:
         return sum(row[column] for row in rows.values())
 
     print(

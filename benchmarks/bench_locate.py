@@ -176,6 +176,36 @@ def time_methods(
     return times
 
 
+# Per op, as the profiler keys it: (calls, self host ms, self device ms), each per call of the run.
+OpRows = dict[str, tuple[int, float, float]]
+
+
+def profiled_ops(run: Callable[[], object], calls: int, device: torch.device) -> tuple[float, OpRows]:
+    """``calls`` calls of ``run`` under torch's profiler (host activity, and the device's on CUDA),
+    after one call outside it: the wall ms per call under the profiler, and each op's rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        sync()
+        wall_ms = (time.perf_counter() - t0) / calls * 1e3
+    rows = {
+        event.key: (
+            event.count // calls,
+            event.self_cpu_time_total / calls / 1e3,
+            getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) / calls / 1e3,
+        )
+        for event in prof.key_averages()
+    }
+    return wall_ms, rows
+
+
 def events_per_step(model: torch.nn.Module, loss: Loss, autocast: bool) -> int:
     with locate(model) as trace:
         run_step(model, loss, autocast)

@@ -4,6 +4,7 @@
     python benchmarks/bench_state.py --quick              # smoke test
     python benchmarks/bench_state.py --device cuda --models gpt2-small,llama-1b   # on a GPU
     python benchmarks/bench_state.py --updates            # watch_updates' sampled step instead
+    python benchmarks/bench_state.py ... --profile        # then where one check_state call's time goes, by op
 
 For each zoo list (benchmarks/zoo.json: real models' parameter shapes), fp32 parameters and the two
 Adam moments of each (``exp_avg``, ``exp_avg_sq``; an optimizer.state built as torch.optim.Adam
@@ -22,6 +23,11 @@ states can be host-bound where its bytes take less time than its calls (``check_
 ``host ms``).
 
 The target (issue 30): check_state at most 1.15x the ceiling.
+
+``--profile`` then runs check_state's timed method (the call, ``report.finite``, a sync) under torch's
+profiler for each list and prints the ops that hold its time, host and device apart: on an H200,
+GPT-2-small's call took 1.08 ms against 0.33 ms of host time and 0.36 ms of GPU time, the rest
+unexplained (benchmarks/RESULTS.md, 2026-11-29).
 
 ``--updates`` measures ``nanscan.watch_updates``' sampled step instead, over fp32 weights of the zoo
 list's shapes (their bytes W): its two hooks (the copy before ``optimizer.step()``, the pass after
@@ -47,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nanscan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_locate import time_methods
+from bench_locate import profiled_ops, time_methods
 from bench_scan import SYNTHETIC, Method, gpu_and_host_times
 
 ZOO = Path(__file__).resolve().parent / "zoo.json"
@@ -103,6 +109,31 @@ def measure(name: str, shapes: list[list[int]], device: torch.device, rounds: in
         **figures,
         "ratio": figures["check_state"] / figures["ceiling"],
     }
+
+
+PROFILE_CALLS = 10
+PROFILE_OPS = 12  # printed, the longest first
+
+
+def profile_check_state(name: str, shapes: list[list[int]], device: torch.device) -> None:
+    """check_state's timed method under torch's profiler: the wall time per call, the self host and
+    self device time summed over ops, and the ops that hold the most of either."""
+    params, optimizer = adam_state(shapes, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed_call() -> None:  # as measure() times it: the call, the one read a caller makes, a sync
+        _ = nanscan.check_state(params, optimizer).finite
+        sync()
+
+    wall_ms, rows = profiled_ops(timed_call, PROFILE_CALLS, device)
+    host_ms, device_ms = sum(r[1] for r in rows.values()), sum(r[2] for r in rows.values())
+    print(
+        f"\n{name}: check_state under the profiler, ms per call: wall {wall_ms:.3f}, self host time {host_ms:.3f}, "
+        f"self device time {device_ms:.3f}"
+    )
+    print(f"{'op (the most time, host or device)':<60}{'calls':>7}{'host ms':>9}{'device ms':>10}")
+    for key, (calls, host, dev) in sorted(rows.items(), key=lambda kv: -max(kv[1][1], kv[1][2]))[:PROFILE_OPS]:
+        print(f"{key[:58]:<60}{calls:>7d}{host:>9.3f}{dev:>10.3f}")
 
 
 def measure_updates(name: str, shapes: list[list[int]], device: torch.device, rounds: int) -> dict[str, object]:
@@ -180,6 +211,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--updates", action="store_true", help="watch_updates' sampled step (module notes)")
+    parser.add_argument(
+        "--profile", action="store_true", help="then each list's check_state call under torch's profiler, by op"
+    )
     args = parser.parse_args()
     real = json.loads(ZOO.read_text())
     models = (
@@ -217,6 +251,9 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": str(device), "rows": rows}, indent=1))
+    if args.profile:
+        for name in models:
+            profile_check_state(name, zoo[name], device)
     return 0
 
 
