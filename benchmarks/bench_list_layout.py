@@ -1,5 +1,5 @@
 """Where a CUDA scan reads its list's metadata from, and what each place costs (issue 9, item 5;
-benchmarks/NOTES.md entries 28 and 58).
+benchmarks/NOTES.md entries 28, 58 and 59).
 
     python benchmarks/bench_list_layout.py              # CUDA only; ~30 s on an H100
 
@@ -17,6 +17,11 @@ every replay. Two questions:
   a loop whose gradients move between steps. Until entry 58 a 32 KB parameter block carried lists of
   257 to 1,300 tensors at any address; the misses are what the device copy costs where that block did
   not depend on the cache.
+* **The replica checksums at a model's length.** The checksum scan has no kernel that takes the list
+  in its parameters (entry 59): every list, however short, is read from a device copy. 148 tensors
+  (GPT-2-small's parameter count), cached and with a miss a call, beside the plain scan of the same
+  lists in the parameters. The checksum kernel does more work per element, so the two differ by more
+  than the metadata; the cached and missing rows isolate the copy's cost.
 * **Graph replays of a long list.** 10,000 x 1K fp32: one replay of a captured scan against the
   same scan run eagerly (its blob found in the cache), both in GPU time. The difference is what the
   replay's upload kernels cost; torch's profiler names the kernels of one replay where it can see
@@ -79,17 +84,29 @@ def burst_times(call, calls: int, bursts: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(host)
 
 
+# GPT-2-small's parameter count (zoo.json): the checksum rows' list length.
+MODEL_TENSORS = 148
+
+
 def inline_capacity(calls: int, bursts: int) -> list[dict]:
     rows = []
-    cases = [(INLINE_TENSORS, 1, "parameters"), (INLINE_TENSORS + 1, 1, "device copy (cached)")]
-    cases += [(INLINE_TENSORS + 1, CACHE_MISSING_LISTS, "device copy (a miss a call)")]
-    cases += [(1300, 1, "device copy (cached)"), (1300, CACHE_MISSING_LISTS, "device copy (a miss a call)")]
-    for count, num_lists, metadata in cases:
+    cases = [(INLINE_TENSORS, 1, False, "parameters"), (INLINE_TENSORS + 1, 1, False, "device copy (cached)")]
+    cases += [(INLINE_TENSORS + 1, CACHE_MISSING_LISTS, False, "device copy (a miss a call)")]
+    cases += [
+        (1300, 1, False, "device copy (cached)"),
+        (1300, CACHE_MISSING_LISTS, False, "device copy (a miss a call)"),
+    ]
+    cases += [(MODEL_TENSORS, 1, False, "parameters"), (MODEL_TENSORS, 1, True, "device copy (cached)")]
+    cases += [(MODEL_TENSORS, CACHE_MISSING_LISTS, True, "device copy (a miss a call)")]
+    for count, num_lists, checksum, metadata in cases:
         lists = itertools.cycle([[torch.randn(1024, device="cuda") for _ in range(count)] for _ in range(num_lists)])
-        gpu_ms, host_ms = burst_times(lambda lists=lists: torch.ops.nanscan.scan(next(lists)), calls, bursts)
+        gpu_ms, host_ms = burst_times(
+            lambda lists=lists, checksum=checksum: torch.ops.nanscan.scan(next(lists), False, checksum), calls, bursts
+        )
         rows.append(
             {
                 "tensors": count,
+                "scan": "checksum" if checksum else "plain",
                 "lists_in_turn": num_lists,
                 "metadata": metadata,
                 "gpu_us": gpu_ms * 1e3,
@@ -100,7 +117,7 @@ def inline_capacity(calls: int, bursts: int) -> list[dict]:
         )
         r = rows[-1]
         print(
-            f"{count:>6}  {r['metadata']:<28} GPU {r['gpu_us']:8.2f} us ({r['gpu_ns_per_tensor']:6.2f} ns/tensor)"
+            f"{count:>6}  {r['scan']:<8} {r['metadata']:<28} GPU {r['gpu_us']:8.2f} us ({r['gpu_ns_per_tensor']:6.2f} ns/tensor)"
             f"  host {r['host_us']:8.2f} us ({r['host_ns_per_tensor']:6.1f} ns/tensor)",
             flush=True,
         )

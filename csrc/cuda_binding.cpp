@@ -177,7 +177,8 @@ class OwnedDeviceBlob {
   int device_;
 };
 
-// Device copies of list blobs too long for the kernel parameters. A training loop scans the same
+// Device copies of list blobs that a kernel does not take in its parameters: lists too long for them,
+// and every list of a kind without an inline kernel (cuda::has_inline_kernel). A training loop scans the same
 // gradients on the same stream step after step, so from the second step on its blob is found here
 // and a scan of 10,000 tensors is one launch with no upload. An entry serves only the stream it was
 // uploaded on (so no cross-stream ordering is needed, and freeing it on eviction is stream-ordered);
@@ -240,9 +241,11 @@ struct DeviceList {
   OwnedTensor for_this_call;
 };
 
-DeviceList device_list(const cuda::ListPlan& plan, const TensorInfo& like, cudaStream_t stream) {
+// `in_parameters`: the kernel takes the list in its parameters (cuda::list_in_parameters for a scan,
+// cuda::fits_in_parameters for a scale), so no copy is made.
+DeviceList device_list(const cuda::ListPlan& plan, bool in_parameters, const TensorInfo& like, cudaStream_t stream) {
   DeviceList list;
-  if (cuda::fits_in_parameters(plan)) return list;
+  if (in_parameters) return list;
   if (!is_capturing(stream) && has_stream_ordered_allocator()) {
     list.cached = device_list_cache().find_or_upload(plan, like.device_index, stream);
     if (list.cached != nullptr) {
@@ -295,7 +298,7 @@ void multiply_in_place(const TensorListArg& tensors, const std::vector<DType>& t
   }
   if (dense.empty()) return;
   const cuda::ListPlan& plan = plan_of(dense);
-  const DeviceList list = device_list(plan, tensors[0], stream);
+  const DeviceList list = device_list(plan, cuda::fits_in_parameters(plan), tensors[0], stream);
   // Whether the kernel writes is decided on the device (coef == 1 writes nothing); the host cannot
   // know without a sync, so nanscan/_ops.py counts every call as a write of every tensor.
   check_launch(cuda::scale(plan, list.blob, coef.data, coef_tag, rounding, sm_count(), stream));
@@ -314,7 +317,7 @@ void launch_scan(const TensorListArg& tensors, const std::vector<DType>& tags, c
                                                      : cuda::ScanKind::Plain;
   const TensorInfo& like = tensors[0];
   const cudaStream_t stream = current_stream(like.device_index);
-  const DeviceList list = device_list(plan, like, stream);
+  const DeviceList list = device_list(plan, cuda::list_in_parameters(plan, kind), like, stream);
   const int num_sms = sm_count();
   const auto workspace_bytes = static_cast<int64_t>(cuda::scan_workspace_bytes(plan, kind, num_sms));
   const OwnedTensor workspace = empty({workspace_bytes}, dtype_codes().uint8, like.device_type, like.device_index);
@@ -406,7 +409,7 @@ void scan_difference_cuda(StableIValue* stack, uint64_t num_args, uint64_t num_o
   const cuda::ListPlan& plan = plan_of(args);
   const cudaStream_t stream = current_stream(like.device_index);
   ScanOutputs out = allocate_scan_outputs(tags.all, like, ScanOptions{});
-  const DeviceList list = device_list(plan, like, stream);
+  const DeviceList list = device_list(plan, cuda::list_in_parameters(plan, cuda::ScanKind::Difference), like, stream);
   const int num_sms = sm_count();
   const auto workspace_bytes =
       static_cast<int64_t>(cuda::scan_workspace_bytes(plan, cuda::ScanKind::Difference, num_sms));

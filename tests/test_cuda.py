@@ -91,6 +91,26 @@ def test_device_list_cache_eviction_and_streams() -> None:
     assert_matches_reference(result, lists[0])
 
 
+def test_a_short_lists_checksums_read_its_device_copy_and_find_it_again() -> None:
+    """The checksum scan has no kernel that takes the list in its parameters (cuda::has_inline_kernel):
+    a list of a model's length is uploaded once, then found in the cache; the plain scan of the same
+    list uploads nothing. Both give the CPU's results."""
+    tensors = [random_tensor(100 + i, torch.float32, "cuda") for i in range(37)]
+    tensors[5].view(-1)[3] = math.nan
+    first: list[nanscan.ScanResult] = []
+    kernels = nanscan_kernels_launched(lambda: first.append(nanscan.scan(tensors, checksum=True)))
+    assert any("upload_kernel" in k for k in kernels), f"no device copy made: {kernels}"
+    again: list[nanscan.ScanResult] = []
+    kernels = nanscan_kernels_launched(lambda: again.append(nanscan.scan(tensors, checksum=True)))
+    assert not any("upload_kernel" in k for k in kernels), f"not found in the cache: {kernels}"
+    cpu = nanscan.scan([t.cpu() for t in tensors], checksum=True)
+    for result in (first[0], again[0]):
+        assert torch.equal(result.checksum.cpu(), cpu.checksum)
+        assert torch.equal(result.nan_count.cpu(), cpu.nan_count)
+    kernels = nanscan_kernels_launched(lambda: nanscan.scan(tensors))
+    assert not any("upload_kernel" in k for k in kernels), f"the plain scan made a device copy: {kernels}"
+
+
 def with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     """Parameters whose .grad are ``grads`` (the drop-ins clip parameters' gradients)."""
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]

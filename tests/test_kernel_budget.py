@@ -29,8 +29,8 @@ def listing(*functions: tuple[str, int, int]) -> str:
 
 
 SCAN = "11scan_kernelILb0ELb0ELb0ELi256EEEvNS1_10ScanParamsIXT2_EEE"
-SCAN_CHECKSUM = "11scan_kernelILb0ELb0ELb1ELi256EEEvNS1_10ScanParamsIXT2_EEE"
-DIFFERENCE = "17difference_kernelILi256EEEvNS1_10ScanParamsIXT_EEE"
+SCAN_CHECKSUM = "11scan_kernelILb0ELb0ELb1ELi0EEEvNS1_10ScanParamsIXT2_EEE"
+DIFFERENCE = "17difference_kernelILi0EEEvNS1_10ScanParamsIXT_EEE"
 SCALE = "12scale_kernelILi256EEEvNS1_11ScaleParamsIXT_EEE"
 SKETCH = "13sketch_kernelILl1024ELi4EEEvNS1_12SketchParamsE"
 SKETCH_ONE_WARP = "13sketch_kernelILl4096ELi1EEEvNS1_12SketchParamsE"

@@ -205,7 +205,7 @@ def test_cuda_one_launch_no_sync_and_graph_replays() -> None:
     pairs = [pair(n, b, a, 1e-3) for n, (b, a) in zip((5000, 70_000, 3, 40_000), ALL_PAIRS[:4], strict=True)]
     before = [b.cuda() for b, _ in pairs]
     after = [a.cuda() for _, a in pairs]
-    scan_difference_op(before, after)  # warm-up: the occupancy query, the caching allocator
+    scan_difference_op(before, after)  # warm-up: the occupancy query, the caching allocator, the list's device copy
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         with syncs_refused():
             scan_difference_op(before, after)

@@ -1043,41 +1043,64 @@ int grid_for(int64_t chunks, int num_sms, int blocks_per_sm) {
       std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(num_sms) * blocks_per_sm)));
 }
 
-// The kernels of one capacity, and how many blocks of each fit on a multiprocessor.
+// The kernels of one capacity, and how many blocks of each fit on a multiprocessor. The inline
+// capacity has no kernel for the kinds that always read a device copy (has_inline_kernel): none is
+// compiled, and asking for one gives null (which scan() refuses; with_capacity never asks).
 template <int32_t kCapacity>
 struct Kernels {
+  using Kernel = void (*)(ScanParams<kCapacity>);
+
   template <bool kHalfRange, bool kMultiply, bool kChecksum>
   static constexpr auto scan = scan_kernel<kHalfRange, kMultiply, kChecksum, kCapacity>;
 
-  static constexpr auto difference = difference_kernel<kCapacity>;
-
-  static auto scan_for(ScanKind kind) {
+  static Kernel scan_for(ScanKind kind) {
     switch (kind) {
+      case ScanKind::Plain: return scan<false, false, false>;
       case ScanKind::HalfRange: return scan<true, false, false>;
       case ScanKind::Unscale: return scan<false, true, false>;
-      case ScanKind::Checksum: return scan<false, false, true>;
-      case ScanKind::Difference: return difference;
-      case ScanKind::Plain: break;
+      case ScanKind::Checksum:
+        if constexpr (kCapacity == kDeviceList) {
+          return scan<false, false, true>;
+        } else {
+          return nullptr;
+        }
+      case ScanKind::Difference:
+        if constexpr (kCapacity == kDeviceList) {
+          return difference_kernel<kCapacity>;
+        } else {
+          return nullptr;
+        }
     }
-    return scan<false, false, false>;
+    return nullptr;
   }
 
   static int scan_blocks_per_sm(ScanKind kind) {
     switch (kind) {
+      case ScanKind::Plain: return resident_blocks_per_sm<scan<false, false, false>>();
       case ScanKind::HalfRange: return resident_blocks_per_sm<scan<true, false, false>>();
       case ScanKind::Unscale: return resident_blocks_per_sm<scan<false, true, false>>();
-      case ScanKind::Checksum: return resident_blocks_per_sm<scan<false, false, true>>();
-      case ScanKind::Difference: return resident_blocks_per_sm<difference>();
-      case ScanKind::Plain: break;
+      case ScanKind::Checksum:
+        if constexpr (kCapacity == kDeviceList) {
+          return resident_blocks_per_sm<scan<false, false, true>>();
+        } else {
+          return 1;
+        }
+      case ScanKind::Difference:
+        if constexpr (kCapacity == kDeviceList) {
+          return resident_blocks_per_sm<difference_kernel<kCapacity>>();
+        } else {
+          return 1;
+        }
     }
-    return resident_blocks_per_sm<scan<false, false, false>>();
+    return 1;
   }
 };
 
-// Calls fn with the ListArgs capacity a plan travels in (a std::integral_constant).
+// Calls fn with the ListArgs capacity a list travels in (a std::integral_constant): inline when
+// `in_parameters` (list_in_parameters for a scan, fits_in_parameters for a scale), else its device copy.
 template <class Fn>
-auto with_capacity(const ListPlan& plan, Fn&& fn) {
-  if (!fits_in_parameters(plan)) return fn(std::integral_constant<int32_t, kDeviceList>{});
+auto with_capacity(bool in_parameters, Fn&& fn) {
+  if (!in_parameters) return fn(std::integral_constant<int32_t, kDeviceList>{});
   return fn(std::integral_constant<int32_t, kInlineTensors>{});
 }
 
@@ -1126,7 +1149,7 @@ struct WorkspaceLayout {
 // The grid of a scan: the same for a plan, kind and device on every call, which is what keeps the
 // totals' combine order (and so their bits) fixed.
 int scan_grid(const ListPlan& plan, ScanKind kind, int num_sms) {
-  return with_capacity(plan, [&](auto capacity) {
+  return with_capacity(list_in_parameters(plan, kind), [&](auto capacity) {
     return grid_for(plan.num_chunks(), num_sms, Kernels<decltype(capacity)::value>::scan_blocks_per_sm(kind));
   });
 }
@@ -1160,9 +1183,9 @@ size_t scan_workspace_bytes(const ListPlan& plan, ScanKind kind, int num_sms) {
 }
 
 namespace {
-// A device copy is given exactly when the plan does not fit in the parameters.
-bool blob_matches_plan(const ListPlan& plan, const void* device_blob) {
-  return fits_in_parameters(plan) == (device_blob == nullptr);
+// A device copy is given exactly when the list does not travel in the kernel parameters.
+bool blob_matches_placement(bool in_parameters, const void* device_blob) {
+  return in_parameters == (device_blob == nullptr);
 }
 
 // A difference scan's plan: N befores (float32 or float64) then N afters of the same sizes, each no
@@ -1189,7 +1212,7 @@ cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, c
   if ((kind == ScanKind::HalfRange) != out.half_range) return cudaErrorInvalidValue;
   if ((kind == ScanKind::Checksum) != out.checksum) return cudaErrorInvalidValue;
   if (kind == ScanKind::Difference && !valid_pairs(plan)) return cudaErrorInvalidValue;
-  if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
+  if (!blob_matches_placement(list_in_parameters(plan, kind), device_blob)) return cudaErrorInvalidValue;
   const WorkspaceLayout layout(plan, kind, scan_grid(plan, kind, num_sms));
   // Every slot, counter and block total is indexed by the grid: refuse rather than overrun a
   // workspace sized for another.
@@ -1197,14 +1220,16 @@ cudaError_t scan(const ListPlan& plan, const void* device_blob, ScanKind kind, c
   const Workspace ws = layout.at(workspace);
   cudaError_t err = cudaMemsetAsync(ws.counters, 0, layout.counter_bytes, stream);
   if (err != cudaSuccess) return err;
-  return with_capacity(plan, [&](auto capacity) {
+  return with_capacity(list_in_parameters(plan, kind), [&](auto capacity) {
     constexpr int32_t kCapacity = decltype(capacity)::value;
+    const auto kernel = Kernels<kCapacity>::scan_for(kind);
+    if (kernel == nullptr) return cudaErrorInvalidDeviceFunction;
     ScanParams<kCapacity>& params = parameter_buffer<ScanParams<kCapacity>>();
     fill_list_args(params.list, plan, device_blob);
     params.multiply_by = multiply_by;
     params.ws = ws;
     params.out = out;
-    NANSCAN_LAUNCH(Kernels<kCapacity>::scan_for(kind), layout.grid, kThreads, stream, params);
+    NANSCAN_LAUNCH(kernel, layout.grid, kThreads, stream, params);
     return cudaGetLastError();
   });
 }
@@ -1216,8 +1241,8 @@ cudaError_t scale(const ListPlan& plan, const void* device_blob, const void* coe
     const DType d = list.dtype_of(i);
     if (d == DType::Float8E4M3FN || d == DType::Float8E5M2) return cudaErrorInvalidValue;
   }
-  if (!blob_matches_plan(plan, device_blob)) return cudaErrorInvalidValue;
-  return with_capacity(plan, [&](auto capacity) {
+  if (!blob_matches_placement(fits_in_parameters(plan), device_blob)) return cudaErrorInvalidValue;
+  return with_capacity(fits_in_parameters(plan), [&](auto capacity) {
     constexpr int32_t kCapacity = decltype(capacity)::value;
     ScaleParams<kCapacity>& params = parameter_buffer<ScaleParams<kCapacity>>();
     fill_list_args(params.list, plan, device_blob);

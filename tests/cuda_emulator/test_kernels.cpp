@@ -187,14 +187,15 @@ struct Buffer {
   void* p;
 };
 
-// A list as the binding hands it to the launcher: its plan, plus the device copy of the plan's blob
-// (written by the upload kernel) when the blob does not fit in the kernel parameters.
+// A list as the binding hands it to the launcher for a scan of `kind`: its plan, plus the device
+// copy of the plan's blob (written by the upload kernel) when the kernel does not take the list in its
+// parameters (a scale places a list as a plain scan does: in them when it fits).
 struct LaunchableList {
-  explicit LaunchableList(const std::vector<HostTensor>& tensors) {
+  explicit LaunchableList(const std::vector<HostTensor>& tensors, ScanKind kind = ScanKind::Plain) {
     std::vector<TensorArg> args;
     for (const HostTensor& t : tensors) args.push_back(TensorArg{t.data(), t.numel, t.dtype});
     CHECK(plan.build(args.data(), static_cast<int64_t>(args.size())), "plan");
-    if (!fits_in_parameters(plan)) {
+    if (!list_in_parameters(plan, kind)) {
       device_blob = std::make_unique<Buffer>(plan.bytes());
       CHECK(upload_list(plan, device_blob->p, nullptr) == cudaSuccess, "upload");
       CHECK(memcmp(device_blob->p, plan.blob(), plan.bytes()) == 0, "the upload kernel copied the blob wrongly");
@@ -228,7 +229,7 @@ bool cast_matches(const ScanOutput& out) {
 // The launcher's own sequence, as the binding drives it: plan, device blob when needed, workspace.
 ScanOutput run_scan(const std::vector<HostTensor>& tensors, ScanKind kind, int num_sms,
                     const float* multiply_by = nullptr) {
-  const LaunchableList list(tensors);
+  const LaunchableList list(tensors, kind);
   const ListPlan& plan = list.plan;
   Buffer workspace(scan_workspace_bytes(plan, kind, num_sms));
   const int64_t n = static_cast<int64_t>(tensors.size());
@@ -318,6 +319,33 @@ void check_workspace_guard(std::mt19937_64& rng) {
   CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess, "scan");
   const float want_cast = static_cast<float>(total_norm);  // compared as bits: the list may hold a NaN
   CHECK(total_norm != -1 && memcmp(&total_norm_cast, &want_cast, sizeof want_cast) == 0, "the scan wrote no total");
+}
+
+// A short list travels in the parameters for the kinds with an inline kernel and as a device copy
+// for the others (has_inline_kernel); a launch given the other placement is refused, not run.
+void check_placement_guard(std::mt19937_64& rng) {
+  const std::vector<HostTensor> tensors = random_list(rng, 12, 3000, false);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  for (const ScanKind kind : {ScanKind::Plain, ScanKind::HalfRange, ScanKind::Checksum}) {
+    const bool checksum = kind == ScanKind::Checksum, half_range = kind == ScanKind::HalfRange;
+    const LaunchableList right(tensors, kind);
+    CHECK((right.blob() == nullptr) == !checksum, "kind %d: a list of %lld %s a device copy", static_cast<int>(kind),
+          (long long)n, checksum ? "lacks" : "has");
+    // The other placement: a copy where none belongs, or none where one does.
+    const LaunchableList wrong(tensors, checksum ? ScanKind::Plain : ScanKind::Checksum);
+    Buffer workspace(scan_workspace_bytes(right.plan, kind, 2));
+    std::vector<int64_t> counts(4 * n, -1);
+    std::vector<double> stats(3 * n, -7.0);
+    double total_norm = -1;
+    bool finite = false;
+    float total_norm_cast = -1;
+    const ResultPointers ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n, n,
+                              half_range,    checksum,     &total_norm_cast, DType::Float32};
+    CHECK(
+        scan(wrong.plan, wrong.blob(), kind, ptrs, workspace.p, workspace.bytes_, 2, nullptr) == cudaErrorInvalidValue,
+        "kind %d: a launch with the other placement was accepted", static_cast<int>(kind));
+    CHECK(counts[0] == -1 && total_norm == -1, "kind %d: a refused scan wrote its outputs", static_cast<int>(kind));
+  }
 }
 
 // scan_into_'s launch: the results in columns [column, column + n) of buffers `width` wide, and no
@@ -726,7 +754,8 @@ void check_difference(std::mt19937_64& rng) {
       expect_difference_matches(what, befores, afters, 3);
     }
   }
-  // Mixed pairs in the parameter blob (up to 256 tensors) and in a device blob (over 256).
+  // Mixed pairs, always read from a device blob (the difference scan has no inline kernel): one upload
+  // (240 tensors), and a blob over 32 KB (1,400 tensors: two uploads).
   for (int pairs : {120, 700}) {
     std::vector<HostTensor> befores, afters;
     for (int i = 0; i < pairs; ++i) {
@@ -738,8 +767,7 @@ void check_difference(std::mt19937_64& rng) {
       befores.push_back(std::move(b));
       afters.push_back(std::move(a));
     }
-    expect_difference_matches(pairs == 120 ? "difference, parameter blob" : "difference, device blob", befores, afters,
-                              4);
+    expect_difference_matches(pairs == 120 ? "difference, one upload" : "difference, two uploads", befores, afters, 4);
   }
 }
 
@@ -754,7 +782,8 @@ int main() {
   expect_matches("400-block grid", wide, run_scan(wide, ScanKind::Plain, 2), false);
   check_block_order_does_not_matter("400-block grid", wide, 2);
   cuda_emulator::blocks_per_sm = 1;
-  // Parameter blob (<= 256 tensors), two and five "multiprocessors"; 256 exactly, the longest it holds.
+  // Parameter blob (<= 256 tensors; the checksum scan, which has no inline kernel, reads a device copy
+  // of any list), two and five "multiprocessors"; 256 exactly, the longest it holds.
   check_scan("small list", random_list(rng, 60, 20000, true), 2);
   check_scan("small list, 5 SMs", random_list(rng, 200, 5000, true), 5);
   check_scan("full parameter blob", random_list(rng, 256, 3000, true), 3);
@@ -780,6 +809,7 @@ int main() {
   check_sub_warp_runs(rng);
   const double worst = check_accuracy_on_constant_tensors(rng);
   check_workspace_guard(rng);
+  check_placement_guard(rng);
   check_scan_into_columns(rng);
   check_unscale(rng, 3);
   check_scale(rng, 3, 50);

@@ -58,6 +58,7 @@ using cudaError_t = int;
 using cudaStream_t = void*;
 constexpr cudaError_t cudaSuccess = 0;
 constexpr cudaError_t cudaErrorInvalidValue = 1;
+constexpr cudaError_t cudaErrorInvalidDeviceFunction = 98;
 
 struct alignas(16) uint4 {  // aligned as CUDA's, so a misaligned vector access is UB here too
   unsigned int x, y, z, w;
