@@ -195,9 +195,9 @@ def world_of_one() -> Iterator[None]:
 
 
 # CI runs the README's test command in a venv with only what the README installs, so tests of the
-# optional integrations skip there; it then installs those packages and runs again exactly the tests
-# that skipped (.ci/run). With NANSCAN_RECORD_SKIPPED=FILE, every skipped test's node id (or, for a
-# module skipped whole at import, its path) is appended to FILE.
+# optional integrations skip there; they run where those packages are installed, and what skipped in
+# every venv runs once more in one that has them all (.ci/run). With NANSCAN_RECORD_SKIPPED=FILE, every
+# skipped test's node id (or, for a module skipped whole at import, its path) is appended to FILE.
 _SKIPPED_FILE = os.environ.get("NANSCAN_RECORD_SKIPPED")
 
 
