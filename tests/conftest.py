@@ -29,7 +29,8 @@ if _SPEC is not None and _SPEC.origin is not None and Path(_SPEC.origin).resolve
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+NEEDS_CUDA_REASON = "needs a CUDA device"
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NEEDS_CUDA_REASON)
 
 
 @contextmanager
@@ -197,7 +198,8 @@ def world_of_one() -> Iterator[None]:
 # CI runs the README's test command in a venv with only what the README installs, so tests of the
 # optional integrations skip there; they run where those packages are installed, and what skipped in
 # every venv runs once more in one that has them all (.ci/run). With NANSCAN_RECORD_SKIPPED=FILE, every
-# skipped test's node id (or, for a module skipped whole at import, its path) is appended to FILE.
+# skipped test's node id (or, for a module skipped whole at import, its path) is appended to FILE,
+# but for those that skipped for want of a GPU (needs_cuda): no other venv on the machine has one.
 _SKIPPED_FILE = os.environ.get("NANSCAN_RECORD_SKIPPED")
 
 
@@ -207,8 +209,13 @@ def _record_skipped(nodeid: str) -> None:
             out.write(nodeid + "\n")
 
 
+def _skipped_for_want_of_a_gpu(report: pytest.TestReport) -> bool:
+    # A skip's longrepr is (path, line, "Skipped: <reason>").
+    return isinstance(report.longrepr, tuple) and report.longrepr[2] == f"Skipped: {NEEDS_CUDA_REASON}"
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and report.when in ("setup", "call"):
+    if report.skipped and report.when in ("setup", "call") and not _skipped_for_want_of_a_gpu(report):
         _record_skipped(report.nodeid)
 
 
