@@ -298,27 +298,38 @@ std::vector<HostTensor> random_list(std::mt19937_64& rng, int n, int64_t max_num
   return list;
 }
 
+// A scan's outputs for a launch that may be refused: every one a sentinel until a launch writes it.
+struct SentinelOutputs {
+  SentinelOutputs(int64_t n, bool half_range, bool checksum)
+      : counts(4 * n, -1), stats(3 * n, -7.0), ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n, n,
+                                                    half_range,    checksum,     &total_norm_cast, DType::Float32} {}
+  SentinelOutputs(const SentinelOutputs&) = delete;  // ptrs points into this object
+  bool untouched() const { return counts[0] == -1 && total_norm == -1 && total_norm_cast == -1; }
+
+  std::vector<int64_t> counts;
+  std::vector<double> stats;
+  double total_norm = -1;
+  bool finite = false;
+  float total_norm_cast = -1;
+  const ResultPointers ptrs;
+};
+
 // A workspace smaller than the launch's layout is refused before anything is written.
 void check_workspace_guard(std::mt19937_64& rng) {
   const std::vector<HostTensor> tensors = random_list(rng, 20, 5000, false);
   const LaunchableList list(tensors);
   const size_t needed = scan_workspace_bytes(list.plan, ScanKind::Plain, 2);
   Buffer workspace(needed);
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  std::vector<int64_t> counts(2 * n, -1);
-  std::vector<double> stats(3 * n, -7.0);
-  double total_norm = -1;
-  bool finite = false;
-  float total_norm_cast = -1;
-  const ResultPointers ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n, n,
-                            false,         false,        &total_norm_cast, DType::Float32};
-  CHECK(
-      scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed - 1, 2, nullptr) == cudaErrorInvalidValue,
-      "a workspace one byte short was accepted");
-  CHECK(counts[0] == -1 && total_norm == -1 && total_norm_cast == -1, "a refused scan wrote its outputs");
-  CHECK(scan(list.plan, list.blob(), ScanKind::Plain, ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess, "scan");
-  const float want_cast = static_cast<float>(total_norm);  // compared as bits: the list may hold a NaN
-  CHECK(total_norm != -1 && memcmp(&total_norm_cast, &want_cast, sizeof want_cast) == 0, "the scan wrote no total");
+  SentinelOutputs out(static_cast<int64_t>(tensors.size()), false, false);
+  CHECK(scan(list.plan, list.blob(), ScanKind::Plain, out.ptrs, workspace.p, needed - 1, 2, nullptr) ==
+            cudaErrorInvalidValue,
+        "a workspace one byte short was accepted");
+  CHECK(out.untouched(), "a refused scan wrote its outputs");
+  CHECK(scan(list.plan, list.blob(), ScanKind::Plain, out.ptrs, workspace.p, needed, 2, nullptr) == cudaSuccess,
+        "scan");
+  const float want_cast = static_cast<float>(out.total_norm);  // compared as bits: the list may hold a NaN
+  CHECK(out.total_norm != -1 && memcmp(&out.total_norm_cast, &want_cast, sizeof want_cast) == 0,
+        "the scan wrote no total");
 }
 
 // A short list travels in the parameters for the kinds with an inline kernel and as a device copy
@@ -327,24 +338,18 @@ void check_placement_guard(std::mt19937_64& rng) {
   const std::vector<HostTensor> tensors = random_list(rng, 12, 3000, false);
   const int64_t n = static_cast<int64_t>(tensors.size());
   for (const ScanKind kind : {ScanKind::Plain, ScanKind::HalfRange, ScanKind::Checksum}) {
-    const bool checksum = kind == ScanKind::Checksum, half_range = kind == ScanKind::HalfRange;
+    const bool checksum = kind == ScanKind::Checksum;
     const LaunchableList right(tensors, kind);
     CHECK((right.blob() == nullptr) == !checksum, "kind %d: a list of %lld %s a device copy", static_cast<int>(kind),
           (long long)n, checksum ? "lacks" : "has");
     // The other placement: a copy where none belongs, or none where one does.
     const LaunchableList wrong(tensors, checksum ? ScanKind::Plain : ScanKind::Checksum);
     Buffer workspace(scan_workspace_bytes(right.plan, kind, 2));
-    std::vector<int64_t> counts(4 * n, -1);
-    std::vector<double> stats(3 * n, -7.0);
-    double total_norm = -1;
-    bool finite = false;
-    float total_norm_cast = -1;
-    const ResultPointers ptrs{counts.data(), stats.data(), &total_norm,      &finite,       n, n,
-                              half_range,    checksum,     &total_norm_cast, DType::Float32};
-    CHECK(
-        scan(wrong.plan, wrong.blob(), kind, ptrs, workspace.p, workspace.bytes_, 2, nullptr) == cudaErrorInvalidValue,
-        "kind %d: a launch with the other placement was accepted", static_cast<int>(kind));
-    CHECK(counts[0] == -1 && total_norm == -1, "kind %d: a refused scan wrote its outputs", static_cast<int>(kind));
+    SentinelOutputs out(n, kind == ScanKind::HalfRange, checksum);
+    CHECK(scan(wrong.plan, wrong.blob(), kind, out.ptrs, workspace.p, workspace.bytes_, 2, nullptr) ==
+              cudaErrorInvalidValue,
+          "kind %d: a launch with the other placement was accepted", static_cast<int>(kind));
+    CHECK(out.untouched(), "kind %d: a refused scan wrote its outputs", static_cast<int>(kind));
   }
 }
 
