@@ -11,7 +11,10 @@ A step is ``zero_grad`` + forward + loss + backward, as in bench_locate.py (whos
 ``decoder``, GPT-2-shaped at a CPU-friendly size; ``gpt2``, GPT-2-small's size, for a GPU). Methods:
 
 * ``plain``: the step alone;
-* ``watch every=1``: the step with ``nanscan.watch_activations(model)`` attached (every forward scanned);
+* ``watch every=1``: the step with ``nanscan.watch_activations(model)`` attached (every forward scanned;
+  the outputs batched into one op call at the forward's end where nothing changes them in place);
+* ``watch every=1, at return``: the same with ``batch_bytes=0``: one op call as each module returns
+  (the watch before batching: benchmarks/NOTES.md entry 60);
 * ``watch every=16``: attached with ``every=16``;
 * ``hf DebugUnderflowOverflow``: transformers' detector attached (its forward hooks check every
   module's outputs and weights with ``isinf``/``isnan`` and read the answers on the host).
@@ -163,17 +166,22 @@ def timed(run: Callable[[], None], device: torch.device) -> Callable[[], float]:
 
 
 def per_call(device: torch.device, rounds: int) -> dict[str, float]:
-    """The host time a sampled module call adds with ``watch every=1``, in us (``watch``): a stack of
-    PER_CALL_MODULES ``Linear(4, 4)`` under ``no_grad`` timed with the watch and without, on two
-    copies of one model, in rotating blocks of 50 forwards; medians over ``rounds``. What the watch's
-    cost at every=1 comes to on a GPU whose step is host-bound (benchmarks/NOTES.md entries 51, 54).
-    Then the op's share of it, old and new (``op_call_times``)."""
+    """The host time a sampled module call adds with ``watch every=1``, in us: a stack of
+    PER_CALL_MODULES ``Linear(4, 4)`` under ``no_grad`` timed with the watch and without, on copies of
+    one model, in rotating blocks of 50 forwards; medians over ``rounds``. ``watch``: batched (one op
+    call a forward), ``watch at return``: ``batch_bytes=0`` (one a module call). What the watch's cost
+    at every=1 comes to on a GPU whose step is host-bound (benchmarks/NOTES.md entries 51, 54, 60).
+    Then the op's share of a call made at return, old and new (``op_call_times``)."""
     torch.manual_seed(0)
     with torch.device(device):
-        models = {"plain": _Stack(), "watched": _Stack()}
+        models = {"plain": _Stack(), "watched": _Stack(), "watched at return": _Stack()}
         x = torch.randn(2, 4)
-    models["watched"].load_state_dict(models["plain"].state_dict())
-    watch = nanscan.watch_activations(models["watched"])
+    for name in ("watched", "watched at return"):
+        models[name].load_state_dict(models["plain"].state_dict())
+    watches = [
+        nanscan.watch_activations(models["watched"]),
+        nanscan.watch_activations(models["watched at return"], batch_bytes=0),
+    ]
 
     def forwards(model: _Stack) -> Callable[[], None]:
         def run() -> None:
@@ -184,14 +192,18 @@ def per_call(device: torch.device, rounds: int) -> dict[str, float]:
 
     with torch.no_grad():
         seconds = times_in_rotation({name: timed(forwards(m), device) for name, m in models.items()}, rounds)
-    watch.remove()
-    plain, watched = (statistics.median(seconds[name]) / 50 * 1e6 for name in ("plain", "watched"))
-    added = (watched - plain) / PER_CALL_MODULES
+    for watch in watches:
+        watch.remove()
+    plain, watched, at_return = (
+        statistics.median(seconds[name]) / 50 * 1e6 for name in ("plain", "watched", "watched at return")
+    )
+    added, added_at_return = ((t - plain) / PER_CALL_MODULES for t in (watched, at_return))
     print(
         f"\nhost time of a sampled module call ({PER_CALL_MODULES} Linear(4, 4) under no_grad, {rounds} rounds): "
-        f"{added:.1f} us added by the watch (a plain forward {plain:.0f} us, {plain / PER_CALL_MODULES:.1f} us a module)"
+        f"{added:.1f} us added by the watch, batched; {added_at_return:.1f} us scanned at return (batch_bytes=0) "
+        f"(a plain forward {plain:.0f} us, {plain / PER_CALL_MODULES:.1f} us a module)"
     )
-    return {"watch": added, **op_call_times(models["plain"], x, rounds)}
+    return {"watch": added, "watch at return": added_at_return, **op_call_times(models["plain"], x, rounds)}
 
 
 def op_call_times(model: _Stack, x: torch.Tensor, rounds: int) -> dict[str, float]:
@@ -262,6 +274,7 @@ def main() -> int:
     attach: dict[str, Callable[[], nanscan.ActivationWatch | None]] = {
         "plain": lambda: None,
         "watch every=1": lambda: nanscan.watch_activations(base),
+        "watch every=1, at return": lambda: nanscan.watch_activations(base, batch_bytes=0),
         "watch every=16": lambda: nanscan.watch_activations(base, every=16),
     }
     copies: dict[str, torch.nn.Module] = dict.fromkeys(attach, base)

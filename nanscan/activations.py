@@ -24,11 +24,26 @@ in silence. A tensor already scanned in the same forward pass and unchanged sinc
 same object, the same version counter: a container returning its last child's output) is not scanned
 again; one changed in place (``ReLU(inplace=True)`` on a Linear's output) is, as the new values it
 holds. Under ``torch.inference_mode()`` tensors have no version counter, so every module's outputs
-are scanned (a container's output a second time). The per-call statistics wait on the device until
-the model's forward returns; then one concatenation and a few indexed reductions fold the whole pass
-into per-module accumulators (an int64 [modules, 4] table of counts, a float64 [modules] amax, and
-the first call, in execution order, whose outputs held a NaN/Inf, and an int64 [modules, 3] table of
-calls, fp16 calls and elements scanned), so a step costs a scan per module call and a few launches,
+are scanned (a container's output a second time).
+
+Batched scans. An op call per module call is what a host-bound GPU step pays for (~40 us of host time
+each on an H200), so the outputs are kept and scanned together: one op call per device at the end of
+the forward, or whenever the kept outputs reach ``batch_bytes`` (256 MiB by default). A late scan
+must still read what the module returned, so a module's first sampled call is scanned as it returns
+and its outputs are kept to the end of the pass: if their version counters show a change in place by
+then (``ReLU(inplace=True)`` on a Linear's output, ResNet's ``out += identity`` on a BatchNorm's), the
+module is scanned as it returns from then on; otherwise its later calls are batched. A batched output
+found changed at the end (a module whose first calls were left alone) is not read as the module's:
+it is counted in ``unread``, with a warning, and the module is scanned at return from then on.
+Inference tensors, tensor subclasses and views of a parameter (whose storage FSDP frees after the
+forward) are always scanned at return; ``batch_bytes=0`` scans every call at return and keeps
+nothing.
+
+The per-call statistics wait on the device until the model's forward returns; then a few indexed
+reductions fold the whole pass into per-module accumulators (an int64 [modules, 4] table of counts, a
+float64 [modules] amax, and the first call, in execution order, whose outputs held a NaN/Inf, and an
+int64 [modules, 3] table of calls, fp16 calls and elements scanned), so a step costs one scan a
+forward (and one a call of each module whose outputs are changed in place) and a few launches,
 whatever the number of modules. Each read of the figures
 (``table()``, ``str()``, ``figures()``, ``first_nonfinite``, the Advisor) copies the accumulators to
 the host: one sync per device; under torch.distributed also three small all-reduces, which every
@@ -91,6 +106,19 @@ def _eager(fn: _Fn) -> _Fn:
 # any length holds 229 KB of them.
 _PASS_COLUMNS = 4096
 
+# How a module's outputs are scanned (ActivationWatch._modes, one per module slot). A module's first
+# sampled call is scanned as it returns, and its outputs are kept until the pass ends: if nothing
+# changed them in place by then (their version counters say), its later calls are batched: their
+# outputs are kept, unscanned, and scanned together with the others' in one op call at the end of the
+# pass (or once the kept outputs reach ``batch_bytes``). If something did (``ReLU(inplace=True)`` on a
+# Linear's output, ResNet's ``out += identity`` on a BatchNorm's), its calls are scanned as they return
+# from then on, so that the values read are the ones the module returned.
+_FIRST_CALL, _BATCHED, _AT_RETURN = 0, 1, 2
+
+# The outputs kept for one batched scan, per watch, by default: the most a watch adds to the memory a
+# forward holds, where autograd would not keep them anyway (no_grad evaluation).
+DEFAULT_BATCH_BYTES = 256 * 2**20
+
 
 @dataclass(frozen=True)
 class ModuleActivations:
@@ -112,7 +140,8 @@ class ModuleActivations:
             more than 2^20 modules x ranks).
         unread: floating output tensors of the sampled calls the watch could not read (a tensor
             subclass other than DTensor that keeps its values elsewhere, a sparse, nested or meta
-            tensor): nothing above covers them, so a module with ``unread`` is not known to be healthy
+            tensor; an output kept for the batched scan and changed in place before it, see the
+            module's docstring): nothing above covers them, so a module with ``unread`` is not known to be healthy
             (``complete`` is False). Counted by the hooks, on every rank.
     """
 
@@ -182,23 +211,26 @@ class _DeviceTotals:
         self.codes: list[int] = []
         self.rows: list[int] = []
 
-    def add(self, tensors: list[torch.Tensor], code: int, row: tuple[int, int, int, int]) -> None:
-        """Scans one module call's tensors on this device into the pass buffers' next columns."""
-        if len(tensors) > _PASS_COLUMNS:  # more outputs than the buffers hold: in pieces, the tally with the first
-            for start in range(0, len(tensors), _PASS_COLUMNS):
-                self.add(tensors[start : start + _PASS_COLUMNS], code, row if start == 0 else (row[0], 0, 0, 0))
-            return
-        if self.used + len(tensors) > _PASS_COLUMNS:
-            self.fold()
-        # The hook runs under the model's grad mode and autocast: the op is not differentiable and
-        # takes its inputs as they are.
-        scan_into_(tensors, True, self.pass_counts, self.pass_stats, self.used)
-        self.used += len(tensors)
-        if len(tensors) == 1:
-            self.codes.append(code)
-        else:
-            self.codes.extend([code] * len(tensors))
-        self.rows.extend(row)
+    def add(self, tensors: list[torch.Tensor], codes: list[int], rows: list[int]) -> None:
+        """Scans ``tensors`` on this device into the pass buffers' next columns, in one op call where
+        they fit: ``codes`` one a tensor, ``rows`` the calls' tally rows (four ints a call)."""
+        start = 0
+        while True:
+            free = _PASS_COLUMNS - self.used
+            if free == 0:  # the buffers are full (a long pass, a generation loop): folded first
+                self.fold()
+                free = _PASS_COLUMNS
+            piece = tensors if start == 0 and len(tensors) <= free else tensors[start : start + free]
+            # The hook runs under the model's grad mode and autocast: the op is not differentiable and
+            # takes its inputs as they are.
+            scan_into_(piece, True, self.pass_counts, self.pass_stats, self.used)
+            self.used += len(piece)
+            self.codes.extend(codes[start : start + len(piece)])
+            if start == 0:
+                self.rows.extend(rows)
+            start += len(piece)
+            if start >= len(tensors):
+                return
 
     def fold(self) -> None:
         """Adds the pass's columns into the accumulators: a handful of launches for the whole pass."""
@@ -221,6 +253,42 @@ class _DeviceTotals:
         nonfinite = (counts[0] + counts[1]) > 0
         code = torch.where(nonfinite, code_of, _NONE).amin()
         torch.minimum(self.first, code, out=self.first)
+
+
+class _HeldCall(NamedTuple):
+    """A sampled module call's outputs, kept for the batched scan (``scanned`` False), or, for a
+    module's first call, scanned at its return and kept to see whether anything changes them in place
+    before the pass ends (``scanned`` True)."""
+
+    slot: int
+    number: int  # its call number among the scanned calls, in execution order
+    tally: tuple[int, int, int]  # (calls, fp16 calls, elements)
+    tensors: list[torch.Tensor]
+    versions: list[int]  # each tensor's version counter at the call's return
+    scanned: bool
+
+
+def _holdable(t: torch.Tensor, version: int) -> bool:
+    """Whether ``t`` (at ``version``, -1 for an inference tensor) may be kept for a later scan: a
+    plain tensor with a version counter (so that a change in place is seen), not a view of a
+    parameter or of a tensor subclass (FSDP frees an unsharded parameter's storage after the forward
+    without a version bump; a view of a plain buffer freed so is caught by ``_changed_since``). By
+    exact types: ``isinstance`` of a Parameter runs Python (its metaclass's ``__instancecheck__``), a
+    cost in every module call."""
+    if version < 0 or type(t) is not torch.Tensor:
+        return False
+    base = t._base
+    return base is None or type(base) is torch.Tensor
+
+
+def _changed_since(call: _HeldCall) -> bool:
+    """Whether a kept call's outputs no longer hold what its module returned: changed in place (their
+    version counters moved; a view shares its base's), or a view whose storage was freed (resized to
+    nothing, as FSDP frees the buffers its unsharded parameters view, with no version bump)."""
+    for t, version in zip(call.tensors, call.versions, strict=True):
+        if t._version != version or (t._base is not None and t.untyped_storage().nbytes() == 0):
+            return True
+    return False
 
 
 class _Host(NamedTuple):
@@ -261,15 +329,27 @@ class ActivationWatch:
     Made by :func:`watch_activations`. A context manager: leaving the block removes the hooks (the
     figures stay readable)."""
 
-    def __init__(self, model: torch.nn.Module, every: int = 1, process_group: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        every: int = 1,
+        process_group: Any = None,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"nanscan.watch_activations: expected a torch.nn.Module, got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(
                 f"nanscan.watch_activations: every must be a positive int (1: every forward), got {every!r}"
             )
+        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
+            raise ValueError(
+                "nanscan.watch_activations: batch_bytes must be an int >= 0 (0: each module call's outputs "
+                f"scanned as it returns), got {batch_bytes!r}"
+            )
         self.model = model
         self.every = every
+        self.batch_bytes = batch_bytes
         # Each rank watches its own activations; the figures read are every rank's, reduced over this
         # group (the default group when torch.distributed is initialized): never one rank's alone.
         self.process_group = process_group
@@ -293,6 +373,12 @@ class ActivationWatch:
         # counts, since the decision is the hook's; and what they were, for the first warning.
         self._unread = [0] * len(self.names)
         self._warned_unread = False
+        self._warned_changed = False
+        # How each module's outputs are scanned (_FIRST_CALL, _BATCHED, _AT_RETURN), and the calls kept
+        # for the batched scan with their bytes.
+        self._modes = [_FIRST_CALL] * len(self.names)
+        self._held: list[_HeldCall] = []
+        self._held_bytes = 0
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles: list[RemovableHandle] = []
@@ -330,6 +416,7 @@ class ActivationWatch:
         if self._depth > 0:
             return
         if self._sampling:
+            self._settle()
             for totals in self._devices.values():
                 totals.fold()
                 totals.passes.add_(1)
@@ -370,47 +457,146 @@ class ActivationWatch:
     def _scan(self, slot: int, output: Any) -> None:
         if type(output) is torch.Tensor and scannable(output):
             # The usual output, one plain tensor, without the walk through containers.
-            fresh = [output] if self._unseen(output) else []
+            version = self._fresh_version(output)
+            if version is None:
+                return
+            fresh, versions = [output], [version]
         else:
             found: list[torch.Tensor] = []
             unread: list[torch.Tensor] = []
             floating_tensors(output, found, unread)  # a DTensor's local tensor: this rank's own values
             if unread:
                 self._note_unread(slot, unread)
-            fresh = [t for t in found if self._unseen(t)]
-        if not fresh:
-            return
-        # The call's tally goes with its first device's results, so that a call is counted once.
+            fresh, versions = [], []
+            for t in found:
+                version = self._fresh_version(t)
+                if version is not None:
+                    fresh.append(t)
+                    versions.append(version)
+            if not fresh:
+                return
+        number = self._call_number
+        self._call_number += 1
         if len(fresh) == 1:
             t = fresh[0]
-            self._add(slot, t.device, fresh, (1, int(t.dtype == torch.float16), t.numel()))
+            tally = (1, int(t.dtype == torch.float16), t.numel())
+            nbytes = tally[2] * t.element_size()
         else:
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for t in fresh:
-                by_device.setdefault(t.device, []).append(t)
             tally = (1, int(any(t.dtype == torch.float16 for t in fresh)), sum(t.numel() for t in fresh))
-            for device, tensors in by_device.items():
-                self._add(slot, device, tensors, tally)
-                tally = (0, 0, 0)
-        self._call_number += 1
+            nbytes = sum(t.numel() * t.element_size() for t in fresh)
+        mode = self._modes[slot]
+        if (
+            mode != _AT_RETURN
+            and self.batch_bytes
+            and all(_holdable(t, v) for t, v in zip(fresh, versions, strict=True))
+        ):
+            scanned = mode == _FIRST_CALL
+            if scanned:
+                self._scan_now(slot, number, fresh, tally)
+            self._hold(_HeldCall(slot, number, tally, fresh, versions, scanned), nbytes)
+        else:
+            self._scan_now(slot, number, fresh, tally)
 
-    def _unseen(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is to be scanned: not scanned yet in this pass, or changed in place since
-        (a module whose output is the next one's input is scanned once)."""
-        if t.is_inference():  # no version counter to tell an in-place change by: scanned each time
-            return True
+    def _scan_now(self, slot: int, number: int, tensors: list[torch.Tensor], tally: tuple[int, int, int]) -> None:
+        """Scans one module call's tensors into the pass buffers of their devices, now. The call's tally
+        goes with its first device's results, so that a call is counted once."""
+        code = number * len(self.names) + slot
+        if len(tensors) == 1:
+            self._totals(tensors[0].device).add(tensors, [code], [slot, *tally])
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        row = [slot, *tally]
+        for device, on_device in by_device.items():
+            self._totals(device).add(on_device, [code] * len(on_device), row)
+            row = []
+
+    def _hold(self, call: _HeldCall, nbytes: int) -> None:
+        """Keeps a call's outputs (``nbytes`` of them) for the batched scan, or, for a module's first
+        call, for the check of their versions; scans what is kept once it reaches batch_bytes."""
+        self._held.append(call)
+        self._held_bytes += nbytes
+        if self._held_bytes >= self.batch_bytes:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Scans the kept outputs that are unchanged since their module returned, in one op call per
+        device, and learns from the kept first calls which modules' outputs something changes in place.
+        A kept output changed in place (a module whose first call was left alone, changed in a later
+        one) is not scanned: its values are no longer the module's; counted in ``unread``, warned about
+        once, and that module's calls are scanned as they return from then on."""
+        if not self._held:
+            return
+        held, self._held, self._held_bytes = self._held, [], 0
+        m = len(self.names)
+        # Per device: its tensors, their codes, their calls' tally rows.
+        batches: dict[torch.device, tuple[list[torch.Tensor], list[int], list[int]]] = {}
+        # The batch of the device met last (usually the only one): a dict lookup an output saved.
+        last_device: torch.device | None = None
+        batch: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
+        for call in held:
+            changed = _changed_since(call)
+            if changed:
+                self._modes[call.slot] = _AT_RETURN
+            elif self._modes[call.slot] == _FIRST_CALL:
+                self._modes[call.slot] = _BATCHED
+            if call.scanned:
+                continue
+            if changed:
+                self._note_changed(call)
+                continue
+            code = call.number * m + call.slot
+            row: tuple[int, ...] = (call.slot, *call.tally)  # the call's tally, with its first device's results
+            for t in call.tensors:
+                device = t.device
+                if device != last_device:
+                    if device not in batches:
+                        batches[device] = ([], [], [])
+                    batch = batches[device]
+                    last_device = device
+                batch[0].append(t)
+                batch[1].append(code)
+                if row:
+                    batch[2].extend(row)
+                    row = ()
+        for device, (tensors, codes, rows) in batches.items():
+            self._totals(device).add(tensors, codes, rows)
+
+    def _note_changed(self, call: _HeldCall) -> None:
+        """Counts a kept call whose outputs were changed in place (or freed) before the batched scan
+        read them."""
+        self._unread[call.slot] += len(call.tensors)
+        if not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn(
+                f"nanscan.watch_activations: the outputs of `{self.names[call.slot] or '(model)'}` "
+                f"({self.ops[call.slot]}) were changed in place (or their storage freed) after the module "
+                "returned, before the watch's batched scan read them (its earlier calls' outputs were left "
+                "alone); that call is not scanned "
+                "(counted in ModuleActivations.unread), and this module's outputs are scanned as each call "
+                "returns from now on (batch_bytes=0 does so for every module)",
+                stacklevel=2,
+            )
+
+    def _fresh_version(self, t: torch.Tensor) -> int | None:
+        """None when ``t`` was scanned in this pass and is unchanged since (a module whose output is
+        the next one's input is scanned once); else its version counter, to be scanned (-1 for an
+        inference tensor, which has none: scanned each time, as a change in place cannot be told)."""
+        if t.is_inference():
+            return -1
+        version = t._version
         seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return False  # scanned in this pass and unchanged since: one scan per value
-        self._seen[id(t)] = (weakref.ref(t), t._version)
-        return True
+        if seen is not None and seen[1] == version and seen[0]() is t:
+            return None  # scanned in this pass and unchanged since: one scan per value
+        self._seen[id(t)] = (weakref.ref(t), version)
+        return version
 
-    def _add(self, slot: int, device: torch.device, tensors: list[torch.Tensor], tally: tuple[int, int, int]) -> None:
-        """Scans one module call's tensors on one device; the results wait for the pass's fold."""
+    def _totals(self, device: torch.device) -> _DeviceTotals:
         totals = self._devices.get(device)
         if totals is None:
             totals = self._devices[device] = self._new_totals(device)
-        totals.add(tensors, self._call_number * totals.modules + slot, (slot, *tally))
+        return totals
 
     def _note_unread(self, slot: int, unread: list[torch.Tensor]) -> None:
         """Counts the outputs the hook could not read, and says so once per watch: never a silent zero."""
@@ -462,6 +648,7 @@ class ActivationWatch:
         amax = [0.0] * m
         tallies = [[0, 0, 0] for _ in range(m)]
         first, passes = _NONE, 0
+        self._settle()  # read within a forward (a hook of the user's): what it kept so far too
         for totals in self._devices.values():
             totals.fold()
             code = torch.where(totals.first == _NONE, -1, totals.first)
@@ -683,6 +870,7 @@ class ActivationWatch:
 
     def remove(self) -> None:
         """Removes every hook; the figures so far stay readable."""
+        self._settle()  # removed within a forward: the outputs kept so far are scanned, not dropped
         while self._handles:
             self._handles.pop().remove()
         self._detach_module_hooks()
@@ -701,7 +889,9 @@ class ActivationWatch:
         return iter(self.figures())
 
 
-def watch_activations(model: torch.nn.Module, *, every: int = 1, process_group: Any = None) -> ActivationWatch:
+def watch_activations(
+    model: torch.nn.Module, *, every: int = 1, process_group: Any = None, batch_bytes: int = DEFAULT_BATCH_BYTES
+) -> ActivationWatch:
     """Watches each module's outputs for fp16 headroom, NaN and Inf, every ``every``-th forward.
 
     Args:
@@ -712,9 +902,15 @@ def watch_activations(model: torch.nn.Module, *, every: int = 1, process_group: 
             read (default: every rank). Each rank watches its own activations (DDP, FSDP: its own
             batch); reading the figures (``table()``, ``figures()``, the Advisor) is then a
             collective, made by every rank of the group, and says which ranks overflowed.
+        batch_bytes: the most output bytes the watch keeps alive for its batched scan (256 MiB by
+            default): the outputs of the modules whose outputs nothing changes in place are scanned
+            together, in one op call per device, at the end of the forward or once they reach this
+            size, rather than one op call per module call (a host-bound step's cost). In training
+            autograd keeps most of them anyway; under ``no_grad`` this is what a forward's peak memory
+            can grow by. ``0``: every module call's outputs are scanned as it returns, nothing kept.
 
     Returns:
         An :class:`ActivationWatch`: ``table()``/``str()`` for the figures (one sync), ``figures()``
         for them as values, ``remove()`` (or a ``with`` block) to detach.
     """
-    return ActivationWatch(model, every, process_group)
+    return ActivationWatch(model, every, process_group, batch_bytes)

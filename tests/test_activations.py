@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nanscan
+from nanscan.activations import DEFAULT_BATCH_BYTES
 from nanscan.records import read_jsonl
 
 from conftest import OpaqueTensor, needs_cuda, syncs_refused
@@ -114,17 +115,25 @@ class Nested_(torch.nn.Module):
 
 
 def watched_and_reference(
-    model: torch.nn.Module, x: torch.Tensor
+    model: torch.nn.Module, x: torch.Tensor, passes: int = 3, batch_bytes: int = DEFAULT_BATCH_BYTES
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(the watch's rows, the fp64 reference's) of one forward of ``model`` on ``x``."""
-    want = reference(model, lambda: model(x))
-    with nanscan.watch_activations(model) as watch:
-        model(x)
+    """(the watch's rows, the fp64 reference's) of ``passes`` forwards of ``model`` on ``x``: the
+    first scans each module's outputs as it returns, the later ones batch them (the default
+    ``batch_bytes``)."""
+
+    def run() -> None:
+        for _ in range(passes):
+            model(x)
+
+    want = reference(model, run)
+    with nanscan.watch_activations(model, batch_bytes=batch_bytes) as watch:
+        run()
     return as_rows(watch), want
 
 
-def test_figures_match_an_fp64_reference_on_planted_values() -> None:
-    got, want = watched_and_reference(planted_model(), torch.randn(5, 16))
+@pytest.mark.parametrize("batch_bytes", [DEFAULT_BATCH_BYTES, 0, 1], ids=["batched", "at-return", "one-a-hold"])
+def test_figures_match_an_fp64_reference_on_planted_values(batch_bytes: int) -> None:
+    got, want = watched_and_reference(planted_model(), torch.randn(5, 16), batch_bytes=batch_bytes)
     # The model's own output is its last Linear's: the same object, scanned once, under that Linear.
     want.pop("", None)
     assert got.keys() == want.keys()
@@ -133,14 +142,15 @@ def test_figures_match_an_fp64_reference_on_planted_values() -> None:
         assert got[name][4] == pytest.approx(want[name][4], rel=1e-12, abs=0), name
         assert got[name][5:] == want[name][5:], name
     planted = got["3"]
-    assert planted[5] == 3 and planted[6] == 2, planted  # 7e4, -1e5, 9e4 overflow; 3e-9, 1e-30 underflow
+    # 7e4, -1e5, 9e4 overflow; 3e-9, 1e-30 underflow; in each of three passes
+    assert planted[5] == 3 * 3 and planted[6] == 2 * 3, planted
 
 
 def test_nested_outputs_each_counted_once() -> None:
     got, want = watched_and_reference(Nested(), torch.randn(4, 6))
     # The model returns y (fc's output, already scanned under `fc`), y * 2 and y.exp(): two new tensors.
     assert got["fc"] == pytest.approx(want["fc"])
-    assert got[""][0] == 1 and got[""][1] == 2 * 24, got[""]
+    assert got[""][0] == 3 and got[""][1] == 3 * 2 * 24, got[""]
 
 
 def test_fp16_evaluation_names_the_module_that_overflows() -> None:
@@ -185,6 +195,154 @@ def test_in_place_change_is_scanned_again_and_a_container_output_is_not() -> Non
     assert rows["0"].calls == 1 and rows["1"].calls == 1, "ReLU changed the Linear's output in place: two values"
     assert rows[""].calls == 0, "the Sequential returns the ReLU's output: the same object, unchanged"
     assert rows["1"].amax == float(out.detach().abs().max())
+
+
+class ResidualAdd(torch.nn.Module):
+    """ResNet's pattern: a BatchNorm's output changed in place by the parent (``out += identity``)
+    after the BatchNorm returned, before any hook of the parent's next module; with ``late`` set, the
+    change is made only from the forward it names on (a module whose first calls were left alone)."""
+
+    def __init__(self, late: int | None = None) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 8)
+        self.late = late
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.bn(self.fc(x))
+        if self.late is None or self.calls >= self.late:
+            y += 1000.0 * x  # after bn returned: the values bn made are gone
+        return self.out(y)
+
+
+def test_an_output_changed_in_place_after_its_module_returned_is_read_as_the_module_made_it() -> None:
+    """The first forward scans as each module returns and sees that bn's output is changed later; bn
+    is then scanned at its return in every later forward, so its figures are bn's own values (not the
+    sum the parent made of them), while the others are batched."""
+    torch.manual_seed(0)
+    model = ResidualAdd().eval()
+    x = torch.randn(16, 8)
+    got, want = watched_and_reference(model, x, passes=4)
+    assert got.keys() == want.keys() - {""}
+    for name in got:
+        assert got[name][:4] == want[name][:4] and got[name][5:] == want[name][5:], name
+        assert got[name][4] == pytest.approx(want[name][4], rel=1e-12), name
+    assert want["bn"][4] < 100 and want["out"][4] > 100, want  # bn's values, not bn + 1000 x
+
+
+def test_a_module_left_alone_at_first_and_changed_in_place_later_is_counted_unread_never_misread() -> None:
+    """bn's output is left alone in the first two forwards (so it is batched from the second on),
+    then changed in place from the third: that call's kept output no longer holds bn's values, so it
+    is not scanned but counted unread and warned about, and bn is scanned at its return after that."""
+    torch.manual_seed(0)
+    model = ResidualAdd(late=3).eval()
+    x = torch.randn(16, 8)
+    with nanscan.watch_activations(model) as watch:
+        model(x)
+        model(x)
+        with pytest.warns(UserWarning, match=r"outputs of `bn` \(BatchNorm1d\) were changed in place"):
+            model(x)
+        model(x)
+        model(x)
+    bn = {f.name: f for f in watch.figures()}["bn"]
+    assert (bn.calls, bn.unread, bn.complete) == (4, 1, False), bn
+    with torch.no_grad():
+        assert bn.amax == pytest.approx(float(model.bn(model.fc(x)).abs().max()), rel=1e-6)
+    assert "could not be read" in watch.table()
+
+
+def test_a_kept_view_whose_storage_is_freed_is_counted_unread_never_read() -> None:
+    """A module's output that views a buffer its parent frees after the module returns (as FSDP
+    frees its all-gather buffers, resizing their storage to nothing, with no version bump): from the
+    forward where the freeing starts, that kept output is not read (it holds nothing the module made),
+    but counted unread; later forwards scan the module at its return."""
+
+    class Gathered(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x.flatten() * 2).view(x.shape)  # a view of a fresh buffer, as an all-gather's
+
+    class Frees(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gathered = Gathered()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            y = self.gathered(x)
+            out = y + 1
+            if self.calls >= 2:
+                y.untyped_storage().resize_(0)
+            return out
+
+    model = Frees()
+    x = torch.full((2, 4), 3.0)
+    with nanscan.watch_activations(model) as watch:
+        model(x)
+        freed = r"outputs of `gathered` \(Gathered\) were changed in place \(or their storage freed\)"
+        with pytest.warns(UserWarning, match=freed):
+            model(x)
+        model(x)
+    row = {f.name: f for f in watch.figures()}["gathered"]
+    assert (row.calls, row.unread, row.amax) == (2, 1, 6.0), row
+
+
+@pytest.fixture
+def op_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The watch's op calls from here on, as the number of tensors each scanned."""
+    import nanscan.activations as activations
+
+    calls: list[int] = []
+    real = activations.scan_into_
+
+    def counted(tensors: list[torch.Tensor], *args: Any) -> None:
+        calls.append(len(tensors))
+        real(tensors, *args)
+
+    monkeypatch.setattr(activations, "scan_into_", counted)
+    return calls
+
+
+def test_batched_scans_are_one_op_call_a_forward(op_calls: list[int]) -> None:
+    """After its first forward, a watch whose modules' outputs nothing changes in place scans a
+    forward's outputs in one op call (the host time that a per-call op costs a host-bound GPU step);
+    with ``batch_bytes=0``, one a module call; with a small ``batch_bytes``, one each time the kept
+    outputs reach it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(10)))
+    x = torch.randn(2, 4)  # 32 bytes an output
+    for batch_bytes, second_forward in [(DEFAULT_BATCH_BYTES, [10]), (0, [1] * 10), (96, [3, 3, 3, 1])]:
+        with nanscan.watch_activations(model, batch_bytes=batch_bytes) as watch:
+            model(x)
+            assert op_calls == [1] * 10, (batch_bytes, op_calls)  # the first forward: at each return
+            op_calls.clear()
+            model(x)
+            assert op_calls == second_forward, (batch_bytes, op_calls)
+            op_calls.clear()
+        assert {f.calls for f in watch.figures() if f.name} == {2}
+
+
+def test_outputs_that_view_a_parameter_are_scanned_at_return(op_calls: list[int]) -> None:
+    """A module that returns a view of its parameter: never kept (FSDP frees a parameter's storage
+    after the forward without a version bump), so scanned as it returns, every forward; the Linear
+    after it is batched."""
+
+    class Table(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.arange(12.0).view(3, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.weight[: x.shape[0]]
+
+    model = torch.nn.Sequential(Table(), torch.nn.Linear(4, 4))
+    got, want = watched_and_reference(model, torch.zeros(2, 4))
+    assert got["0"] == want["0"] and got["0"][:2] == [3, 3 * 8], got["0"]
+    # Three forwards: the first scans both at return; then the Table at return and the Linear batched.
+    assert op_calls == [1, 1] * 3, op_calls
 
 
 def test_training_gradients_unchanged_and_autocast_evaluation() -> None:
@@ -375,6 +533,12 @@ def test_a_recorder_refuses_what_is_not_a_watch() -> None:
 def test_bad_every_is_refused(every: Any) -> None:
     with pytest.raises(ValueError, match="every must be a positive int"):
         nanscan.watch_activations(torch.nn.Linear(2, 2), every=every)
+
+
+@pytest.mark.parametrize("batch_bytes", [-1, 1.5, True, None])
+def test_bad_batch_bytes_is_refused(batch_bytes: Any) -> None:
+    with pytest.raises(ValueError, match=r"batch_bytes must be an int >= 0"):
+        nanscan.watch_activations(torch.nn.Linear(2, 2), batch_bytes=batch_bytes)
 
 
 def test_a_non_module_is_refused() -> None:

@@ -359,11 +359,11 @@ capabilities() {
   # four took ~130 s there.
   timeout 90 "$PY" benchmarks/bench_state.py --device cuda --updates --models "$MEASURED_MODELS" \
       --json "$out/updates_cuda.json" 2>&1 | tee "$out/updates_cuda.txt" | tail -6 || echo "updates: exit $?"
-  # --profile: where every=1's +22.7% on the H200 (2026-11-28) goes, host or device, and which op;
-  # --per-call: the host time of one sampled module call (NOTES.md entries 51 and 54: ~60 us on the CPU),
-  # and of the op alone, scan (five outputs, the watch's op before entry 54) beside scan_into_: whether
-  # scan_into_ saves on a GPU host what it did not on the CPU (equal there, ~16 us each).
-  timeout 140 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 --profile --per-call \
+  # every=1 batched (one op call a forward, NOTES.md entry 60) beside every=1 at return (batch_bytes=0:
+  # one a module call, +19.7% on the H200 on 2026-11-29); --profile: where every=1's time goes, host or
+  # device, and which op; --per-call: the host time of one sampled module call, batched and at return,
+  # and of the op alone (scan beside scan_into_: 64.2 against 42.9 us on the H200).
+  timeout 170 "$PY" benchmarks/bench_activations.py --device cuda --model gpt2 --autocast float16 --profile --per-call \
       --json "$out/activations_cuda.json" 2>&1 | tee "$out/activations_cuda.txt" | tail -32 || echo "activations: exit $?"
   # --profile: where GPT-2-small's 1.08 ms a call goes beyond its 0.33 ms of host and 0.36 ms of GPU
   # time (H200, 2026-11-29), by op.
