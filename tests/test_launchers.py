@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -125,9 +125,16 @@ def torchrun(script: str, out: Path, *options: str) -> Launch:
         "accelerate-torchrun",
     ],
 )
-def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    out = tmp_path_factory.mktemp(request.param)
-    framework, _, how = request.param.partition("-")
+def launcher(request: pytest.FixtureRequest) -> str:
+    """Which framework run the module's tests read: a test that applies to some runs alone says so
+    from this name, before the run is launched (a launch takes 10-25 s)."""
+    return cast(str, request.param)
+
+
+@pytest.fixture(scope="module")
+def launched(launcher: str, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    out = tmp_path_factory.mktemp(launcher)
+    framework, _, how = launcher.partition("-")
     # Lightning's DDP with the callback's DDP hook attached (attach_ddp=True); ddp_spawn, below, without.
     # The Trainer with DeepSpeed ZeRO-2 or ZeRO-3 in place of DDP (the callback checks inside DeepSpeed's step).
     options = [how] if how.startswith("zero") else []
@@ -136,7 +143,7 @@ def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         if framework == "lightning"
         else torchrun(f"launched_{framework}.py", out, *options)
     )
-    print(f"{request.param}: {run.seconds:.1f} s")  # (shown with pytest -s)
+    print(f"{launcher}: {run.seconds:.1f} s")  # (shown with pytest -s)
     return run
 
 
@@ -198,13 +205,15 @@ def test_a_records_file_with_the_rank_field_is_one_file_per_rank(launched: Launc
     assert not (launched.out / "run-{rank}.jsonl").exists(), "a file named with the placeholder itself"
 
 
-def test_a_check_inside_no_sync_is_refused_on_every_rank(launched: Launch) -> None:
+def test_a_check_inside_no_sync_is_refused_on_every_rank(launcher: str, request: pytest.FixtureRequest) -> None:
     """The user's loop (Accelerate) checks inside ``no_sync()`` too, where each rank's gradients are
     its own: every such check is refused, on every rank, naming ``no_sync()``, whether it is handed
     the DDP model, its parameters or the module inside it."""
-    if "refusals" not in launched.ranks[0]:
+    if launcher != "accelerate-torchrun":
         pytest.skip("only the user's own loop (Accelerate) checks between micro-batches")
+    launched = cast(Launch, request.getfixturevalue("launched"))
     for result in launched.ranks:
+        assert "refusals" in result, f"rank {result['rank']} reported no refusals"
         refusals = result["refusals"]
         assert len(refusals) == 3 * STEPS, (
             f"rank {result['rank']}: {len(refusals)} refusals, three per micro-batch in no_sync"
@@ -212,13 +221,17 @@ def test_a_check_inside_no_sync_is_refused_on_every_rank(launched: Launch) -> No
         assert all("inside no_sync()" in text for text in refusals), refusals[0]
 
 
-def test_the_rank_that_made_the_nan_is_named_where_the_ddp_hook_is_attached(launched: Launch) -> None:
+def test_the_rank_that_made_the_nan_is_named_where_the_ddp_hook_is_attached(
+    launcher: str, request: pytest.FixtureRequest
+) -> None:
     """Lightning's and the Trainer's callbacks with ``attach_ddp=True`` (the Trainer's found the DDP
     model around the module it is handed): every rank's records name rank 1 alone, for every
     parameter, though the all-reduce left the NaN in every rank's gradients."""
-    if "nonfinite_ranks" not in launched.ranks[0]:
+    if launcher not in ("lightning-ddp", "transformers-torchrun"):
         pytest.skip("the Accelerate loop and DeepSpeed hold no DDP hook")
+    launched = cast(Launch, request.getfixturevalue("launched"))
     for result in launched.ranks:
+        assert "nonfinite_ranks" in result, f"rank {result['rank']} reported no ranks for its non-finite records"
         named = result["nonfinite_ranks"]
         assert list(named) == [str(NAN_STEP)], f"rank {result['rank']}: non-finite records {list(named)}"
         ranks = named[str(NAN_STEP)]
