@@ -906,8 +906,9 @@ def watch_activations(
             default): the outputs of the modules whose outputs nothing changes in place are scanned
             together, in one op call per device, at the end of the forward or once they reach this
             size, rather than one op call per module call (a host-bound step's cost). In training
-            autograd keeps most of them anyway; under ``no_grad`` this is what a forward's peak memory
-            can grow by. ``0``: every module call's outputs are scanned as it returns, nothing kept.
+            autograd keeps most of them anyway; under ``no_grad``, or where activation checkpointing
+            frees them, this is what a forward's peak memory can grow by. ``0``: every module call's
+            outputs are scanned as it returns, nothing kept.
 
     Returns:
         An :class:`ActivationWatch`: ``table()``/``str()`` for the figures (one sync), ``figures()``
