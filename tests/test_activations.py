@@ -345,6 +345,25 @@ def test_outputs_that_view_a_parameter_are_scanned_at_return(op_calls: list[int]
     assert op_calls == [1, 1] * 3, op_calls
 
 
+def test_a_module_whose_output_the_next_changes_in_place_keeps_its_own_values_in_every_forward() -> None:
+    """ReLU(inplace=True) after a Linear: the first forward learns that the Linear's output is changed
+    after it returned, so in every later forward the Linear is scanned at its return (its negative
+    values seen) and the ReLU's result batched; both equal the fp64 reference taken at each return."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 64), torch.nn.ReLU(inplace=True), torch.nn.Linear(64, 8), torch.nn.ReLU(inplace=True)
+    )
+    got, want = watched_and_reference(model, torch.randn(8, 4), passes=4)
+    want.pop("", None)  # the Sequential returns the last ReLU's output: the same object, unchanged
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name][:4] == want[name][:4] and got[name][5:] == want[name][5:], name
+        assert got[name][4] == pytest.approx(want[name][4], rel=1e-12), name
+    # The seed's Linears have their largest |value| at a negative one, which the ReLUs then zero: read
+    # after the ReLU, their amax would be smaller.
+    assert want["0"][4] > want["1"][4] and want["2"][4] > want["3"][4], want
+
+
 def test_training_gradients_unchanged_and_autocast_evaluation() -> None:
     def run(watched: bool) -> list[torch.Tensor]:
         model = planted_model()
