@@ -425,6 +425,10 @@ class ActivationWatch:
             elif self._devices:
                 self._eager_passes += 1
             self._recent += 1
+        else:
+            # A pass whose sampling stopped midway (a first scan refused inside a CUDA graph capture):
+            # what it kept is not the next pass's.
+            self._held, self._held_bytes = [], 0
         if self.every > 1:
             self._detach_module_hooks()
         self._sampling = False
