@@ -787,6 +787,61 @@ def ddp_gradients_are_refused_inside_no_sync_when_they_are_all_nanscan_is_handed
     assert_close(total, want.item(), "the synchronised gradients' norm", 1e-6)
 
 
+@case
+def ddp_gradients_accumulated_in_no_sync_and_checked_after_it_are_refused(world: int) -> None:
+    """DDP decides at a forward whether its backward all-reduces. Gradients accumulated inside
+    no_sync() and checked once it is left, before the micro-batch that synchronises them, are each
+    rank's own though the model's flag says "sync" again: refused on every rank, however they are
+    passed, before anything is written; so is a backward outside no_sync() whose forward ran inside
+    it (DDP does not synchronise that one either). An evaluation forward (no grad) in between changes
+    nothing; the next micro-batch's forward and backward outside no_sync() make them the model's."""
+    rank = dist.get_rank()
+    model = ddp_model(attach=False)
+    torch.manual_seed(50 + rank)  # every rank its own data
+    x = torch.randn(8, 12)
+    params = list(model.parameters())
+
+    def refusals() -> dict[str, str]:
+        calls = {
+            "check(model)": lambda: nanscan.check(model, max_norm=1e-3),
+            "clip_grad_norm_(parameters)": lambda: nanscan.clip_grad_norm_(params, 1e-3),
+            "check(model.module)": lambda: nanscan.check(model.module),
+            "get_total_norm(gradients)": lambda: nanscan.get_total_norm([p.grad for p in params]),
+        }
+        return {what: _value_error(call) for what, call in calls.items()}
+
+    def ranks_differ() -> bool:
+        """Whether the ranks' gradients differ (each its own), gathered for the test's own sake."""
+        flat = torch.cat([p.grad.flatten() for p in params])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        return any(not torch.equal(gathered[0], g) for g in gathered[1:])
+
+    for how in ("forward and backward inside", "forward inside, backward outside"):
+        model.zero_grad()
+        with model.no_sync():
+            loss = model(x).square().sum()
+            if how.endswith("inside"):
+                loss.backward()
+        if not how.endswith("inside"):
+            loss.backward()
+        assert ranks_differ(), f"{how}: DDP synchronised the gradients (the test's premise is wrong)"
+        before = [p.grad.clone() for p in params]
+        for what, message in refusals().items():
+            assert "not yet synchronised" in message, (how, what, message)
+        with torch.no_grad():
+            model(x)  # an evaluation forward: its backward would not exist, and DDP prepares none
+        for what, message in refusals().items():
+            assert "not yet synchronised" in message, (how, "after an evaluation forward", what, message)
+        assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True)), "a refused call wrote"
+    model(x).square().sum().backward()  # the synchronising micro-batch: now the model's gradients
+    assert not ranks_differ(), "DDP did not synchronise the last micro-batch"
+    total = nanscan.check(model).total_norm
+    assert nanscan.get_total_norm([p.grad for p in params]) == total
+    want = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in params]))
+    assert_close(total, want.item(), "the synchronised gradients' norm", 1e-6)
+
+
 @contextlib.contextmanager
 def looks_through_live_objects() -> Iterator[list[None]]:
     """Counts the looks through the process's live objects (``gc.get_objects``) made inside."""

@@ -348,8 +348,9 @@ def _refuse_ddp_gradients_that_are_not_the_models(
     copies would be counted once per rank). ``what`` names the model in the refusal."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return
-    if source == "grad" and not model.require_backward_grad_sync:
-        raise ddp.no_sync_error(what)
+    why = ddp.unsynced(model) if source == "grad" else None
+    if why is not None:
+        raise ddp.no_sync_error(what, why)
     if process_group is not None and not torch.compiler.is_compiling():
         shared = set(dist.get_process_group_ranks(process_group)) & set(
             dist.get_process_group_ranks(model.process_group)
@@ -369,8 +370,10 @@ def _refuse_unsynced_ddp(items: Sequence[Any], what: str) -> None:
     Not inside torch.compile, whose trace reads no Python-side registry of models."""
     if torch.compiler.is_compiling():
         return
-    if items and not dtensor.is_dtensor(items[0]) and ddp.unsynced_model_of(items) is not None:
-        raise ddp.no_sync_error(what)
+    if items and not dtensor.is_dtensor(items[0]):
+        model = ddp.unsynced_model_of(items)
+        if model is not None:
+            raise ddp.no_sync_error(what, ddp.unsynced(model) or "inside")
 
 
 def fsdp2_sharded(params: list[Any], names: Sequence[str] | None = None, unreduced_refused: bool = True) -> list[Any]:

@@ -285,7 +285,7 @@ def unsynced_model_of(items: Sequence[Any]) -> torch.nn.parallel.DistributedData
     if not items or not _several_ranks():
         return None
     for model in live.ddp_models():
-        if model.require_backward_grad_sync:
+        if unsynced(model) is None:
             continue
         ids = _parameter_ids.get(model)
         if ids is None:
@@ -297,8 +297,27 @@ def unsynced_model_of(items: Sequence[Any]) -> torch.nn.parallel.DistributedData
     return None
 
 
-def no_sync_error(what: str) -> ValueError:
-    """The refusal of the gradients of a DDP model inside ``no_sync()``; ``what`` names them."""
+def unsynced(model: torch.nn.parallel.DistributedDataParallel) -> str | None:
+    """Why ``model``'s gradients are each rank's own, or None when they are the model's (as far as
+    nanscan can tell): ``"inside"`` no_sync() now, or ``"after"`` its last forward with grad enabled
+    ran inside it and no forward outside it has run since (nanscan.layouts.live, module notes)."""
+    if not model.require_backward_grad_sync:
+        return "inside"
+    if live.last_forward_unsynced(model):
+        return "after"
+    return None
+
+
+def no_sync_error(what: str, why: str = "inside") -> ValueError:
+    """The refusal of the gradients of a DDP model inside ``no_sync()`` (``why`` "inside") or
+    accumulated inside it and not yet synchronised ("after", ``unsynced``); ``what`` names them."""
+    if why == "after":
+        return ValueError(
+            f"nanscan: {what} past no_sync() with gradients not yet synchronised: its last forward ran inside "
+            "no_sync() (gradient accumulation), so the backward after it left each rank its own gradients, and "
+            "no forward outside no_sync() has run since. Their statistics would be one rank's, not the model's. "
+            "Check them after the last micro-batch's forward and backward, both outside no_sync()"
+        )
     return ValueError(
         f"nanscan: {what} inside no_sync() (gradient accumulation): its gradients are each rank's own "
         "until the backward that synchronises them, so their statistics would be one rank's, not the "

@@ -22,6 +22,15 @@ How it knows them:
 A model copied without its constructor (``copy.deepcopy``, unpickled) is not known this way; passed
 itself to a check, it is handled as any model is. Weak references only: knowing a model keeps it
 no longer alive.
+
+What a DDP model's gradients are depends on its last forward, not only on the moment of the check:
+DDP decides at a forward (``_post_forward``: ``prepare_for_backward`` only outside ``no_sync()``)
+whether that forward's backward all-reduces. Gradients accumulated by backwards inside ``no_sync()``
+and checked after leaving it, before a backward that synchronises them, are each rank's own though
+``require_backward_grad_sync`` is True again. So each known DDP model carries a forward pre-hook that
+notes, for its forwards with grad enabled, whether they ran inside ``no_sync()``
+(``last_forward_unsynced``): one dictionary write a step. A model known only from the look through
+the live objects is noted from then on (a forward before it is not seen).
 """
 
 from __future__ import annotations
@@ -41,15 +50,39 @@ _ddp_models: weakref.WeakSet[torch.nn.parallel.DistributedDataParallel] = weakre
 # roots (it decides at the first forward: ``_is_root``).
 _fsdp1_undecided: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _looked: list[bool] = []  # [True] once the look is made
+# Per DDP model: whether its last forward with grad enabled ran inside no_sync() (module notes).
+_forward_unsynced: weakref.WeakKeyDictionary[torch.nn.parallel.DistributedDataParallel, bool] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def note(module: torch.nn.Module) -> None:
     """Knows ``module`` from now on, if it is a DDP model or an FSDP1 unit."""
     cls = type(module)
     if issubclass(cls, _DDP):
-        _ddp_models.add(cast(torch.nn.parallel.DistributedDataParallel, module))
+        model = cast(torch.nn.parallel.DistributedDataParallel, module)
+        if model not in _ddp_models:
+            _ddp_models.add(model)
+            model.register_forward_pre_hook(_ddp_forward)
     elif fsdp1.is_fsdp1_class(cls):
         _fsdp1_undecided.add(module)
+
+
+def _ddp_forward(model: torch.nn.Module, args: Any) -> None:
+    """A DDP model's forward pre-hook: notes whether a forward with grad enabled runs inside
+    ``no_sync()``, as DDP decides at this forward whether its backward synchronises. Traced by
+    torch.compile, it notes nothing (the compiled graph would not run it): a compiled DDP model is
+    judged by its flag at the check, as before this note existed."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return
+    _forward_unsynced[cast(torch.nn.parallel.DistributedDataParallel, model)] = not model.require_backward_grad_sync
+
+
+def last_forward_unsynced(model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``model``'s last forward with grad enabled, as its pre-hook saw it, ran inside
+    ``no_sync()``: its backward accumulated each rank's own gradients. False when none was seen, and
+    for a DDP that decides at the backward (its Python reducer, under compiled autograd)."""
+    return _forward_unsynced.get(model, False) and not getattr(model, "_use_python_reducer", False)
 
 
 def _registered(parent: torch.nn.Module, name: str, child: Any) -> None:
