@@ -300,10 +300,11 @@ def unsynced_model_of(items: Sequence[Any]) -> torch.nn.parallel.DistributedData
 def unsynced(model: torch.nn.parallel.DistributedDataParallel) -> str | None:
     """Why ``model``'s gradients are each rank's own, or None when they are the model's (as far as
     nanscan can tell): ``"inside"`` no_sync() now, or ``"after"`` its last forward with grad enabled
-    ran inside it and no forward outside it has run since (nanscan.layouts.live, module notes)."""
+    ran inside it and no forward outside it has run since (nanscan.layouts.live, module notes), in a
+    world of several ranks (with one, that rank's gradients are the model's)."""
     if not model.require_backward_grad_sync:
         return "inside"
-    if live.last_forward_unsynced(model):
+    if live.last_forward_unsynced(model) and _several_ranks():
         return "after"
     return None
 
