@@ -255,10 +255,10 @@ class _DeviceTotals:
         torch.minimum(self.first, code, out=self.first)
 
 
-class _HeldCall(NamedTuple):
-    """A sampled module call's outputs, kept for the batched scan (``scanned`` False), or, for a
-    module's first call, scanned at its return and kept to see whether anything changes them in place
-    before the pass ends (``scanned`` True)."""
+class _ModuleCall(NamedTuple):
+    """A sampled module call's outputs: scanned at its return (``scanned``: a module's first call,
+    then kept to see whether anything changes them in place before the pass ends, or a module scanned
+    at return), or kept unscanned for the batched scan."""
 
     slot: int
     number: int  # its call number among the scanned calls, in execution order
@@ -281,7 +281,7 @@ def _holdable(t: torch.Tensor, version: int) -> bool:
     return base is None or type(base) is torch.Tensor
 
 
-def _changed_since(call: _HeldCall) -> bool:
+def _changed_since(call: _ModuleCall) -> bool:
     """Whether a kept call's outputs no longer hold what its module returned: changed in place (their
     version counters moved; a view shares its base's), or a view whose storage was freed (resized to
     nothing, as FSDP frees the buffers its unsharded parameters view, with no version bump)."""
@@ -377,7 +377,7 @@ class ActivationWatch:
         # How each module's outputs are scanned (_FIRST_CALL, _BATCHED, _AT_RETURN), and the calls kept
         # for the batched scan with their bytes.
         self._modes = [_FIRST_CALL] * len(self.names)
-        self._held: list[_HeldCall] = []
+        self._held: list[_ModuleCall] = []
         self._held_bytes = 0
         # Tensors scanned in this forward: id -> (weak reference, version when scanned).
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -489,34 +489,52 @@ class ActivationWatch:
             tally = (1, int(any(t.dtype == torch.float16 for t in fresh)), sum(t.numel() for t in fresh))
             nbytes = sum(t.numel() * t.element_size() for t in fresh)
         mode = self._modes[slot]
+        call = _ModuleCall(slot, number, tally, fresh, versions, mode != _BATCHED)
         if (
             mode != _AT_RETURN
             and self.batch_bytes
             and all(_holdable(t, v) for t, v in zip(fresh, versions, strict=True))
         ):
-            scanned = mode == _FIRST_CALL
-            if scanned:
-                self._scan_now(slot, number, fresh, tally)
-            self._hold(_HeldCall(slot, number, tally, fresh, versions, scanned), nbytes)
+            if call.scanned:  # a first call: scanned now, kept to see whether anything changes it
+                self._scan_calls([call])
+            self._hold(call, nbytes)
         else:
-            self._scan_now(slot, number, fresh, tally)
+            self._scan_calls([call])
 
-    def _scan_now(self, slot: int, number: int, tensors: list[torch.Tensor], tally: tuple[int, int, int]) -> None:
-        """Scans one module call's tensors into the pass buffers of their devices, now. The call's tally
-        goes with its first device's results, so that a call is counted once."""
-        code = number * len(self.names) + slot
-        if len(tensors) == 1:
-            self._totals(tensors[0].device).add(tensors, [code], [slot, *tally])
+    def _scan_calls(self, calls: list[_ModuleCall]) -> None:
+        """Scans the calls' outputs into the pass buffers of their devices: one op call a device. Each
+        call's tally goes with its first device's results, so that a call is counted once."""
+        m = len(self.names)
+        if len(calls) == 1 and len(calls[0].tensors) == 1:  # a call scanned at its return, the usual one
+            call = calls[0]
+            self._totals(call.tensors[0].device).add(
+                call.tensors, [call.number * m + call.slot], [call.slot, *call.tally]
+            )
             return
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_device.setdefault(t.device, []).append(t)
-        row = [slot, *tally]
-        for device, on_device in by_device.items():
-            self._totals(device).add(on_device, [code] * len(on_device), row)
-            row = []
+        # Per device: its tensors, their codes, their calls' tally rows.
+        batches: dict[torch.device, tuple[list[torch.Tensor], list[int], list[int]]] = {}
+        # The batch of the device met last (usually the only one): a dict lookup an output saved.
+        last_device: torch.device | None = None
+        batch: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
+        for call in calls:
+            code = call.number * m + call.slot
+            row: tuple[int, ...] = (call.slot, *call.tally)
+            for t in call.tensors:
+                device = t.device
+                if device != last_device:
+                    if device not in batches:
+                        batches[device] = ([], [], [])
+                    batch = batches[device]
+                    last_device = device
+                batch[0].append(t)
+                batch[1].append(code)
+                if row:
+                    batch[2].extend(row)
+                    row = ()
+        for device, (tensors, codes, rows) in batches.items():
+            self._totals(device).add(tensors, codes, rows)
 
-    def _hold(self, call: _HeldCall, nbytes: int) -> None:
+    def _hold(self, call: _ModuleCall, nbytes: int) -> None:
         """Keeps a call's outputs (``nbytes`` of them) for the batched scan, or, for a module's first
         call, for the check of their versions; scans what is kept once it reaches batch_bytes."""
         self._held.append(call)
@@ -533,12 +551,7 @@ class ActivationWatch:
         if not self._held:
             return
         held, self._held, self._held_bytes = self._held, [], 0
-        m = len(self.names)
-        # Per device: its tensors, their codes, their calls' tally rows.
-        batches: dict[torch.device, tuple[list[torch.Tensor], list[int], list[int]]] = {}
-        # The batch of the device met last (usually the only one): a dict lookup an output saved.
-        last_device: torch.device | None = None
-        batch: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
+        unscanned: list[_ModuleCall] = []
         for call in held:
             changed = _changed_since(call)
             if changed:
@@ -549,25 +562,12 @@ class ActivationWatch:
                 continue
             if changed:
                 self._note_changed(call)
-                continue
-            code = call.number * m + call.slot
-            row: tuple[int, ...] = (call.slot, *call.tally)  # the call's tally, with its first device's results
-            for t in call.tensors:
-                device = t.device
-                if device != last_device:
-                    if device not in batches:
-                        batches[device] = ([], [], [])
-                    batch = batches[device]
-                    last_device = device
-                batch[0].append(t)
-                batch[1].append(code)
-                if row:
-                    batch[2].extend(row)
-                    row = ()
-        for device, (tensors, codes, rows) in batches.items():
-            self._totals(device).add(tensors, codes, rows)
+            else:
+                unscanned.append(call)
+        if unscanned:
+            self._scan_calls(unscanned)
 
-    def _note_changed(self, call: _HeldCall) -> None:
+    def _note_changed(self, call: _ModuleCall) -> None:
         """Counts a kept call whose outputs were changed in place (or freed) before the batched scan
         read them."""
         self._unread[call.slot] += len(call.tensors)
