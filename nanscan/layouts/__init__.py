@@ -371,9 +371,9 @@ def _refuse_unsynced_ddp(items: Sequence[Any], what: str) -> None:
     if torch.compiler.is_compiling():
         return
     if items and not dtensor.is_dtensor(items[0]):
-        model = ddp.unsynced_model_of(items)
-        if model is not None:
-            raise ddp.no_sync_error(what, ddp.unsynced(model) or "inside")
+        found = ddp.unsynced_model_of(items)
+        if found is not None:
+            raise ddp.no_sync_error(what, found[1])
 
 
 def fsdp2_sharded(params: list[Any], names: Sequence[str] | None = None, unreduced_refused: bool = True) -> list[Any]:

@@ -277,15 +277,17 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def unsynced_model_of(items: Sequence[Any]) -> torch.nn.parallel.DistributedDataParallel | None:
-    """The DDP model inside ``no_sync()`` that holds one of ``items`` (its parameters, ``(name,
-    parameter)`` pairs, or its gradients), if any, in a world of several ranks: its gradients are each
-    rank's own, so a check must refuse them. The models are every one this process made
-    (nanscan.layouts.live); only those inside ``no_sync()`` cost more than a flag's read."""
+def unsynced_model_of(items: Sequence[Any]) -> tuple[torch.nn.parallel.DistributedDataParallel, str] | None:
+    """The DDP model whose gradients are not yet synchronised (``unsynced``: inside ``no_sync()``,
+    or after a forward inside it) that holds one of ``items`` (its parameters, ``(name, parameter)``
+    pairs, or its gradients), with ``unsynced``'s reason, if any, in a world of several ranks: its
+    gradients are each rank's own, so a check must refuse them. The models are every one this process
+    made (nanscan.layouts.live); only those not synchronised cost more than a flag's read."""
     if not items or not _several_ranks():
         return None
     for model in live.ddp_models():
-        if unsynced(model) is None:
+        why = unsynced(model)
+        if why is None:
             continue
         ids = _parameter_ids.get(model)
         if ids is None:
@@ -293,7 +295,7 @@ def unsynced_model_of(items: Sequence[Any]) -> torch.nn.parallel.DistributedData
         # Gradients are new tensors from step to step: their ids are taken at each check.
         ids = ids.union(id(p.grad) for p in model.parameters() if p.grad is not None)
         if not ids.isdisjoint(id(p[1] if type(p) is tuple else p) for p in items):
-            return model
+            return model, why
     return None
 
 
